@@ -1,0 +1,39 @@
+# make demo | test | lint | bench. The first target run creates .venv from constraints.txt;
+# later runs reuse it (re-installed only when pyproject.toml or constraints.txt change).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv test test-fast lint bench demo clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,demo]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Everything: unit tests, multi-process DeepSpeed runs, the local Slurm cluster.
+test: $(STAMP)
+	bash tests/cluster/install_slurm.sh
+	$(PY) -m pytest tests
+
+# Unit tests only (seconds): what to run while editing.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/unit -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pipeline launch tests
+	$(VENV)/bin/hadolint docker/Dockerfile
+
+bench: $(STAMP)
+	$(PY) launch/bench.py all
+
+demo: $(STAMP)
+	bash launch/demo.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

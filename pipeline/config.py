@@ -1,0 +1,447 @@
+"""Typed run configuration: one YAML file plus dotted command-line overrides.
+
+    cfg = load_config("configs/pretrain/demo.yaml", ["train.lr=3e-4", "model.depth=6"])
+
+Every section is a dataclass and every field has a docstring (the string literal after
+it, collected into ``FIELD_DOCS`` for `describe()` and the README). Loading is strict: an
+unknown key, a value of the wrong type or a missing file raises `ConfigError` with one
+line naming the file/key and what was expected. The launchers turn that into
+``error: ...`` and exit code 2, never a traceback.
+
+What can be derived is never written twice: DeepSpeed's ``train_batch_size`` is
+``micro_batch_size x grad_accum_steps x world_size`` (see `deepspeed_config`), and the data
+resolution is the model's ``img_size``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import inspect
+import json
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override; the message is one line for the user."""
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    variant: str = "vit_b16"
+    """Preset from `pipeline.model.vit.VARIANTS` (vit_ti16, vit_s16, vit_b16, vit_b32, vit_l16, vit_l32, vit_h14)."""
+    img_size: int | tuple[int, int] = 224
+    """Training resolution: one int for square images or [height, width]; the data pipeline uses it too."""
+    num_classes: int | None = None
+    """Classifier outputs; None takes the class count from the data set's dataset.json."""
+    patch_size: int | None = None
+    """Override the variant's patch size (None keeps the preset)."""
+    embed_dim: int | None = None
+    """Override the variant's hidden size D."""
+    depth: int | None = None
+    """Override the variant's number of blocks L."""
+    num_heads: int | None = None
+    """Override the variant's number of attention heads."""
+    mlp_ratio: float | None = None
+    """Override the MLP hidden size as a multiple of D (paper: 4)."""
+    qkv_bias: bool = True
+    """Bias in the query/key/value projection (timm and the paper's released models: True)."""
+    drop_rate: float = 0.0
+    """Dropout after position embeddings, attention projection and each MLP layer (paper: 0.1 for B and L pretraining)."""
+    attn_drop_rate: float = 0.0
+    """Dropout on attention probabilities."""
+    drop_path_rate: float = 0.0
+    """Stochastic depth rate, linearly increasing over blocks (DeiT recipe; paper: 0)."""
+    representation_size: int | None = None
+    """Width of the paper's tanh pre-logits layer for pretraining; None for a plain linear head."""
+    grad_checkpointing: bool = False
+    """Recompute each block in backward to save activation memory (about 30% more compute)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/digits"
+    """Folder holding dataset.json and the shards (written by launch/make_shards.py)."""
+    train_split: str = "train"
+    """Split name in dataset.json to train on."""
+    val_split: str = "val"
+    """Split name in dataset.json to evaluate on."""
+    num_workers: int = 2
+    """DataLoader worker processes per rank."""
+    shuffle_buffer: int = 1000
+    """Samples held in the in-memory shuffle buffer of each worker."""
+    scale: tuple[float, float] = (0.08, 1.0)
+    """RandomResizedCrop area range."""
+    ratio: tuple[float, float] = (0.75, 1.3333333333333333)
+    """RandomResizedCrop aspect-ratio range."""
+    hflip: float = 0.5
+    """Probability of a horizontal flip (set 0 for digits and text)."""
+    auto_augment: str | None = None
+    """timm auto-augment policy string, e.g. 'rand-m9-mstd0.5-inc1'; None for none."""
+    interpolation: str = "bicubic"
+    """Resize interpolation for train and eval transforms."""
+    crop_pct: float = 0.875
+    """Eval: resize to img_size / crop_pct, then center crop img_size."""
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    """Normalisation mean per channel (the paper's ViTs use 0.5)."""
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    """Normalisation standard deviation per channel."""
+    mixup: float = 0.0
+    """Mixup alpha (0 disables)."""
+    cutmix: float = 0.0
+    """CutMix alpha (0 disables)."""
+    label_smoothing: float = 0.0
+    """Label smoothing for the cross-entropy loss (also used by Mixup/CutMix targets)."""
+    max_bad_fraction: float = 0.01
+    """Stop the run when more than this fraction of samples read so far were corrupt (after 100 samples)."""
+    label_key: str = "cls"
+    """Where a sample's integer label is: a member extension ('cls', 'txt') or 'json:FIELD' for a field of the .json member (img2dataset-style shards; plain 'json' reads the field 'label')."""
+    color_jitter: float | None = None
+    """Train: colour-jitter strength for brightness, contrast and saturation (None: off; timm disables it when auto_augment is set)."""
+    mixup_prob: float = 1.0
+    """Probability of applying Mixup or CutMix to a batch (when mixup or cutmix > 0)."""
+    mixup_switch_prob: float = 0.5
+    """Probability of CutMix instead of Mixup when both are enabled."""
+    prefetch_factor: int = 2
+    """Batches each DataLoader worker prepares ahead."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    """Optimizer steps to train for (training is measured in steps, not epochs)."""
+    micro_batch_size: int = 64
+    """Images per rank per forward/backward."""
+    grad_accum_steps: int = 1
+    """Micro batches accumulated per optimizer step; global batch = micro x accum x world size."""
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    """Optimizer; 'adam' is Adam with decoupled weight decay as in the ViT paper's pretraining."""
+    lr: float = 1e-3
+    """Peak learning rate (after warmup)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.05
+    """Decoupled weight decay; never applied to norms, biases, position embeddings or the class token."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to lr over this many steps."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup, down to min_lr at `steps`."""
+    layer_decay: float | None = None
+    """Layer-wise LR decay (BEiT/DeiT fine-tuning): block i gets lr x decay ** (depth + 1 - layer_id); None disables."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    seed: int = 0
+    """Seed for model init, data order and augmentation."""
+    log_every: int = 10
+    """Log training figures every N steps."""
+    eval_every: int = 0
+    """Evaluate every N steps (0: only at the end)."""
+    ckpt_every: int = 0
+    """Save a checkpoint every N steps (0: only at the end and on preemption)."""
+    keep_last: int = 2
+    """Keep the newest K checkpoints."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of M (0: none)."""
+    max_nonfinite_steps: int = 5
+    """Stop after this many consecutive steps with a non-finite loss (each one is skipped)."""
+    peak_flops: float | None = None
+    """Peak bf16 FLOP/s of one device for MFU; None looks the GPU up in a table (no MFU on CPU)."""
+    compile: bool = False
+    """torch.compile the model (GPU performance; off by default on CPU)."""
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 1
+    """ZeRO stage 0-3 (3 partitions parameters and builds the model inside deepspeed.zero.Init)."""
+    bf16: bool = True
+    """Train in bfloat16 with fp32 master weights."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload: keep optimizer states on CPU (stage >= 1)."""
+    offload_params: bool = False
+    """ZeRO-Infinity: keep parameters on CPU (stage 3 only)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Raw DeepSpeed config keys merged last (for options this file does not model)."""
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    """Log to MLflow (rank 0 only)."""
+    experiment: str = "vit-pipeline"
+    """MLflow experiment name."""
+    run_name: str | None = None
+    """MLflow run name; None uses the run directory's name."""
+    log_model: bool = True
+    """Upload model.safetensors as an artifact at the end (turn off for huge models: the path is tagged instead)."""
+    system_metrics: bool = True
+    """Log CPU/memory/GPU usage through MLflow's system metrics."""
+    timeout_s: float = 5.0
+    """Upper bound on one call to the tracking server, and on the waits at start and at finish; what did not get through is sent later (metrics.jsonl is the record)."""
+    retry_s: float = 30.0
+    """After a failed call, wait this long before trying the tracking server again; meanwhile metrics pile up in metrics.jsonl and are sent on reconnect."""
+    upload_timeout_s: float = 300.0
+    """How long finish() waits for artifact uploads (model.safetensors) still in flight; what is left is sent by launch/sync_mlflow.py RUN_DIR."""
+    system_metrics_interval_s: float = 10.0
+    """Seconds between samples of MLflow's system metrics (system/cpu_utilization_percentage, ...)."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    """Run directory: config.yaml, checkpoints/, metrics.jsonl, model.safetensors. An existing checkpoint here resumes."""
+    kind: Literal["pretrain", "finetune"] = "pretrain"
+    """What this run is; set by the launcher."""
+
+
+@dataclass
+class FinetuneConfig:
+    source: str | None = None
+    """Weights to start from (--from): a run directory, a .safetensors file, or a timm-format .pth/.bin."""
+    source_img_size: int | tuple[int, int] | None = None
+    """Resolution the source was trained at (read from the source's config.yaml when it has one)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The Vision Transformer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Shards, augmentation and bad-data policy."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation, schedule, logging and checkpoint cadence."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    """Distribution and precision."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """MLflow."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """The run directory."""
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    """Fine-tuning source (ignored by pretraining)."""
+
+
+# ----------------------------------------------------------------------------- field docs
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written as string literals right after each field (the torchtitan style)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) for every field: the README's config reference."""
+    rows = []
+    docs = _field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += describe(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append((prefix + f.name, repr(default), docs.get(f.name, "")))
+    return rows
+
+
+# ----------------------------------------------------------------------------- strict parsing
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return "[" + ", ".join(_type_name(a) for a in typing.get_args(tp)) + "]"
+    if origin is dict:
+        return "mapping"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
+    """Check `value` against the annotation `tp`; return it converted (list -> tuple, int -> float)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    bad = ConfigError(f"{where}: key '{key}' expects {_type_name(tp)}, got {value!r}")
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        for arg in args:
+            try:
+                return _coerce(value, arg, key, where)
+            except ConfigError:
+                pass
+        raise bad
+    if origin is Literal:
+        if value in args:
+            return value
+        raise bad
+    if tp is type(None):
+        if value is None:
+            return None
+        raise bad
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise bad
+        return tuple(_coerce(v, a, key, where) for v, a in zip(value, args))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    raise TypeError(f"unsupported annotation {tp} for {key}")
+
+
+def _from_dict(cls: type, data: dict[str, Any], where: str, prefix: str = "") -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: section '{prefix.rstrip('.') or '<top>'}' must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{where}: unknown key '{prefix}{key}'; valid keys here: {', '.join(names)}")
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _from_dict(tp, data[name] or {}, where, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(data[name], tp, prefix + name, where)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{dotted}': '{part}' is not a section")
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'train.lr=3e-4' -> ('train.lr', 0.0003). Values are YAML scalars or flow lists ([224, 320])."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}': expected key=value, e.g. train.lr=3e-4")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{text}': value is not valid YAML ({e.problem})") from None
+    # YAML 1.1 reads '3e-4' as a string; accept numbers written that way.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            pass
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (or start from defaults), apply `key=value` overrides, validate strictly."""
+    tree: dict[str, Any] = {}
+    where = "config"
+    if path is not None:
+        path = Path(path)
+        where = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' does not exist")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    return _from_dict(Config, tree, where)
+
+
+def config_from_dict(data: dict[str, Any], where: str = "config") -> Config:
+    return _from_dict(Config, data, where)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists) for YAML, JSON and MLflow."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+    return {k: plain(v) for k, v in dataclasses.asdict(cfg).items()}
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'train': {'lr': 1}} -> {'train.lr': 1}: MLflow params."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def model_hash(cfg: Config) -> str:
+    """Fingerprint of what fixes the parameter shapes; a checkpoint from another is refused."""
+    return hashlib.sha256(json.dumps(to_dict(cfg.model), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def image_size(img_size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    """224 -> (224, 224); [384, 512] -> (384, 512)."""
+    if isinstance(img_size, int):
+        return (img_size, img_size)
+    h, w = img_size
+    return (int(h), int(w))
+
+
+def load_or_exit(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """`load_config` for launchers: a user error prints one line and exits with code 2."""
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
