@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import re
 import sys
 import types
 import typing
@@ -80,7 +81,7 @@ class DataConfig:
     num_workers: int = 2
     """DataLoader worker processes per rank."""
     shuffle_buffer: int = 1000
-    """Samples held in the in-memory shuffle buffer of each worker."""
+    """Samples each worker reads ahead (undecoded) and emits in a seeded random order; a resume re-reads at most this many."""
     scale: tuple[float, float] = (0.08, 1.0)
     """RandomResizedCrop area range."""
     ratio: tuple[float, float] = (0.75, 1.3333333333333333)
@@ -104,7 +105,7 @@ class DataConfig:
     label_smoothing: float = 0.0
     """Label smoothing for the cross-entropy loss (also used by Mixup/CutMix targets)."""
     max_bad_fraction: float = 0.01
-    """Stop the run when more than this fraction of samples read so far were corrupt (after 100 samples)."""
+    """Stop the run when more than this fraction of samples read so far (by a rank, or one of its workers) were bad (after 100 samples)."""
     label_key: str = "cls"
     """Where a sample's integer label is: a member extension ('cls', 'txt') or 'json:FIELD' for a field of the .json member (img2dataset-style shards; plain 'json' reads the field 'label')."""
     color_jitter: float | None = None
@@ -163,6 +164,10 @@ class TrainConfig:
     """Peak bf16 FLOP/s of one device for MFU; None looks the GPU up in a table (no MFU on CPU)."""
     compile: bool = False
     """torch.compile the model (GPU performance; off by default on CPU)."""
+    check_finite: bool = True
+    """Check each micro batch's loss on all ranks before backward (skips non-finite steps; one host sync per micro batch)."""
+    eval_batch_size: int | None = None
+    """Images per rank per eval forward; None uses micro_batch_size."""
 
 
 @dataclass
@@ -280,6 +285,9 @@ def _type_name(tp: Any) -> str:
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     """Check `value` against the annotation `tp`; return it converted (list -> tuple, int -> float)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -320,6 +328,8 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            return float(value)  # PyYAML reads '3e-4' (no dot) as a string; it is a number to a user
         raise bad
     if tp is str:
         if isinstance(value, str):
@@ -428,6 +438,34 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def model_hash(cfg: Config) -> str:
     """Fingerprint of what fixes the parameter shapes; a checkpoint from another is refused."""
     return hashlib.sha256(json.dumps(to_dict(cfg.model), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed JSON config, derived: train_batch_size = micro x accumulation x world size."""
+    ds, train = cfg.deepspeed, cfg.train
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if ds.offload_params:
+        zero["offload_param"] = {"device": "cpu"}
+    out = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.grad_accum_steps,
+        "train_batch_size": train.micro_batch_size * train.grad_accum_steps * world_size,
+        "gradient_clipping": train.grad_clip,
+        "bf16": {"enabled": ds.bf16},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,  # we log ourselves
+        "wall_clock_breakdown": False,
+    }
+    return _merge(out, ds.extra)
 
 
 def image_size(img_size: int | tuple[int, int] | list[int]) -> tuple[int, int]:

@@ -63,3 +63,9 @@ def test_launcher_prints_one_line_not_a_traceback(tmp_path):
     assert proc.stderr.strip().splitlines() == [f"error: {path}: unknown key 'train.lrr'; valid keys here: "
                                                  + ", ".join(f.split(".")[1] for f, _, _ in describe(Config)
                                                              if f.startswith("train."))]
+
+
+def test_yaml_exponent_without_dot_is_a_number(tmp_path):
+    # PyYAML (YAML 1.1) reads 3e-4 as a string; users mean a number.
+    cfg = load_config(write(tmp_path, "train:\n  lr: 3e-4\n  min_lr: 1e-6\n"))
+    assert cfg.train.lr == pytest.approx(3e-4) and cfg.train.min_lr == pytest.approx(1e-6)

@@ -1,0 +1,22 @@
+#!/usr/bin/env python
+"""Pretrain a ViT.
+
+    deepspeed launch/pretrain.py --config configs/pretrain/demo.yaml [train.lr=3e-4 ...]   # one node
+    srun python launch/pretrain.py --config configs/pretrain/vit_b16_i21k.yaml run.dir=...  # Slurm
+    python launch/pretrain.py --config configs/pretrain/demo.yaml                         # one process
+
+Starting again with the same run.dir resumes from its latest checkpoint. Exit codes: 0 done,
+75 checkpointed on SIGUSR1/SIGTERM (requeue), 3 stopped on non-finite losses, 1 data/checkpoint error,
+2 config error.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.launch import parse_args, run  # noqa: E402
+
+if __name__ == "__main__":
+    args = parse_args("pretrain", sys.argv[1:])
+    sys.exit(run("pretrain", args))

@@ -1,0 +1,139 @@
+"""DeepSpeed checkpoints with trainer state, an atomic `latest` pointer, retention and weight export.
+
+    RUN_DIR/checkpoints/step_0000400/   DeepSpeed's files (every rank writes its shards)
+    RUN_DIR/checkpoints/latest          one line, "step_0000400"; replaced (rename) only after every
+                                        rank has finished writing that tag
+    RUN_DIR/model.safetensors           consolidated fp32 weights (timm key names), + RUN_DIR/config.yaml
+
+A process killed while saving leaves `latest` on the previous complete checkpoint; the half-written
+tag is ignored on resume and removed by retention later.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pipeline.model.weights import save_weights
+
+STATE_VERSION = 1  # of the client state stored with each checkpoint
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def latest_tag(run_dir: Path) -> str | None:
+    """The newest complete checkpoint's tag, or None for a fresh run."""
+    pointer = checkpoint_dir(run_dir) / "latest"
+    if not pointer.is_file():
+        return None
+    tag = pointer.read_text().strip()
+    if not (checkpoint_dir(run_dir) / tag).is_dir():
+        raise FileNotFoundError(f"{pointer} names '{tag}', which does not exist in {checkpoint_dir(run_dir)}")
+    return tag
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)  # rename is atomic on POSIX: readers see the old or the new pointer, never half
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename itself durable
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def gather_to_all(obj: Any) -> list[Any]:
+    """Every rank's object, on every rank (per-rank data-loader and RNG states go into one checkpoint)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def save_checkpoint(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep_last: int,
+                    keep_every: int) -> str:
+    """Collective: every rank writes its shards, then rank 0 moves `latest` and prunes old tags."""
+    tag = tag_for(step)
+    root = checkpoint_dir(run_dir)
+    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    if dist.is_initialized():
+        dist.barrier()  # every rank's files are on disk before the pointer moves
+    if engine.global_rank == 0:
+        _write_atomic(root / "latest", tag + "\n")
+        prune(root, keep_last, keep_every, current=tag)
+    if dist.is_initialized():
+        dist.barrier()
+    return tag
+
+
+def prune(root: Path, keep_last: int, keep_every: int, current: str) -> None:
+    """Keep the newest `keep_last` tags, every tag whose step is a multiple of `keep_every`, and `current`."""
+    tags = sorted(p.name for p in root.glob("step_*") if p.is_dir())
+    complete = [t for t in tags if t <= current]
+    keep = set(complete[-max(keep_last, 1):]) | {current}
+    if keep_every:
+        keep |= {t for t in complete if int(t.split("_")[1]) % keep_every == 0}
+    for t in tags:
+        if t not in keep:
+            shutil.rmtree(root / t, ignore_errors=True)
+
+
+def load_checkpoint(engine, run_dir: Path, tag: str) -> dict[str, Any]:
+    """Restore model, optimizer and schedule into `engine`; return the client state."""
+    path, client = engine.load_checkpoint(str(checkpoint_dir(run_dir)), tag=tag, load_module_strict=True,
+                                          load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise FileNotFoundError(f"DeepSpeed could not load checkpoint '{tag}' from {checkpoint_dir(run_dir)}")
+    return client
+
+
+def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
+    """Consolidated fp32 weights, whatever the ZeRO stage. Collective (ZeRO-3 gathers each parameter)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    state = {}
+    for name, param in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(param)  # the fp32 master copy, assembled from the partitions
+        state[name] = (full if full is not None else param.detach()).float().cpu()
+    return state
+
+
+def export_weights(engine, path: Path, metadata: dict[str, str] | None = None) -> None:
+    state = full_fp32_state_dict(engine)
+    if engine.global_rank == 0:
+        save_weights(state, path, metadata=metadata)
+    if dist.is_initialized():
+        dist.barrier()

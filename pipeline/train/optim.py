@@ -1,0 +1,72 @@
+"""Parameter groups, optimizer and learning-rate schedule, all measured in optimizer steps."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.config import TrainConfig
+
+
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """Norm weights, biases (1-D), the position embedding and the class token are not decayed."""
+    return param.ndim <= 1 or name.endswith(("pos_embed", "cls_token")) or name.endswith(".bias")
+
+
+def layer_id(name: str, depth: int) -> int:
+    """0 for the embeddings, i + 1 for block i, depth + 1 for the final norm and head (BEiT numbering)."""
+    if name.startswith(("cls_token", "pos_embed", "patch_embed")):
+        return 0
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    return depth + 1
+
+
+def param_groups(model: nn.Module, cfg: TrainConfig, depth: int) -> list[dict[str, Any]]:
+    """Groups keyed by (decay?, layer): weight decay where it belongs, and with `layer_decay` a learning
+    rate scale of decay ** (depth + 1 - layer) so that early layers move less (BEiT/DeiT fine-tuning)."""
+    groups: dict[tuple[bool, int], dict[str, Any]] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        decay = not no_weight_decay(name, param)
+        layer = layer_id(name, depth) if cfg.layer_decay is not None else 0
+        key = (decay, layer)
+        if key not in groups:
+            scale = cfg.layer_decay ** (depth + 1 - layer) if cfg.layer_decay is not None else 1.0
+            groups[key] = {"params": [], "weight_decay": cfg.weight_decay if decay else 0.0, "lr_scale": scale,
+                           "lr": cfg.lr * scale, "name": f"{'decay' if decay else 'no_decay'}_layer{layer}"}
+        groups[key]["params"].append(param)
+    return [groups[k] for k in sorted(groups)]
+
+
+def build_optimizer(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW/Adam (decoupled weight decay: the paper's 'Adam with weight decay 0.1') or SGD with momentum.
+    On a GPU the fused kernels are used: one launch for all parameters instead of one per tensor."""
+    fused = torch.cuda.is_available()
+    opt_groups = [{k: v for k, v in g.items() if k != "name"} for g in groups]
+    if cfg.optimizer in ("adamw", "adam"):
+        return torch.optim.AdamW(opt_groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
+    return torch.optim.SGD(opt_groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                           fused=fused or None)
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of the peak lr at `step`: linear warmup from 0, then cosine/linear decay to min_lr."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    floor = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1.0 - progress
+    return floor + (1.0 - floor) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR (its state is saved with DeepSpeed checkpoints). Each group keeps its layer-decay scale
+    because LambdaLR multiplies each group's initial lr, which already carries the scale."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))

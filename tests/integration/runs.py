@@ -1,0 +1,117 @@
+"""Helpers for the multi-process tests: shards, launching the real entry points, reading results."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
+
+# A tiny ViT that still has every part (patches, class token, blocks, head) and trains in seconds.
+TINY = [
+    "model.variant=vit_ti16", "model.img_size=16", "model.patch_size=4", "model.embed_dim=32",
+    "model.depth=2", "model.num_heads=2", "model.grad_checkpointing=true",
+    "data.num_workers=1", "data.scale=[0.5, 1.0]", "data.hflip=0.0", "data.shuffle_buffer=64",
+    "train.micro_batch_size=8", "train.lr=3e-3", "train.warmup_steps=3", "train.weight_decay=0.01",
+    "train.log_every=2", "deepspeed.bf16=true", "tracking.enabled=false",
+]
+
+
+def make_synthetic_shards(out: Path, size: int = 16, samples: int = 320, classes: int = 4, per_shard: int = 40) -> Path:
+    subprocess.run([PYTHON, str(ROOT / "launch/make_shards.py"), "--source", "synthetic", "--out", str(out),
+                    "--size", str(size), "--num-samples", str(samples), "--num-classes", str(classes),
+                    "--max-samples-per-shard", str(per_shard), "--no-progress"], check=True, cwd=ROOT)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(entry: str, config: str, overrides: list[str], ranks: int, extra: list[str] = ()) -> list[str]:
+    script = str(ROOT / "launch" / entry)
+    if ranks == 1:
+        return [PYTHON, script, "--config", config, *extra, *overrides]
+    return [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), script,
+            "--config", config, *extra, *overrides]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(PYTHONUNBUFFERED="1", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(var, None)
+    return e
+
+
+def run(entry: str, config: str, overrides: list[str], ranks: int = 2, extra: list[str] = (),
+        timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(command(entry, config, overrides, ranks, list(extra)), cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_and_signal(entry: str, config: str, overrides: list[str], when: str, sig: int = signal.SIGUSR1,
+                   rank: int = 1, ranks: int = 2, timeout: float = 300) -> tuple[int, str]:
+    """Start a run, send `sig` to one rank once a line containing `when` is printed; return (code, output)."""
+    proc = subprocess.Popen(command(entry, config, overrides, ranks), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines, sent, deadline = [], False, time.monotonic() + timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if not sent and when in line:
+            rank_proc(proc.pid, rank, ranks).send_signal(sig)
+            sent = True
+        if time.monotonic() > deadline:
+            proc.kill()
+            break
+    code = proc.wait(timeout=60)
+    assert sent, f"never saw {when!r}:\n" + "".join(lines[-40:])
+    return code, "".join(lines)
+
+
+def rank_proc(launcher_pid: int, rank: int, ranks: int) -> psutil.Process:
+    """The training process of `rank` under the launcher (the DeepSpeed launcher passes --local_rank=N)."""
+    if ranks == 1:
+        return psutil.Process(launcher_pid)
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        with _suppress():
+            if f"--local_rank={rank}" in child.cmdline():
+                return child
+    raise AssertionError(f"no process for rank {rank} under {launcher_pid}")
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is not None and issubclass(exc[0], psutil.Error)
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs: max |diff| {(a[k] - b[k]).abs().max().item()}"

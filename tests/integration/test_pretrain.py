@@ -1,0 +1,112 @@
+"""Multi-process pretraining on CPU (gloo): loss goes down, checkpoints, exact resume, preemption, failures."""
+
+import signal
+
+import pytest
+
+from tests.integration.runs import (
+    TINY,
+    assert_same_weights,
+    make_synthetic_shards,
+    metrics,
+    run,
+    run_and_signal,
+    weights,
+)
+
+pytestmark = pytest.mark.dist
+CONFIG = "configs/pretrain/demo.yaml"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return make_synthetic_shards(tmp_path_factory.mktemp("data") / "synthetic")
+
+
+def base(shards, run_dir, zero, steps=24):
+    return [*TINY, f"data.path={shards}", f"run.dir={run_dir}", f"deepspeed.zero_stage={zero}",
+            f"train.steps={steps}", "train.ckpt_every=8", "train.eval_every=12", "train.keep_last=2"]
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_sigusr1_on_one_rank_checkpoints_exits_75_and_resume_is_bit_exact(shards, tmp_path, zero):
+    # Uninterrupted reference run.
+    ref_dir = tmp_path / "ref"
+    ref = run("pretrain.py", CONFIG, base(shards, ref_dir, zero))
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    assert "world size 2" in ref.stdout
+    losses = [m["metrics"]["loss"] for m in metrics(ref_dir) if "loss" in m["metrics"]]
+    assert losses[-1] < 0.8 * losses[0], losses  # it learns
+    assert (ref_dir / "checkpoints" / "latest").read_text().strip() == "step_0000024"
+    kept = sorted(p.name for p in (ref_dir / "checkpoints").glob("step_*"))
+    assert kept == ["step_0000016", "step_0000024"]  # keep_last=2
+
+    # Same run, SIGUSR1 to rank 1 only, mid-way: all ranks stop at one step boundary, checkpoint, exit 75.
+    run_dir = tmp_path / "preempted"
+    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, zero), when="step 4/24")
+    assert code == 75, out[-3000:]
+    assert "preempted: checkpoint at step" in out
+    stopped_at = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert 4 <= stopped_at < 24
+    assert not (run_dir / "model.safetensors").exists()
+
+    # The restart resumes from `latest` and ends with exactly the uninterrupted weights.
+    resumed = run("pretrain.py", CONFIG, base(shards, run_dir, zero))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from" in resumed.stdout and f"at step {stopped_at}" in resumed.stdout
+    assert_same_weights(weights(ref_dir), weights(run_dir))
+
+
+KILL_DURING_SAVE = """
+import os, runpy, signal, sys, torch
+real_save = torch.save
+def dying_save(obj, f, *a, **k):
+    if "step_0000008" in str(f):  # the second checkpoint: write half a file, then die like an OOM kill
+        with open(f, "wb") as fh:
+            fh.write(b"half a checkpoint")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(obj, f, *a, **k)
+torch.save = dying_save
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_killed_while_saving_keeps_latest_on_the_previous_checkpoint(shards, tmp_path):
+    import subprocess
+
+    from tests.integration.runs import PYTHON, ROOT, env
+
+    run_dir = tmp_path / "run"
+    overrides = [*base(shards, run_dir, 1, steps=12), "train.ckpt_every=4"]
+    proc = subprocess.run([PYTHON, "-c", KILL_DURING_SAVE, str(ROOT / "launch/pretrain.py"), "--config", CONFIG,
+                           *overrides], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (run_dir / "checkpoints" / "step_0000008").exists()  # the half-written one is there...
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000004"  # ...but not used
+
+    resumed = run("pretrain.py", CONFIG, overrides, ranks=1)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "at step 4" in resumed.stdout
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000012"
+
+
+def test_non_finite_losses_stop_the_run_without_saving(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    first = run("pretrain.py", CONFIG, [*base(shards, run_dir, 1, steps=4), "train.ckpt_every=0"], ranks=1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # Resume with inputs that become infinite (std 1e-38): every loss is NaN from here on.
+    poisoned = [*base(shards, run_dir, 1, steps=8), "data.std=[1e-38, 1e-38, 1e-38]", "train.max_nonfinite_steps=3"]
+    second = run("pretrain.py", CONFIG, poisoned, ranks=1)
+    assert second.returncode == 3, second.stdout[-2000:] + second.stderr[-2000:]
+    assert "3 non-finite losses in a row at step 4" in second.stderr
+    assert "Last good checkpoint: step_0000004" in second.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_0000004"]
+
+
+def test_checkpoint_of_another_model_is_refused(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run("pretrain.py", CONFIG, base(shards, run_dir, 1, steps=2), ranks=1).returncode == 0
+    other = run("pretrain.py", CONFIG, [*base(shards, run_dir, 1, steps=4), "model.embed_dim=48"], ranks=1)
+    assert other.returncode == 1
+    assert "different model" in other.stderr and "embed_dim: 32 (checkpoint) vs 48 (config)" in other.stderr
