@@ -462,6 +462,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         "gradient_clipping": train.grad_clip,
         "bf16": {"enabled": ds.bf16},
         "zero_optimization": zero,
+        # ZeRO wraps any torch optimizer correctly; DeepSpeed only whitelists Adam(W)/Lamb by name.
+        "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,  # we log ourselves
         "wall_clock_breakdown": False,
     }

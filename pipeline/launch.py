@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from pipeline.config import load_or_exit
+from pipeline.config import ConfigError, load_or_exit
 
 
 
@@ -48,13 +48,13 @@ def run(kind: str, args: argparse.Namespace) -> int:
             res = parse_res(args.res)
             overrides.append(f"model.img_size={res}")
     cfg = load_or_exit(args.config, overrides)
-    if kind == "finetune":
-        from pipeline.train.finetune import prepare_finetune
-
-        cfg, prepare = prepare_finetune(cfg)
     try:
+        if kind == "finetune":
+            from pipeline.train.finetune import prepare_finetune
+
+            cfg, prepare = prepare_finetune(cfg)
         return fit(cfg, prepare)
-    except (DataError, BadDataError, WeightsError, TrainError, FileNotFoundError) as e:
+    except (ConfigError, DataError, BadDataError, WeightsError, TrainError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:

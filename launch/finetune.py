@@ -1,0 +1,21 @@
+#!/usr/bin/env python
+"""Fine-tune a pretrained ViT at a new resolution with a fresh head.
+
+    deepspeed launch/finetune.py --config configs/finetune/vit_b16_384.yaml --from runs/b16-i21k --res 384
+    deepspeed launch/finetune.py --config configs/finetune/demo.yaml --from runs/demo-pretrain --res 64
+    python launch/finetune.py --config configs/finetune/vit_b16_384.yaml --from vit_b16.safetensors --res 384x512
+
+--from: a pretraining run directory, a .safetensors file, or a timm-format .pth/.bin state dict.
+Exit codes as launch/pretrain.py (0 done, 75 preempted, 3 non-finite, 1 data/weights error, 2 config error).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.launch import parse_args, run  # noqa: E402
+
+if __name__ == "__main__":
+    args = parse_args("finetune", sys.argv[1:])
+    sys.exit(run("finetune", args))

@@ -1,0 +1,34 @@
+"""Fine-tuning end to end through the launcher: 2 ranks, ZeRO-3, from a run stopped before export."""
+
+import json
+
+import pytest
+
+from tests.integration.runs import TINY, make_synthetic_shards, metrics, run
+
+pytestmark = pytest.mark.dist
+
+
+def test_finetune_from_an_unexported_run_at_twice_the_resolution_with_zero3(tmp_path):
+    shards = make_synthetic_shards(tmp_path / "data")
+    pre_dir, ft_dir = tmp_path / "pre", tmp_path / "ft"
+    pre = run("pretrain.py", "configs/pretrain/demo.yaml",
+              [*TINY, f"data.path={shards}", f"run.dir={pre_dir}", "train.steps=4", "train.ckpt_every=2"], ranks=1)
+    assert pre.returncode == 0, pre.stderr[-3000:]
+    (pre_dir / "model.safetensors").unlink()  # as if preempted before the export: use the checkpoint
+
+    ft = run("finetune.py", "configs/finetune/demo.yaml",
+             [*TINY, f"data.path={shards}", f"run.dir={ft_dir}", "train.steps=6", "train.warmup_steps=1",
+              "train.eval_every=3", "deepspeed.zero_stage=3"], extra=["--from", str(pre_dir), "--res", "32"])
+    assert ft.returncode == 0, ft.stdout[-3000:] + ft.stderr[-3000:]
+    assert "position embeddings 16 -> 8x8 grid tokens" in ft.stdout
+    assert "finetune: vit_ti16 (32, 32) | world size 2" in ft.stdout
+    assert (ft_dir / "model.safetensors").is_file()
+    record = json.loads((ft_dir / "tracking.json").read_text())
+    assert record["tags"]["kind"] == "finetune" and record["tags"]["source_path"] == str(pre_dir.resolve())
+    assert any("eval/top1" in m["metrics"] for m in metrics(ft_dir))
+
+
+def test_bad_res_is_a_clear_error(tmp_path):
+    out = run("finetune.py", "configs/finetune/demo.yaml", [], ranks=1, extra=["--from", str(tmp_path), "--res", "big"])
+    assert out.returncode == 2 and "--res 'big': expected a size like 384 or 384x512" in out.stderr

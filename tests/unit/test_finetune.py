@@ -1,0 +1,105 @@
+"""Loading a source into the fine-tune model: pos-embed resize, exact trunk, timm files, errors."""
+
+import pickle
+
+import pytest
+import timm
+import torch
+
+from pipeline.config import load_config, save_config
+from pipeline.model.pos_embed import resize_pos_embed
+from pipeline.model.vit import VisionTransformer, build_vit, model_kwargs_from_config
+from pipeline.model.weights import WeightsError, save_weights
+from pipeline.train.finetune import prepare_finetune
+
+ARCH = ["model.variant=vit_ti16", "model.patch_size=4", "model.embed_dim=32", "model.depth=2", "model.num_heads=2"]
+
+
+def pretrain_run(tmp_path, img_size=16, num_classes=4, representation_size=None):
+    """A run directory as the trainer leaves it: config.yaml + model.safetensors."""
+    run_dir = tmp_path / "pretrain"
+    run_dir.mkdir()
+    overrides = [*ARCH, f"model.img_size={img_size}", f"model.num_classes={num_classes}"]
+    if representation_size:
+        overrides.append(f"model.representation_size={representation_size}")
+    cfg = load_config(None, overrides)
+    save_config(cfg, run_dir / "config.yaml")
+    torch.manual_seed(1)
+    model = VisionTransformer(**model_kwargs_from_config(cfg.model))
+    save_weights(model.state_dict(), run_dir / "model.safetensors")
+    return run_dir, model
+
+
+def finetuned(source, res, num_classes=3, extra=()):
+    # The fine-tune config does not repeat the architecture: it comes from the source.
+    cfg = load_config(None, [f"model.img_size={res}", f"model.num_classes={num_classes}",
+                             f"finetune.source={source}", *extra])
+    cfg, prepare = prepare_finetune(cfg)
+    torch.manual_seed(2)
+    model = VisionTransformer(**model_kwargs_from_config(cfg.model))
+    prepare(model)
+    return model.eval()
+
+
+def test_pos_embed_is_resized_from_the_source_grid(tmp_path):
+    run_dir, source = pretrain_run(tmp_path, img_size=16, representation_size=24)
+    model = finetuned(run_dir, [32, 48])  # 4x4 grid -> 8x12, non-square
+    assert torch.equal(model.pos_embed, resize_pos_embed(source.pos_embed.detach(), (8, 12), 1, (4, 4)))
+    assert torch.equal(model.cls_token, source.cls_token)
+    assert model.head.weight.shape == (3, 32) and model.head.weight.abs().sum() == 0  # fresh zero head
+    assert isinstance(model.pre_logits, torch.nn.Identity)  # the tanh pre-logits layer is dropped
+
+
+def test_same_resolution_gives_the_source_features_exactly(tmp_path):
+    run_dir, source = pretrain_run(tmp_path, img_size=16)
+    model = finetuned(run_dir, 16)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(model.forward_features(x)[:, 0], source.eval().forward_features(x)[:, 0])
+
+
+def test_from_a_timm_state_dict_file(tmp_path):
+    theirs = timm.models.vision_transformer.VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=5).eval()
+    path = tmp_path / "vit_timm.pth"
+    torch.save(theirs.state_dict(), path)
+    cfg_arch = ["model.variant=vit_ti16", "model.patch_size=8", "model.embed_dim=48", "model.depth=2",
+                "model.num_heads=3"]
+    model = finetuned(path, 32, extra=cfg_arch)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_features(x)[:, 0], theirs.forward_features(x)[:, 0], atol=1e-6,
+                                   rtol=0)
+
+
+def test_wrong_shapes_name_the_parameter(tmp_path):
+    source = build_vit("vit_ti16", img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3)
+    state = source.state_dict()
+    state["blocks.1.mlp.fc1.weight"] = torch.zeros(100, 32)
+    save_weights(state, tmp_path / "bad.safetensors")
+    with pytest.raises(WeightsError, match=r"'blocks.1.mlp.fc1.weight' has shape \(100, 32\).*expects \(128, 32\)"):
+        finetuned(tmp_path / "bad.safetensors", 16, extra=ARCH)
+
+
+def test_missing_parameters_are_named(tmp_path):
+    source = build_vit("vit_ti16", img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=3)
+    save_weights(source.state_dict(), tmp_path / "shallow.safetensors")
+    with pytest.raises(WeightsError, match="missing parameters blocks.1.attn.proj.bias"):
+        finetuned(tmp_path / "shallow.safetensors", 16, extra=ARCH)
+
+
+class Payload:
+    marker = ""
+
+    def __reduce__(self):  # unpickling this calls exec(...): a file appears if the code ran
+        return (exec, (f"open({self.marker!r}, 'w').write('x')",))
+
+
+def test_a_pickle_with_code_is_refused_and_not_run(tmp_path):
+    path, marker = tmp_path / "model.pth", tmp_path / "pwned"
+    Payload.marker = str(marker)
+    with open(path, "wb") as f:
+        pickle.dump({"pos_embed": torch.zeros(1), "payload": Payload()}, f, protocol=2)
+    with pytest.raises(WeightsError, match="would run code"):
+        finetuned(path, 16, extra=ARCH)
+    assert not marker.exists()
