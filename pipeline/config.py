@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import operator
 import re
 import sys
 import types
@@ -402,7 +403,36 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
-    return _from_dict(Config, tree, where)
+    cfg = _from_dict(Config, tree, where)
+    validate(cfg, where)
+    return cfg
+
+
+def validate(cfg: Config, where: str = "config") -> None:
+    """Value checks the types cannot express; each names the key and the allowed range."""
+    checks = [
+        ("deepspeed.zero_stage", cfg.deepspeed.zero_stage in (0, 1, 2, 3), "0, 1, 2 or 3"),
+        ("deepspeed.offload_params", not cfg.deepspeed.offload_params or cfg.deepspeed.zero_stage == 3,
+         "false unless deepspeed.zero_stage is 3"),
+        ("deepspeed.offload_optimizer", not cfg.deepspeed.offload_optimizer or cfg.deepspeed.zero_stage >= 1,
+         "false unless deepspeed.zero_stage >= 1"),
+        ("train.steps", cfg.train.steps > 0, "> 0"),
+        ("train.micro_batch_size", cfg.train.micro_batch_size > 0, "> 0"),
+        ("train.grad_accum_steps", cfg.train.grad_accum_steps > 0, "> 0"),
+        ("train.lr", cfg.train.lr >= 0, ">= 0"),
+        ("train.warmup_steps", 0 <= cfg.train.warmup_steps <= cfg.train.steps, "between 0 and train.steps"),
+        ("train.log_every", cfg.train.log_every > 0, "> 0"),
+        ("train.layer_decay", cfg.train.layer_decay is None or 0 < cfg.train.layer_decay <= 1, "in (0, 1] or null"),
+        ("train.max_nonfinite_steps", cfg.train.max_nonfinite_steps > 0, "> 0"),
+        ("data.max_bad_fraction", 0 <= cfg.data.max_bad_fraction <= 1, "between 0 and 1"),
+        ("data.num_workers", cfg.data.num_workers >= 0, ">= 0"),
+        ("model.drop_rate", 0 <= cfg.model.drop_rate < 1, "in [0, 1)"),
+        ("model.drop_path_rate", 0 <= cfg.model.drop_path_rate < 1, "in [0, 1)"),
+    ]
+    for key, ok, expected in checks:
+        if not ok:
+            value = operator.attrgetter(key)(cfg)
+            raise ConfigError(f"{where}: key '{key}' must be {expected}, got {value!r}")
 
 
 def config_from_dict(data: dict[str, Any], where: str = "config") -> Config:

@@ -69,3 +69,13 @@ def test_yaml_exponent_without_dot_is_a_number(tmp_path):
     # PyYAML (YAML 1.1) reads 3e-4 as a string; users mean a number.
     cfg = load_config(write(tmp_path, "train:\n  lr: 3e-4\n  min_lr: 1e-6\n"))
     assert cfg.train.lr == pytest.approx(3e-4) and cfg.train.min_lr == pytest.approx(1e-6)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("deepspeed.zero_stage=4", "key 'deepspeed.zero_stage' must be 0, 1, 2 or 3, got 4"),
+    ("deepspeed.offload_params=true", "'deepspeed.offload_params' must be false unless deepspeed.zero_stage is 3"),
+    ("train.warmup_steps=5000", "'train.warmup_steps' must be between 0 and train.steps, got 5000"),
+])
+def test_values_out_of_range_are_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
