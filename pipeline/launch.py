@@ -9,7 +9,6 @@ import sys
 from pipeline.config import ConfigError, load_or_exit
 
 
-
 def parse_args(kind: str, argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"launch/{kind}.py", description=f"{kind} a Vision Transformer")
     parser.add_argument("--config", required=True, help="YAML run config (configs/...)")

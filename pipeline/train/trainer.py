@@ -121,7 +121,7 @@ def resume(s: Setup, cfg: Config) -> int:
             for k in SHAPE_KEYS if _norm(saved["model"].get(k)) != _norm(s.model_kwargs.get(k))]
     if diff:
         raise TrainError(f"{state_file.parent} was trained with a different model; refusing to resume: "
-                         + "; ".join(diff) + f". Use a new run.dir or the matching config.")
+                         + "; ".join(diff) + ". Use a new run.dir or the matching config.")
     client = ckpt.load_checkpoint(s.engine, run_dir, tag)
     if client["world_size"] == s.env.world_size:
         s.train_loader.load_state_dict(client["data"][s.env.rank])

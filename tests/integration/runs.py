@@ -59,9 +59,9 @@ def env() -> dict[str, str]:
 
 
 def run(entry: str, config: str, overrides: list[str], ranks: int = 2, extra: list[str] = (),
-        timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(command(entry, config, overrides, ranks, list(extra)), cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=timeout)
+        timeout: float = 300, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(command(entry, config, overrides, ranks, list(extra)), cwd=ROOT,
+                          env={**env(), **(extra_env or {})}, capture_output=True, text=True, timeout=timeout)
 
 
 def run_and_signal(entry: str, config: str, overrides: list[str], when: str, sig: int = signal.SIGUSR1,
