@@ -1,0 +1,238 @@
+"""Process-group setup from whatever launched us: the DeepSpeed launcher/torchrun, Slurm's srun, or nothing.
+
+    env = init_distributed()          # in every process, before building the engine
+    if env.is_main: print(f"world size {env.world_size}")
+
+Three launchers, one answer (`DistEnv`):
+
+1. ``deepspeed``/``torchrun`` export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: use them.
+2. ``srun`` (one task per GPU) exports SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_STEP_ID and the
+   node list.
+   Rank 0 runs on the first node of the step, so that node is the master; the port is derived from
+   the job id so that two jobs sharing a node do not collide and every task computes the same one
+   without talking to the others (no ssh, no hostfile).
+3. Neither: a single process, rank 0 of 1, on a free local port (laptop, unit tests, or python run
+   directly in a batch script without srun).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE")
+SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+SLURM_PORT_BASE = 10000
+SLURM_PORT_RANGE = 20000
+
+_initialised_env: DistEnv | None = None  # what init_distributed() joined with, for repeated calls
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    source: str
+    """"torchrun" (RANK/WORLD_SIZE set by the deepspeed launcher or torchrun), "slurm" or "single"."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+class DistEnvError(RuntimeError):
+    """The launcher's environment is inconsistent; the message names the variable."""
+
+
+def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = environ.get(name)
+    if value is None or value == "":
+        if default is None:
+            raise DistEnvError(f"environment variable {name} is not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise DistEnvError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _split_top_level(nodelist: str) -> list[str]:
+    """Split "n[1-3,7],gpu-a[01-02]" on the commas that are outside brackets."""
+    parts, depth, current = [], 0, []
+    for char in nodelist:
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    parts.append("".join(current))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_ranges(ranges: str) -> list[str]:
+    """ "1-3,7" -> ["1", "2", "3", "7"]; zero padding is kept ("01-02" -> ["01", "02"])."""
+    out = []
+    for item in ranges.split(","):
+        if "-" in item:
+            lo, hi = item.split("-", 1)
+            width = len(lo)
+            out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
+        else:
+            out.append(item)
+    return out
+
+
+def expand_nodelist_python(nodelist: str) -> list[str]:
+    """Expand a Slurm host list without Slurm: "n[1-3,7],gpu-a[01-02]" -> n1 n2 n3 n7 gpu-a01 gpu-a02.
+
+    Handles one bracket group per host name (with an optional suffix), which is what Slurm
+    produces for ordinary node names; `expand_nodelist` prefers ``scontrol`` when it exists.
+    """
+    hosts: list[str] = []
+    for part in _split_top_level(nodelist):
+        match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\]([^\[\]]*)", part)
+        if match is None:
+            if "[" in part or "]" in part:
+                raise DistEnvError(f"cannot parse Slurm node list {nodelist!r} (part {part!r})")
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = match.groups()
+        hosts.extend(f"{prefix}{r}{suffix}" for r in _expand_ranges(ranges))
+    return hosts
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Host names in a Slurm node list, in Slurm's order (``scontrol show hostnames``, else pure Python)."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is not None:
+        try:
+            result = subprocess.run(
+                [scontrol, "show", "hostnames", nodelist],
+                capture_output=True, text=True, timeout=30, check=True,
+            )
+            hosts = result.stdout.split()
+            if hosts:
+                return hosts
+        except (subprocess.SubprocessError, OSError):
+            pass  # scontrol present but unusable (no slurm.conf here): the parser below is enough
+    return expand_nodelist_python(nodelist)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def slurm_master_port(environ: Mapping[str, str]) -> int:
+    """MASTER_PORT if the user set one, else 10000 + job id mod 20000: the same in every task of a job."""
+    if environ.get("MASTER_PORT"):
+        return _int_var(environ, "MASTER_PORT")
+    job_id = _int_var(environ, "SLURM_JOB_ID")
+    return SLURM_PORT_BASE + job_id % SLURM_PORT_RANGE
+
+
+def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Rank, world size and rendezvous address of this process, from the launcher's environment."""
+    environ = os.environ if environ is None else environ
+
+    if all(environ.get(v) for v in TORCHRUN_VARS):
+        return DistEnv(
+            rank=_int_var(environ, "RANK"),
+            # torchrun and the deepspeed launcher always set LOCAL_RANK; a hand-written
+            # environment may not, and on one node the local rank is the rank.
+            local_rank=_int_var(environ, "LOCAL_RANK", _int_var(environ, "RANK")),
+            world_size=_int_var(environ, "WORLD_SIZE"),
+            master_addr=environ.get("MASTER_ADDR") or "127.0.0.1",
+            master_port=_int_var(environ, "MASTER_PORT", 29500),
+            source="torchrun",
+        )
+
+    # Only inside an srun step: the batch shell also has SLURM_PROCID=0 and SLURM_NTASKS, but it is
+    # one process, and taking it for rank 0 of N would wait forever for the other N-1.
+    in_step = bool(environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID"))
+    if in_step and all(environ.get(v) for v in SLURM_VARS):
+        # The step's values are the ones that count: a step may use fewer tasks and nodes than the job.
+        world_size = _int_var(environ, "SLURM_STEP_NUM_TASKS", _int_var(environ, "SLURM_NTASKS"))
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") \
+            or environ.get("SLURM_NODELIST")
+        if not nodelist:
+            raise DistEnvError("running under Slurm but SLURM_JOB_NODELIST is not set")
+        return DistEnv(
+            rank=_int_var(environ, "SLURM_PROCID"),
+            local_rank=_int_var(environ, "SLURM_LOCALID"),
+            world_size=world_size,
+            # srun's default block distribution puts rank 0 on the first node of the step.
+            master_addr=environ.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
+            master_port=slurm_master_port(environ),
+            source="slurm",
+        )
+
+    return DistEnv(
+        rank=0, local_rank=0, world_size=1,
+        master_addr="127.0.0.1", master_port=free_port(), source="single",
+    )
+
+
+def _select_cuda_device(local_rank: int) -> None:
+    import torch
+
+    count = torch.cuda.device_count()
+    # srun with --gpu-bind may leave each task exactly one visible GPU; otherwise all of the
+    # node's GPUs are visible and the local rank picks one.
+    torch.cuda.set_device(0 if count == 1 else local_rank % count)
+
+
+def init_distributed(timeout_s: float = 600) -> DistEnv:
+    """Join the process group (NCCL on GPU, gloo on CPU) and return this process's `DistEnv`.
+
+    Exports RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT so that DeepSpeed and
+    torch.distributed read the same values whichever launcher started us. Calling it again
+    in an initialised process returns the environment without re-initialising.
+    """
+    import torch
+    import torch.distributed as torch_dist
+
+    global _initialised_env
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        # After our own export, detect_env() would report "torchrun"; keep the original answer.
+        return _initialised_env or detect_env()
+
+    env = detect_env()
+    os.environ.update(
+        RANK=str(env.rank),
+        LOCAL_RANK=str(env.local_rank),
+        WORLD_SIZE=str(env.world_size),
+        MASTER_ADDR=env.master_addr,
+        MASTER_PORT=str(env.master_port),
+    )
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        _select_cuda_device(env.local_rank)
+
+    import deepspeed
+
+    deepspeed.init_distributed(
+        dist_backend="nccl" if use_cuda else "gloo",
+        auto_mpi_discovery=False,  # the environment above is the truth; never probe for mpirun
+        timeout=timedelta(seconds=timeout_s),
+        verbose=False,
+    )
+    _initialised_env = env
+    return env

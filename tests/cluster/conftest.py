@@ -1,0 +1,48 @@
+"""The `slurm_cluster` fixture: one real local Slurm cluster (n1, n2) for the whole test session.
+
+If Slurm cannot start here (not installed, not root) the tests skip and say why. CI sets
+VIT_PIPELINE_REQUIRE_SLURM=1, which turns that skip into a failure: there the cluster must run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from slurm_cluster import SlurmCluster, SlurmUnavailable  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def slurm_required() -> bool:
+    return os.environ.get("VIT_PIPELINE_REQUIRE_SLURM", "") not in ("", "0")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("slurm")
+    if len(str(root)) > 70:  # munge's socket path must fit in a sockaddr_un (108 bytes)
+        root = Path(tempfile.mkdtemp(prefix="vit-slurm-"))
+    cluster = SlurmCluster(root)
+    try:
+        cluster.start()
+    except SlurmUnavailable as exc:
+        message = f"local Slurm cluster unavailable: {exc}"
+        if slurm_required():
+            pytest.fail(f"{message}\n(VIT_PIPELINE_REQUIRE_SLURM=1: the Slurm tests must run here)", pytrace=False)
+        pytest.skip(message)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def job_dir(tmp_path) -> Path:
+    """A directory for one test's logs and run dirs, readable by the jobs (which run as root here)."""
+    (tmp_path / "logs").mkdir()
+    return tmp_path

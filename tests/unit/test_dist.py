@@ -1,0 +1,137 @@
+"""pipeline.dist: which launcher started us, and what rank/world/master that means."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from pipeline import dist
+from pipeline.dist import DistEnv, DistEnvError, detect_env, expand_nodelist, expand_nodelist_python
+
+
+def test_torchrun_env_is_used_as_is():
+    env = detect_env({
+        "RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1",
+        "MASTER_ADDR": "gpu-a01", "MASTER_PORT": "29600",
+        # Slurm variables around the deepspeed launcher must not win over its own ranks.
+        "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "n[1-2]",
+    })
+    assert env == DistEnv(rank=5, local_rank=1, world_size=16, master_addr="gpu-a01",
+                          master_port=29600, source="torchrun")
+    assert not env.is_main
+
+
+def test_torchrun_env_defaults_for_missing_optional_vars():
+    env = detect_env({"RANK": "0", "WORLD_SIZE": "1"})
+    assert (env.local_rank, env.master_addr, env.master_port, env.source) == (0, "127.0.0.1", 29500, "torchrun")
+    assert env.is_main
+
+
+def _slurm(**extra: str) -> dict[str, str]:
+    base = {
+        "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "n[1-2]",
+    }
+    base.update(extra)
+    return base
+
+
+def test_slurm_env_maps_to_ranks_and_first_node(monkeypatch):
+    monkeypatch.setattr(dist.shutil, "which", lambda name: None)  # the pure-python expansion
+    env = detect_env(_slurm())
+    assert env == DistEnv(rank=3, local_rank=1, world_size=4, master_addr="n1",
+                          master_port=10000 + 123456 % 20000, source="slurm")
+
+
+def test_slurm_port_from_job_id_is_in_range_and_differs_between_jobs(monkeypatch):
+    monkeypatch.setattr(dist.shutil, "which", lambda name: None)
+    ports = {detect_env(_slurm(SLURM_JOB_ID=str(j))).master_port for j in (1, 2, 19999, 20000, 987654321)}
+    assert all(10000 <= p < 30000 for p in ports)
+    assert detect_env(_slurm(SLURM_JOB_ID="7")).master_port == 10007
+    assert detect_env(_slurm(SLURM_JOB_ID="20007")).master_port == 10007
+    assert len(ports) == 5
+
+
+def test_slurm_master_port_env_wins(monkeypatch):
+    monkeypatch.setattr(dist.shutil, "which", lambda name: None)
+    assert detect_env(_slurm(MASTER_PORT="40000")).master_port == 40000
+
+
+def test_slurm_step_values_win_over_job_values(monkeypatch):
+    # A step on a subset of the allocation: its own task count and node list decide.
+    monkeypatch.setattr(dist.shutil, "which", lambda name: None)
+    env = detect_env(_slurm(SLURM_NTASKS="16", SLURM_STEP_NUM_TASKS="4",
+                            SLURM_JOB_NODELIST="n[1-4]", SLURM_STEP_NODELIST="n[3-4]"))
+    assert (env.world_size, env.master_addr) == (4, "n3")
+
+
+def test_batch_shell_without_srun_is_a_single_process():
+    # What an sbatch script sees outside srun: rank variables for its own single process and the
+    # allocation's task count. Taking that for rank 0 of 4 would hang waiting for the others.
+    env = _slurm(SLURM_PROCID="0", SLURM_LOCALID="0")
+    del env["SLURM_STEP_ID"]
+    assert detect_env(env).source == "single"
+    assert detect_env(env).world_size == 1
+
+
+def test_slurm_bad_integer_names_the_variable():
+    with pytest.raises(DistEnvError, match="SLURM_PROCID"):
+        detect_env(_slurm(SLURM_PROCID="zero"))
+
+
+def test_single_process_gets_a_free_local_port():
+    env = detect_env({})
+    assert (env.rank, env.local_rank, env.world_size, env.source) == (0, 0, 1, "single")
+    assert env.master_addr == "127.0.0.1"
+    with socket.socket() as sock:  # the port is really free: we can bind it
+        sock.bind(("127.0.0.1", env.master_port))
+
+
+@pytest.mark.parametrize(("nodelist", "hosts"), [
+    ("n5", ["n5"]),
+    ("n1,n5", ["n1", "n5"]),
+    ("n[1-2],n5", ["n1", "n2", "n5"]),
+    ("n[1-3,7],gpu-a[01-02]", ["n1", "n2", "n3", "n7", "gpu-a01", "gpu-a02"]),
+    ("node[08-11]", ["node08", "node09", "node10", "node11"]),
+    ("rack1-n[1-2]-ib", ["rack1-n1-ib", "rack1-n2-ib"]),
+])
+def test_expand_nodelist_python(nodelist, hosts):
+    assert expand_nodelist_python(nodelist) == hosts
+
+
+def test_expand_nodelist_rejects_what_it_cannot_parse():
+    with pytest.raises(DistEnvError, match="node list"):
+        expand_nodelist_python("n[1-2")
+
+
+def test_expand_nodelist_falls_back_when_scontrol_fails(monkeypatch):
+    monkeypatch.setattr(dist.shutil, "which", lambda name: "/nonexistent/scontrol")
+    assert expand_nodelist("n[1-3,7],gpu-a[01-02]") == ["n1", "n2", "n3", "n7", "gpu-a01", "gpu-a02"]
+
+
+def test_init_distributed_single_process_gloo(monkeypatch):
+    """The no-launcher path really forms a group of one and exports the variables DeepSpeed reads."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("deepspeed")
+    import torch.distributed as torch_dist
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(var, raising=False)
+    if torch_dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    try:
+        env = dist.init_distributed(timeout_s=60)
+        assert env.source == "single" and env.world_size == 1
+        assert torch_dist.get_world_size() == 1 and torch_dist.get_backend() == "gloo"
+        import os
+        assert os.environ["MASTER_PORT"] == str(env.master_port)
+        assert dist.init_distributed() == env  # idempotent, and still says how it was launched
+        tensor = torch.ones(3)
+        torch_dist.all_reduce(tensor)
+        assert tensor.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        if torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
