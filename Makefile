@@ -16,9 +16,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-# Everything: unit tests, multi-process DeepSpeed runs, the local Slurm cluster.
+# Everything: unit tests, multi-process DeepSpeed runs, the local Slurm cluster, the MLflow UI in
+# Chromium. As root, the system packages those need (slurm-wlm, munge, chromium) are installed
+# with apt when missing; otherwise those tests skip and say why.
 test: $(STAMP)
 	bash tests/cluster/install_slurm.sh
+	@if [ -f tests/ui/install_chromium.sh ]; then bash tests/ui/install_chromium.sh; fi
 	$(PY) -m pytest tests
 
 # Unit tests only (seconds): what to run while editing.
@@ -28,6 +31,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeline launch tests
 	$(VENV)/bin/hadolint docker/Dockerfile
+	$(VENV)/bin/shellcheck -S warning slurm/*.sh launch/*.sh tests/cluster/*.sh
 
 bench: $(STAMP)
 	$(PY) launch/bench.py all

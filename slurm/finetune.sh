@@ -24,7 +24,7 @@
 # CONTAINER_IMAGE, CONTAINER_MOUNTS, MAX_RESTARTS):
 #   FROM    weights to start from: a pretrain run directory, a .safetensors file or a timm .pth/.bin (required)
 #   RES     fine-tuning resolution, e.g. 384 or 384x512 (default: the config's model.img_size)
-#   CONFIG  fine-tune config (default: configs/finetune/demo.yaml)
+#   CONFIG  fine-tune config (default: configs/finetune/vit_b16_384.yaml)
 set -euo pipefail
 
 die() { echo "error: $*" >&2; exit 2; }
@@ -41,7 +41,7 @@ RES=${RES:-}
 [[ -z $RES || $RES =~ ^[0-9]+(x[0-9]+)?$ ]] || die "RES=$RES: expected a size like 384 or 384x512"
 
 export ENTRY=${ENTRY:-launch/finetune.py}
-export CONFIG=${CONFIG:-configs/finetune/demo.yaml}
+export CONFIG=${CONFIG:-configs/finetune/vit_b16_384.yaml}
 EXTRA_ARGS="--from $FROM${RES:+ --res $RES}${EXTRA_ARGS:+ $EXTRA_ARGS}"
 export EXTRA_ARGS
 

@@ -32,7 +32,7 @@
 # -----------------------------------------------------------------------------------------------
 #
 # Environment variables (all optional):
-#   CONFIG           run config                         (default: configs/pretrain/demo.yaml)
+#   CONFIG           run config                         (default: configs/pretrain/vit_b16_i21k.yaml)
 #   RUN_DIR          run directory; an existing checkpoint there resumes (default: runs/<job name>-<job id>)
 #   OVERRIDES        extra dotted config overrides, space separated ("train.steps=1000 train.lr=3e-4")
 #   PYTHON           interpreter (default: .venv/bin/python if present, else python3; "python" in a container).
@@ -59,7 +59,7 @@ cd "${SLURM_SUBMIT_DIR:?}"
 ENTRY=${ENTRY:-launch/pretrain.py}
 [[ -f $ENTRY ]] || die "ENTRY=$ENTRY not found in $PWD; submit from the repository root"
 
-CONFIG=${CONFIG:-configs/pretrain/demo.yaml}
+CONFIG=${CONFIG:-configs/pretrain/vit_b16_i21k.yaml}
 [[ -f $CONFIG ]] || die "CONFIG=$CONFIG does not exist (relative paths are relative to $PWD)"
 # The job id survives requeues, so the default run directory is the same on every restart.
 RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME:-vit}-${SLURM_JOB_ID}}

@@ -245,7 +245,7 @@ def test_finetune_from_the_pretrain_run(slurm_cluster, digits_shards, pretrain_r
     _, base_dir, base_log, base_rc = pretrain_run
     assert base_rc == 0, base_log
     job_id, rc = submit(slurm_cluster, job_dir, script="slurm/finetune.sh", wait=True, timeout_s=300,
-                        FROM=str(base_dir / "run"), RES="64",
+                        CONFIG=FINETUNE_CONFIG, FROM=str(base_dir / "run"), RES="64",
                         OVERRIDES=f"train.steps=10 train.log_every=5 train.eval_every=0 data.num_workers=1 "
                                   f"tracking.enabled=false data.path={digits_shards}")
     log = job_log(job_dir, job_id)
