@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Write WebDataset shards and a dataset.json that the train stream and eval pass read.
+
+    python launch/make_shards.py --source digits --out data/digits
+    python launch/make_shards.py --source folder:/data/imagenet --out data/imagenet --workers 8 --resize 256
+    python launch/make_shards.py --source synthetic --num-samples 5000 --num-classes 10 --size 64 --out data/synth
+    python launch/make_shards.py --source 'shards:/data/laion/{00000..00099}.tar' --label-key json:label --out /data/laion
+
+`folder:PATH` takes PATH/train and PATH/val when they exist (one sub-folder per class), else
+PATH/CLASS/* split by --val-fraction (stratified, seeded). `shards:PATTERN` describes shards
+written by others (img2dataset, timm) in --out/dataset.json without copying them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.data.info import DataError  # noqa: E402
+from pipeline.data.shards import (  # noqa: E402
+    digits_source,
+    folder_source,
+    index_shards,
+    synthetic_source,
+    write_dataset,
+)
+
+
+def parse_size(text: str) -> int | tuple[int, int]:
+    if "x" in text:
+        h, w = text.lower().split("x")
+        return (int(h), int(w))
+    return int(text)
+
+
+def parse_bytes(text: str) -> int:
+    units = {"k": 10**3, "m": 10**6, "g": 10**9}
+    text = text.strip().lower().rstrip("b")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", required=True,
+                   help="folder:PATH | digits | synthetic | shards:PATTERN (brace range or glob)")
+    p.add_argument("--out", required=True, help="output folder: shards and dataset.json")
+    p.add_argument("--max-samples-per-shard", type=int, default=1000, help="samples per shard (default 1000)")
+    p.add_argument("--max-bytes-per-shard", type=parse_bytes, default=None,
+                   help="also cap each shard's size, e.g. 500M")
+    p.add_argument("--val-fraction", type=float, default=None,
+                   help="held-out fraction per class (default: 0.2 for digits/synthetic, 0.1 for a folder "
+                        "without val/)")
+    p.add_argument("--seed", type=int, default=0, help="split and shuffle seed (default 0)")
+    p.add_argument("--workers", type=int, default=1, help="processes encoding images (default 1)")
+    p.add_argument("--overwrite", action="store_true", help="replace shards and dataset.json already in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("folder")
+    g.add_argument("--resize", type=int, default=None,
+                   help="shrink the shorter side to this many pixels (re-encodes as JPEG)")
+    g.add_argument("--quality", type=int, default=None, help="JPEG quality when re-encoding (default 95; synthetic 90)")
+    g = p.add_argument_group("digits / synthetic")
+    g.add_argument("--size", type=parse_size, default=None, help="image size, 32 or 64x48 (digits 32, synthetic 64)")
+    g.add_argument("--num-samples", type=int, default=1000, help="synthetic: samples in all (default 1000)")
+    g.add_argument("--num-classes", type=int, default=10, help="synthetic: classes (default 10)")
+    g = p.add_argument_group("shards written by others")
+    g.add_argument("--label-key", default="cls", help="shards: where the label is: cls | txt | json:FIELD")
+    g.add_argument("--split", default="train", help="shards: split name for --source (default train)")
+    g.add_argument("--val-shards", default=None, help="shards: pattern of the validation shards")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    kind, _, arg = args.source.partition(":")
+    try:
+        if not 0 <= (args.val_fraction or 0) < 1:
+            raise DataError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+        if kind == "shards":
+            splits = {args.split: arg}
+            if args.val_shards:
+                splits["val"] = args.val_shards
+            index_shards(splits, args.out, args.label_key, progress=not args.no_progress)
+            return 0
+        if kind == "digits":
+            size = args.size or 32
+            if not isinstance(size, int):
+                raise DataError("--size for digits must be one number (square images)")
+            vf = 0.2 if args.val_fraction is None else args.val_fraction
+            source = digits_source(size, vf, args.seed)
+        elif kind == "synthetic":
+            vf = 0.2 if args.val_fraction is None else args.val_fraction
+            source = synthetic_source(args.num_samples, args.num_classes, args.size or 64, vf, args.seed,
+                                      args.quality or 90)
+        elif kind == "folder":
+            if not arg:
+                raise DataError("--source folder:PATH needs a path")
+            vf = 0.1 if args.val_fraction is None else args.val_fraction
+            source = folder_source(arg, vf, args.seed, args.resize, args.quality or 95)
+        else:
+            raise DataError(f"unknown --source '{args.source}'; expected folder:PATH, digits, synthetic or "
+                            f"shards:PATTERN")
+        write_dataset(source, args.out, args.max_samples_per_shard, args.max_bytes_per_shard, args.seed,
+                      args.workers, args.overwrite, progress=not args.no_progress)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: completed shards are kept, no dataset.json was written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""What a shard folder holds: `dataset.json` (ours) or timm's `_info.json`, checked against the shards.
+
+    info = read_dataset_info("data/digits")
+    info.num_classes, info.class_names, info.splits["train"].shards, info.splits["train"].shard_counts
+
+Every problem a user can cause (no dataset.json, a split that lists a shard that is not
+there, a shard rewritten since dataset.json was written) is a `DataError` with one line
+naming the file and what was expected, raised before any training starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DATASET_JSON = "dataset.json"
+TIMM_INFO_JSON = "_info.json"
+FORMAT_NAME = "vit-pipeline-shards"
+FORMAT_VERSION = 1
+
+
+class DataError(ValueError):
+    """A user error in the data set (missing or inconsistent files); the message names the file."""
+
+
+class BadDataError(RuntimeError):
+    """Too many corrupt samples: more than `data.max_bad_fraction` of those read; names the worst shard."""
+
+
+@dataclass
+class SplitInfo:
+    num_samples: int
+    """Samples in the split (sum of shard_counts)."""
+    shards: list[str]
+    """Shard locations: absolute local paths, or URLs / 'pipe:' commands as written in the json."""
+    shard_counts: list[int] = field(default_factory=list)
+    """Samples per shard, in the order of `shards`."""
+    shard_bytes: list[int | None] = field(default_factory=list)
+    """Size of each shard file when dataset.json was written (None where unknown)."""
+
+
+@dataclass
+class DatasetInfo:
+    num_classes: int
+    class_names: list[str]
+    splits: dict[str, SplitInfo]
+    image_format: str = "jpg"
+    label_key: str = "cls"
+    """Where the shards keep the label (see DataConfig.label_key); written by make_shards."""
+    path: str = ""
+    """The folder (or json file) this was read from."""
+
+    def split(self, name: str) -> SplitInfo:
+        if name not in self.splits:
+            raise DataError(f"{self.path}: no split '{name}'; the data set has: {', '.join(sorted(self.splits))}")
+        return self.splits[name]
+
+
+def is_remote(location: str) -> bool:
+    return "://" in location or location.startswith("pipe:")
+
+
+def resolve_shard(folder: Path, name: str) -> str:
+    """A shard name from a json file -> where to open it (relative names are relative to the json's folder)."""
+    if is_remote(name) or os.path.isabs(name):
+        return name
+    return str(folder / name)
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read '{path}': {e}") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"'{path}' is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise DataError(f"'{path}' must hold a JSON object")
+    return data
+
+
+def read_dataset_info(path: str | os.PathLike[str], check_files: bool = True) -> DatasetInfo:
+    """Read and check `PATH/dataset.json` (or timm's `PATH/_info.json`); `path` may also name the json file."""
+    path = Path(path)
+    if path.is_file():
+        folder, candidates = path.parent, [path]
+    else:
+        if not path.is_dir():
+            raise DataError(f"data folder '{path}' does not exist; write shards there with "
+                            f"`python launch/make_shards.py --source digits --out {path}`")
+        folder, candidates = path, [path / DATASET_JSON, path / TIMM_INFO_JSON]
+    for candidate in candidates:
+        if candidate.is_file():
+            data = _load_json(candidate)
+            if candidate.name == TIMM_INFO_JSON:
+                info = _parse_timm_info(data, folder, candidate)
+            else:
+                info = _parse_dataset_json(data, folder, candidate)
+            if check_files:
+                check_shards(info, str(candidate))
+            return info
+    raise DataError(
+        f"no {DATASET_JSON} in '{path}': write shards with `python launch/make_shards.py --source folder:IMAGES "
+        f"--out {path}`, or describe existing shards with `python launch/make_shards.py "
+        f"--source 'shards:{path}/*.tar' --out {path}`")
+
+
+def _require(data: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in data:
+        raise DataError(f"{where}: missing key '{key}'")
+    if not isinstance(data[key], kind) or isinstance(data[key], bool) and kind is int:
+        raise DataError(f"{where}: key '{key}' has the wrong type ({type(data[key]).__name__})")
+    return data[key]
+
+
+def _parse_dataset_json(data: dict[str, Any], folder: Path, where_path: Path) -> DatasetInfo:
+    where = str(where_path)
+    class_names = [str(c) for c in _require(data, "class_names", list, where)]
+    num_classes = _require(data, "num_classes", int, where)
+    if num_classes != len(class_names):
+        raise DataError(f"{where}: num_classes is {num_classes} but class_names has {len(class_names)} entries")
+    splits_raw = _require(data, "splits", dict, where)
+    if not splits_raw:
+        raise DataError(f"{where}: 'splits' is empty")
+    splits = {}
+    for name, raw in splits_raw.items():
+        w = f"{where}: split '{name}'"
+        if not isinstance(raw, dict):
+            raise DataError(f"{w} must be an object")
+        shards_raw = _require(raw, "shards", list, w)
+        if not shards_raw:
+            raise DataError(f"{w} lists no shards")
+        shards, counts, sizes = [], [], []
+        for entry in shards_raw:
+            if isinstance(entry, str):  # a bare name: count unknown
+                raise DataError(f"{w}: shard entry '{entry}' has no num_samples; re-index with make_shards.py")
+            if not isinstance(entry, dict):
+                raise DataError(f"{w}: shard entries must be objects with name and num_samples")
+            shards.append(resolve_shard(folder, str(_require(entry, "name", str, w))))
+            counts.append(int(_require(entry, "num_samples", int, w)))
+            sizes.append(entry.get("bytes"))
+        num_samples = _require(raw, "num_samples", int, w)
+        if num_samples != sum(counts):
+            raise DataError(f"{w}: num_samples is {num_samples} but its shards hold {sum(counts)} "
+                            f"(sum of the shards' num_samples)")
+        splits[name] = SplitInfo(num_samples, shards, counts, sizes)
+    return DatasetInfo(num_classes, class_names, splits, str(data.get("image_format", "jpg")),
+                       str(data.get("label_key", "cls")), str(folder))
+
+
+def _parse_timm_info(data: dict[str, Any], folder: Path, where_path: Path) -> DatasetInfo:
+    """timm's wds layout: {"splits": {"train": {"num_samples", "filenames", "shard_lengths"}}, ...}."""
+    where = str(where_path)
+    splits_raw = _require(data, "splits", dict, where)
+    splits = {}
+    for name, raw in splits_raw.items():
+        w = f"{where}: split '{name}'"
+        files = list(_require(raw, "filenames", list, w))
+        lengths = [int(n) for n in _require(raw, "shard_lengths", list, w)]
+        if not files:
+            raise DataError(f"{w} lists no shards")
+        if len(files) != len(lengths):
+            raise DataError(f"{w}: {len(files)} filenames but {len(lengths)} shard_lengths")
+        num_samples = int(raw.get("num_samples", sum(lengths)))
+        if num_samples != sum(lengths):
+            raise DataError(f"{w}: num_samples is {num_samples} but shard_lengths sum to {sum(lengths)}")
+        splits[name] = SplitInfo(num_samples, [resolve_shard(folder, f) for f in files], lengths,
+                                 [None] * len(files))
+    num_classes = data.get("num_classes")
+    if num_classes is None:
+        features = data.get("features", {})
+        num_classes = features.get("label", {}).get("num_classes") if isinstance(features, dict) else None
+    if not isinstance(num_classes, int) or num_classes < 1:
+        raise DataError(f"{where}: no 'num_classes'; add it, or set model.num_classes and index the shards "
+                        f"with `python launch/make_shards.py --source 'shards:{folder}/*.tar' --out {folder}`")
+    class_names = [str(c) for c in data.get("class_names", range(num_classes))]
+    if len(class_names) != num_classes:
+        raise DataError(f"{where}: num_classes is {num_classes} but class_names has {len(class_names)} entries")
+    return DatasetInfo(num_classes, class_names, splits, "jpg", "cls", str(folder))
+
+
+def check_shards(info: DatasetInfo, where: str) -> None:
+    """Every local shard exists and has the size recorded when the json was written."""
+    for split_name, split in info.splits.items():
+        for shard, size in zip(split.shards, split.shard_bytes or [None] * len(split.shards)):
+            if is_remote(shard):
+                continue
+            try:
+                actual = os.stat(shard).st_size
+            except FileNotFoundError:
+                raise DataError(f"{where}: split '{split_name}' lists shard '{shard}', which does not exist") from None
+            except OSError as e:
+                raise DataError(f"{where}: cannot stat shard '{shard}': {e}") from None
+            if size is not None and actual != size:
+                raise DataError(f"{where}: shard '{shard}' is {actual} bytes but the json says {size}: "
+                                f"it was rewritten or truncated since; write the shards again")
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write, fsync, rename: a crash leaves the old file or none, never half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

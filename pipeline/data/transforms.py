@@ -1,0 +1,125 @@
+"""Train/eval transforms (timm's `create_transform`) and Mixup/CutMix (timm's `Mixup`), made reproducible.
+
+timm's transforms draw from Python's `random`, NumPy's global RNG and torch's global RNG. The
+loader seeds all three before each sample from (seed, epoch, rank, worker, position) via
+`seeded(sample_seed(...))`, so the augmentation of a sample depends only on where it is in the
+stream: a resumed run augments it exactly as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.config import DataConfig
+
+_MASK64 = (1 << 64) - 1
+
+
+def sample_seed(*parts: int) -> int:
+    """Mix integers into one 63-bit seed (splitmix64 steps): nearby inputs give unrelated seeds."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (int(p) & _MASK64)) & _MASK64
+        x = (x + 0x9E3779B97F4A7C15) & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        x ^= x >> 31
+    return x >> 1
+
+
+@contextmanager
+def seeded(seed: int, restore: bool) -> Iterator[None]:
+    """Seed Python's, NumPy's and torch's global RNGs; put the old states back when `restore`
+    (in the main process, where the trainer's own RNG streams must not be disturbed)."""
+    saved: Any = None
+    if restore:
+        saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    # CPU generator only: torch.manual_seed also queues a lazy CUDA seeding call, which records a
+    # stack trace every time (a third of the per-sample cost in a CPU-only profile).
+    torch.default_generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.set_rng_state(saved[2])
+
+
+def train_transform(cfg: DataConfig, img_size: tuple[int, int], to_float: bool = False
+                    ) -> Callable[[Any], torch.Tensor]:
+    """RandomResizedCrop(scale, ratio) -> flip -> [RandAugment | colour jitter] -> uint8 tensor [3, H, W].
+
+    The float conversion and normalisation are done by `BatchNormalizer`, fused, straight into
+    the batch's shared memory. `to_float=True` gives timm's usual per-image
+    ToTensor + Normalize instead (the same values; the benchmarks' reference).
+    """
+    from timm.data import create_transform
+
+    return create_transform(
+        input_size=(3, *img_size), is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio),
+        hflip=cfg.hflip, vflip=0.0, color_jitter=cfg.color_jitter, auto_augment=cfg.auto_augment,
+        interpolation=cfg.interpolation, mean=tuple(cfg.mean), std=tuple(cfg.std), re_prob=0.0,
+        use_prefetcher=not to_float,
+    )
+
+
+def eval_transform(cfg: DataConfig, img_size: tuple[int, int], to_float: bool = False
+                   ) -> Callable[[Any], torch.Tensor]:
+    """Resize to img_size / crop_pct, centre crop img_size, uint8 tensor (see `train_transform`)."""
+    from timm.data import create_transform
+
+    return create_transform(
+        input_size=(3, *img_size), is_training=False, interpolation=cfg.interpolation,
+        crop_pct=cfg.crop_pct, mean=tuple(cfg.mean), std=tuple(cfg.std), use_prefetcher=not to_float,
+    )
+
+
+class BatchNormalizer:
+    """uint8 image [3, H, W] -> (x / 255 - mean) / std, written straight into its slot of the batch:
+    one pass, where timm's ToTensor + Normalize and a collate make about seven."""
+
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]):
+        mean_t = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        std_t = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+        self.scale = 1.0 / (255.0 * std_t)
+        self.shift = -mean_t / std_t
+
+    def __call__(self, image: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(self.shift, image, self.scale, out=out)
+
+
+def empty_batch(shape: tuple[int, ...], shared: bool) -> torch.Tensor:
+    """float32 tensor; in shared memory when built in a DataLoader worker, so that handing it to
+    the main process copies nothing (what default_collate does)."""
+    if not shared:
+        return torch.empty(shape)
+    numel = 1
+    for n in shape:
+        numel *= n
+    try:
+        storage = torch.empty(0)._typed_storage()._new_shared(numel)
+        return torch.empty(0).new(storage).view(shape)
+    except (AttributeError, RuntimeError):  # private API moved: fall back to a copy into shm
+        return torch.empty(shape).share_memory_()
+
+
+def build_mixup(cfg: DataConfig, num_classes: int, batch_size: int) -> Any:
+    """timm Mixup/CutMix producing soft targets [B, K] (label smoothing folded in); None when off."""
+    if cfg.mixup <= 0 and cfg.cutmix <= 0:
+        return None
+    if batch_size % 2:
+        raise ValueError(f"data.mixup/data.cutmix need an even batch size, got {batch_size}")
+    from timm.data import Mixup
+
+    return Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
+                 switch_prob=cfg.mixup_switch_prob, mode="batch", label_smoothing=cfg.label_smoothing,
+                 num_classes=num_classes)
