@@ -270,6 +270,14 @@ def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]
     return rows
 
 
+def reference_markdown() -> str:
+    """The README's config reference table (launch/config_reference.py writes it)."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for key, default, doc in describe(Config):
+        lines.append(f"| `{key}` | `{default}` | {doc.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- strict parsing
 
 
