@@ -202,13 +202,13 @@ def all_finite(loss: torch.Tensor) -> bool:
 
 
 def _format(step: int, total: int, m: dict[str, float]) -> str:
-    parts = [f"step {step}/{total}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.3e}"]
-    if "grad_norm" in m:
-        parts.append(f"gnorm {m['grad_norm']:.3f}")
-    parts.append(f"{m['images_per_s']:,.0f} img/s")
-    if "mfu" in m:
-        parts.append(f"mfu {100 * m['mfu']:.1f}%")
-    parts += [f"data {100 * m['data_wait']:.0f}%", f"bad {m['bad_samples']:.0f}"]
+    parts = [f"step {step}/{total}", f"loss {m['train/loss']:.4f}", f"lr {m['train/lr']:.3e}"]
+    if "train/grad_norm" in m:
+        parts.append(f"gnorm {m['train/grad_norm']:.3f}")
+    parts.append(f"{m['perf/images_per_s']:,.0f} img/s")
+    if "perf/mfu" in m:
+        parts.append(f"mfu {100 * m['perf/mfu']:.1f}%")
+    parts += [f"data {100 * m['perf/data_wait']:.0f}%", f"bad {m['data/bad_samples']:.0f}"]
     return " | ".join(parts)
 
 
@@ -262,16 +262,7 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
             bar.update(1)
 
         if step % tc.log_every == 0 or step == tc.steps:
-            window = loss_sum.clone()
-            if dist.is_initialized():
-                dist.all_reduce(window)
-            metrics = {"loss": window.item() / max(micro_count * env.world_size, 1),
-                       "lr": engine.get_lr()[0], **meter.read(),
-                       "bad_samples": float(sum(s.train_loader.bad_counts().values())),
-                       "nonfinite_skipped": float(nonfinite_total)}
-            grad_norm = engine.get_global_grad_norm()
-            if grad_norm is not None:
-                metrics["grad_norm"] = float(grad_norm)
+            metrics = window_metrics(s, loss_sum, micro_count, meter, nonfinite_total)
             loss_sum.zero_()
             micro_count = 0
             s.tracker.log_metrics(metrics, step)
@@ -295,20 +286,39 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
 
     if last_saved != step:
         save(s, cfg, step)
-    run_dir = Path(cfg.run.dir)
-    ckpt.export_weights(engine, run_dir / "model.safetensors",
-                        metadata={"variant": cfg.model.variant, "step": str(step)})
-    if env.is_main:
-        s.tracker.log_artifact(run_dir / "config.yaml")
-        if cfg.tracking.log_model:
-            s.tracker.log_artifact(run_dir / "model.safetensors")
-        else:
-            s.tracker.set_tags({"model_path": str((run_dir / "model.safetensors").resolve())})
-    s.tracker.finish("FINISHED")
+    finish(s, cfg, step)
     if bar is not None:
         bar.close()
-    log(env, f"done: {run_dir / 'model.safetensors'}")
     return 0
+
+
+def window_metrics(s: Setup, loss_sum: torch.Tensor, micro_count: int, meter: ThroughputMeter,
+                   nonfinite_total: int) -> dict[str, float]:
+    """The figures of one log line. Reads the device (one sync per log step, not per step)."""
+    window = loss_sum.clone()
+    if dist.is_initialized():
+        dist.all_reduce(window)
+    # Grouped by prefix: MLflow's chart view groups and sorts by it (data/, eval/, perf/, train/).
+    metrics = {"train/loss": window.item() / max(micro_count * s.env.world_size, 1),
+               "train/lr": s.engine.get_lr()[0], "train/nonfinite_skipped": float(nonfinite_total),
+               **{f"perf/{k}": v for k, v in meter.read().items()},
+               "data/bad_samples": float(sum(s.train_loader.bad_counts().values()))}
+    grad_norm = s.engine.get_global_grad_norm()
+    if grad_norm is not None:
+        metrics["train/grad_norm"] = float(grad_norm)
+    return metrics
+
+
+def finish(s: Setup, cfg: Config, step: int) -> None:
+    """Export consolidated weights (collective), hand the artifacts to MLflow, end the run."""
+    run_dir = Path(cfg.run.dir)
+    ckpt.export_weights(s.engine, run_dir / "model.safetensors",
+                        metadata={"variant": cfg.model.variant, "step": str(step)})
+    if s.env.is_main:
+        s.tracker.log_artifact(run_dir / "config.yaml")
+        s.tracker.log_artifact(run_dir / "model.safetensors")  # a path tag instead with tracking.log_model=false
+    s.tracker.finish("FINISHED")
+    log(s.env, f"done: {run_dir / 'model.safetensors'}")
 
 
 def _progress(env: DistEnv, start: int, total: int):

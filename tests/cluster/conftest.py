@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,15 @@ def slurm_cluster(tmp_path_factory):
 
 
 @pytest.fixture
-def job_dir(tmp_path) -> Path:
-    """A directory for one test's logs and run dirs, readable by the jobs (which run as root here)."""
+def job_dir(tmp_path, slurm_cluster) -> Path:
+    """A directory for one test's logs and run dirs, readable by the jobs (which run as root here).
+
+    On the way out, whatever the test left queued or running is cancelled: a test that failed
+    half-way must not hold both nodes and make every later test wait on its job."""
     (tmp_path / "logs").mkdir()
-    return tmp_path
+    yield tmp_path
+    if slurm_cluster.running_job_ids():
+        slurm_cluster.run(["scancel", "--full", "--user", str(os.geteuid())], check=False)
+        deadline = time.monotonic() + 60
+        while slurm_cluster.running_job_ids() and time.monotonic() < deadline:
+            time.sleep(0.5)

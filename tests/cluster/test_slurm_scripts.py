@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1200)]
 
 # What the scripts' #SBATCH defaults ask for (8 GPUs per node) does not exist here; the command
 # line overrides it, as a user would on a smaller partition.
@@ -46,7 +46,7 @@ def job_log(job_dir: Path, job_id: int) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def wait_for_log(cluster, job_dir: Path, job_id: int, pattern: str, timeout_s: float = 120) -> re.Match:
+def wait_for_log(cluster, job_dir: Path, job_id: int, pattern: str, timeout_s: float = 300) -> re.Match:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         match = re.search(pattern, job_log(job_dir, job_id), re.MULTILINE)
@@ -76,7 +76,7 @@ def stand_in_config(job_dir) -> str:
 
 
 def test_two_tasks_on_two_nodes_form_one_gloo_group(slurm_cluster, job_dir, stand_in_config):
-    job_id, rc = submit(slurm_cluster, job_dir, wait=True, timeout_s=180,
+    job_id, rc = submit(slurm_cluster, job_dir, wait=True, timeout_s=300,
                         ENTRY=str(FIXTURES / "dist_probe.py"), CONFIG=stand_in_config)
     log = job_log(job_dir, job_id)
     assert rc == 0, log
@@ -98,7 +98,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, job_dir, stand_in_
     job_id = submit(slurm_cluster, job_dir, ENTRY=str(FIXTURES / "preemptible.py"), CONFIG=stand_in_config)
     wait_for_log(slurm_cluster, job_dir, job_id, r"STEP 3 ")
     slurm_cluster.run(["scancel", "--signal=USR1", *scancel_flags, str(job_id)])
-    info = slurm_cluster.wait_job(job_id, timeout_s=120)
+    info = slurm_cluster.wait_job(job_id, timeout_s=300)
     log = job_log(job_dir, job_id)
     assert_finished(info, log, restarts="1")
     stopped = {int(s) for s in re.findall(r"PREEMPTED step=(\d+)", log)}
@@ -131,14 +131,14 @@ def test_requeues_stop_at_max_restarts(slurm_cluster, job_dir, stand_in_config):
                     MAX_RESTARTS="0")
     wait_for_log(slurm_cluster, job_dir, job_id, r"STEP 2 ")
     slurm_cluster.run(["scancel", "--signal=USR1", str(job_id)])
-    info = slurm_cluster.wait_job(job_id, timeout_s=60)
+    info = slurm_cluster.wait_job(job_id, timeout_s=180)
     log = job_log(job_dir, job_id)
     assert_finished(info, log, state="FAILED", exit_code="75:0")
     assert "MAX_RESTARTS=0" in log
 
 
 def test_a_failure_is_not_requeued(slurm_cluster, job_dir, stand_in_config):
-    job_id, rc = submit(slurm_cluster, job_dir, wait=True, timeout_s=60,
+    job_id, rc = submit(slurm_cluster, job_dir, wait=True, timeout_s=180,
                         ENTRY=str(FIXTURES / "crash.py"), CONFIG=stand_in_config)
     log = job_log(job_dir, job_id)
     assert rc == 3, log
@@ -157,7 +157,7 @@ def test_a_missing_config_is_named(slurm_cluster, job_dir):
 
 
 def test_finetune_requires_from(slurm_cluster, job_dir):
-    job_id, rc = submit(slurm_cluster, job_dir, script="slurm/finetune.sh", wait=True, timeout_s=60, FROM="")
+    job_id, rc = submit(slurm_cluster, job_dir, script="slurm/finetune.sh", wait=True, timeout_s=120, FROM="")
     assert rc == 2
     assert "set FROM to the pretrained weights" in job_log(job_dir, job_id)
 
@@ -196,7 +196,7 @@ def pretrain_run(slurm_cluster, digits_shards, tmp_path_factory):
     require("launch/pretrain.py", PRETRAIN_CONFIG)
     job_dir = tmp_path_factory.mktemp("pretrain")
     (job_dir / "logs").mkdir()
-    job_id, rc = submit(slurm_cluster, job_dir, wait=True, timeout_s=300, CONFIG=PRETRAIN_CONFIG,
+    job_id, rc = submit(slurm_cluster, job_dir, wait=True, timeout_s=600, CONFIG=PRETRAIN_CONFIG,
                         OVERRIDES=f"{SHORT_RUN} data.path={digits_shards}")
     return job_id, job_dir, job_log(job_dir, job_id), rc
 
@@ -222,9 +222,9 @@ def test_pretrain_preempted_resumes_to_the_same_weights(slurm_cluster, digits_sh
     job_id = submit(slurm_cluster, job_dir, CONFIG=PRETRAIN_CONFIG,
                     OVERRIDES=f"{SHORT_RUN} data.path={digits_shards}")
     # Between two checkpoints, so the resume really starts from the checkpoint written on the signal.
-    wait_for_log(slurm_cluster, job_dir, job_id, r"^0: step 15/", timeout_s=180)
+    wait_for_log(slurm_cluster, job_dir, job_id, r"^0: step 15/", timeout_s=300)
     slurm_cluster.run(["scancel", "--signal=USR1", str(job_id)])
-    info = slurm_cluster.wait_job(job_id, timeout_s=300)
+    info = slurm_cluster.wait_job(job_id, timeout_s=600)
     log = job_log(job_dir, job_id)
     assert_finished(info, log, restarts="1")
     stopped = re.search(r"preempted: checkpoint at step (\d+) saved", log)
@@ -244,7 +244,7 @@ def test_finetune_from_the_pretrain_run(slurm_cluster, digits_shards, pretrain_r
     require("launch/finetune.py", FINETUNE_CONFIG)
     _, base_dir, base_log, base_rc = pretrain_run
     assert base_rc == 0, base_log
-    job_id, rc = submit(slurm_cluster, job_dir, script="slurm/finetune.sh", wait=True, timeout_s=300,
+    job_id, rc = submit(slurm_cluster, job_dir, script="slurm/finetune.sh", wait=True, timeout_s=600,
                         CONFIG=FINETUNE_CONFIG, FROM=str(base_dir / "run"), RES="64",
                         OVERRIDES=f"train.steps=10 train.log_every=5 train.eval_every=0 data.num_workers=1 "
                                   f"tracking.enabled=false data.path={digits_shards}")

@@ -190,12 +190,12 @@ def test_both_runs_with_params_metrics_and_the_parent_link(demo, server, experim
     assert demo["pre_id"] in t_ft["mlflow.note.content"]  # the description the run page shows
 
     # Metric histories, with the optimizer step as MLflow's step.
-    assert [s for s, _ in _history(server, demo["pre_id"], "loss")] == list(range(2, 21, 2))
-    assert [s for s, _ in _history(server, demo["ft_id"], "loss")] == list(range(2, 11, 2))
+    assert [s for s, _ in _history(server, demo["pre_id"], "train/loss")] == list(range(2, 21, 2))
+    assert [s for s, _ in _history(server, demo["ft_id"], "train/loss")] == list(range(2, 11, 2))
     assert [s for s, _ in _history(server, demo["pre_id"], "eval/top1")] == [10, 20]
     assert [s for s, _ in _history(server, demo["ft_id"], "eval/top1")] == [5, 10]
     for run_id in (demo["pre_id"], demo["ft_id"]):
-        for key in ("lr", "grad_norm", "eval/loss", "eval/top5"):
+        for key in ("train/lr", "train/grad_norm", "perf/images_per_s", "eval/loss", "eval/top5"):
             assert _history(server, run_id, key), f"{run_id} has no {key}"
         assert all(0.0 <= v <= 1.0 for _, v in _history(server, run_id, "eval/top1"))
 

@@ -35,7 +35,7 @@ def test_sigusr1_on_one_rank_checkpoints_exits_75_and_resume_is_bit_exact(shards
     ref = run("pretrain.py", CONFIG, base(shards, ref_dir, zero))
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     assert "world size 2" in ref.stdout
-    losses = [m["metrics"]["loss"] for m in metrics(ref_dir) if "loss" in m["metrics"]]
+    losses = [m["metrics"]["train/loss"] for m in metrics(ref_dir) if "train/loss" in m["metrics"]]
     assert losses[-1] < 0.8 * losses[0], losses  # it learns
     assert (ref_dir / "checkpoints" / "latest").read_text().strip() == "step_0000024"
     kept = sorted(p.name for p in (ref_dir / "checkpoints").glob("step_*"))

@@ -37,7 +37,7 @@ def test_closed_port_does_not_stall_a_20_step_run_and_replay_fills_the_store(tmp
     assert replay.returncode == 0, replay.stderr
     client = MlflowClient(tracking_uri=store)
     run_id = (dead_dir / "mlflow_run_id").read_text().strip()
-    losses = client.get_metric_history(run_id, "loss")
+    losses = client.get_metric_history(run_id, "train/loss")
     assert sorted(m.step for m in losses) == list(range(1, 21))
     assert client.get_run(run_id).data.params["model.embed_dim"] == "32"
     # The healthy run and the replayed one sit in the same experiment, comparable.
