@@ -1,0 +1,358 @@
+#!/usr/bin/env python
+"""Benchmarks: print a table and append one row per benchmark to results/benchmarks.csv.
+
+    python launch/bench.py loader          # train stream vs ImageFolder vs the decode+transform ceiling
+    python launch/bench.py {model,engine,e2e}
+    python launch/bench.py all             # every benchmark that is implemented
+
+The CSV has the columns date, hardware, torch, deepspeed, command, bench, figures (a JSON
+object), so rows from different machines and versions can be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import io
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_CSV = ROOT / "results" / "benchmarks.csv"
+CSV_COLUMNS = ["date", "hardware", "torch", "deepspeed", "command", "bench", "figures"]
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def hardware() -> str:
+    """'2x Intel Xeon ... / 24 GiB' plus the GPU when there is one."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        text = f"{cores}x {cpu} / {mem:.0f} GiB"
+    except (ValueError, OSError):
+        text = f"{cores}x {cpu}"
+    import torch
+    if torch.cuda.is_available():
+        text += f" / {torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    return text
+
+
+def versions() -> tuple[str, str]:
+    import torch
+    try:
+        from importlib.metadata import version
+        ds = version("deepspeed")
+    except Exception:
+        ds = "n/a"
+    return torch.__version__, ds
+
+
+def append_result(bench: str, figures: dict[str, Any], path: Path = RESULTS_CSV) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    torch_v, ds_v = versions()
+    row = {"date": dt.datetime.now().isoformat(timespec="seconds"), "hardware": hardware(), "torch": torch_v,
+           "deepspeed": ds_v, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+           "bench": bench, "figures": json.dumps(figures, sort_keys=False)}
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+    print(f"appended to {path}")
+
+
+def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
+    cells = [header] + [[f"{c:.1f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    for i, r in enumerate(cells):
+        print("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+# ----------------------------------------------------------------------------- loader
+
+
+def _write_bench_data(folder: Path, images: int, size: int, classes: int) -> tuple[Path, Path]:
+    """Synthetic JPEG shards and the very same JPEG files as an ImageFolder tree."""
+    from pipeline.data import read_dataset_info, tario
+    from pipeline.data.shards import synthetic_source, write_dataset
+
+    shards = folder / "shards"
+    write_dataset(synthetic_source(images, classes, size, val_fraction=0.0), shards,
+                  max_samples_per_shard=128, workers=min(2, os.cpu_count() or 1), progress=False)
+    files = folder / "files"
+    for shard in read_dataset_info(shards).splits["train"].shards:
+        for raw in tario.iter_raw_samples(shard):
+            label = tario.parse_label(raw, "cls")
+            (files / f"class_{label:03d}").mkdir(parents=True, exist_ok=True)
+            (files / f"class_{label:03d}" / f"{raw.key}.jpg").write_bytes(raw.members["jpg"])
+    return shards, files
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) of this process and of the given (worker) processes."""
+    t = os.times()
+    total = t.user + t.system
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def _worker_pids(dl_iter: Any) -> list[int]:
+    return [w.pid for w in getattr(dl_iter, "_workers", [])]  # torch's multi-process iterator
+
+
+def _rate(it: Any, n_batches: int, pids: list[int], ready: int) -> tuple[float, float]:
+    """(images/s, CPU ms per image) over n_batches of an already started iterator.
+
+    Workers fill their prefetch queue (`ready` batches) while another loader is being timed;
+    those are taken first, untimed, so that timing starts when the workers start afresh.
+    """
+    for _ in range(ready):
+        next(it)
+    c0, t0 = _cpu_seconds(pids), time.perf_counter()
+    n = 0
+    for _ in range(n_batches):
+        n += len(next(it)[0])
+    wall, cpu = time.perf_counter() - t0, _cpu_seconds(pids) - c0
+    return n / wall, 1e3 * cpu / n
+
+
+def _ceiling(blobs: list[bytes], transform: Callable[[Any], Any]) -> tuple[float, float]:
+    """Decode + transform in a tight loop in this process, one thread (as in a DataLoader worker)."""
+    import torch
+    from PIL import Image
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        c0, t0 = time.process_time(), time.perf_counter()
+        for b in blobs:
+            transform(Image.open(io.BytesIO(b)).convert("RGB"))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return len(blobs) / wall, 1e3 * cpu / len(blobs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def bench_loader(args: argparse.Namespace) -> dict[str, Any]:
+    """Train stream vs torchvision ImageFolder vs the decode+transform ceiling, images/s.
+
+    Each figure is the best of --rounds interleaved measurements (stream, ImageFolder, ceiling,
+    stream, ...), so that load from other processes on a shared machine hits all three alike.
+    """
+    import torch
+    import torchvision
+
+    from pipeline.config import DataConfig
+    from pipeline.data import build_train_loader
+    from pipeline.data.transforms import BatchNormalizer, train_transform
+
+    t_start = time.perf_counter()
+    workers = [int(w) for w in args.workers.split(",")]
+    batch, crop = args.batch_size, args.crop
+    n_batches = max(1, args.images_measured // batch)
+    with tempfile.TemporaryDirectory(prefix="bench-loader-", dir=args.tmp) as tmp:
+        t0 = time.perf_counter()
+        shards, files = _write_bench_data(Path(tmp), args.images, args.size, args.classes)
+        print(f"wrote {args.images} {args.size}x{args.size} JPEGs as shards and as files in "
+              f"{time.perf_counter() - t0:.1f} s")
+        # The reference transform: timm's, per image, ending in ToTensor + Normalize (float32).
+        transform = train_transform(DataConfig(), (crop, crop), to_float=True)
+        print(f"transform: {transform}".replace("\n", " "))
+        # The stream's own per-image work: timm's transform to uint8, then the fused normalisation.
+        to_uint8, normalize = train_transform(DataConfig(), (crop, crop)), BatchNormalizer((0.5,) * 3, (0.5,) * 3)
+        buffer = torch.empty(3, crop, crop)
+
+        def same_path(img: Any) -> Any:
+            return normalize(to_uint8(img), out=buffer)
+
+        blobs = [p.read_bytes() for p in sorted(files.rglob("*.jpg"))[:args.ceiling_images]]
+        _ceiling(blobs[:8], transform)  # lazy imports, caches
+        _ceiling(blobs[:8], same_path)
+        rows, figures = [], {"images": args.images, "size": args.size, "crop": crop, "batch": batch,
+                             "measured_images": n_batches * batch, "rounds": args.rounds}
+        for w in workers:
+            cfg = DataConfig(path=str(shards), num_workers=w, shuffle_buffer=args.shuffle_buffer,
+                             prefetch_factor=args.prefetch)
+            train = build_train_loader(cfg, crop, batch, seed=0)
+            folder_loader = torch.utils.data.DataLoader(
+                torchvision.datasets.ImageFolder(str(files), transform=transform), batch_size=batch,
+                shuffle=True, num_workers=w, drop_last=True, persistent_workers=w > 0,
+                prefetch_factor=args.prefetch if w > 0 else None,
+                generator=torch.Generator().manual_seed(0))
+            stream_it, folder_it = iter(train), _repeat(folder_loader)
+            for it in (stream_it, folder_it):  # worker start-up is not part of the figures
+                for _ in range(args.warmup):
+                    next(it)
+            stream_pids = _worker_pids(train._it)
+            folder_pids = _worker_pids(folder_loader._iterator)
+            best = {k: (0.0, 1e9) for k in ("stream", "folder", "single", "single_same_path")}
+            for _ in range(args.rounds):
+                ready = args.prefetch * max(1, w)
+                for name, fig in (("stream", _rate(stream_it, n_batches, stream_pids, ready)),
+                                  ("folder", _rate(folder_it, n_batches, folder_pids, ready)),
+                                  ("single", _ceiling(blobs, transform)),
+                                  ("single_same_path", _ceiling(blobs, same_path))):
+                    best[name] = (max(best[name][0], fig[0]), min(best[name][1], fig[1]))
+            train.close()
+            del stream_it, folder_it, folder_loader
+            stream, folder = best["stream"][0], best["folder"][0]
+            ceiling = best["single"][0] * max(1, w)
+            ceiling_same = best["single_same_path"][0] * max(1, w)
+            cpu = {k: v[1] for k, v in best.items()}
+            rows.append([w, stream, folder, ceiling, ceiling_same, stream / ceiling, stream / ceiling_same,
+                         stream / folder, cpu["stream"], cpu["folder"], cpu["single"], cpu["single_same_path"]])
+            figures[f"w{w}"] = {
+                "stream_img_s": round(stream, 1), "imagefolder_img_s": round(folder, 1),
+                "ceiling_img_s": round(ceiling, 1), "ceiling_same_path_img_s": round(ceiling_same, 1),
+                "stream_vs_ceiling": round(stream / ceiling, 3),
+                "stream_vs_ceiling_same_path": round(stream / ceiling_same, 3),
+                "stream_vs_imagefolder": round(stream / folder, 3),
+                "cpu_ms_per_img": {k: round(v, 3) for k, v in cpu.items()}}
+    print_table(f"train stream, {args.size}px JPEG -> RandomResizedCrop {crop} + flip + normalise, "
+                f"batch {batch}, images/s (best of {args.rounds})",
+                ["workers", "stream", "ImageFolder", "ceiling", "ceiling*", "stream/ceiling", "stream/ceiling*",
+                 "stream/ImageFolder", "cpu ms/img: stream", "ImageFolder", "ceiling", "ceiling*"],
+                [[*r[:5], *(f"{x:.2f}" for x in r[5:])] for r in rows])
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    figures["load_avg_1min"] = round(load, 2)
+    print("ceiling: decode + timm's transform (per-image ToTensor + Normalize, as ImageFolder gets) in a tight "
+          "loop in one process, x workers; ceiling*: the same with the stream's own per-image work (uint8 "
+          "transform + fused normalisation); cpu ms/img: "
+          "CPU time of all processes involved (workers + main) per image, which load from other "
+          f"processes does not inflate (1-min load average at the end: {load:.1f} on {os.cpu_count()} cores)")
+    figures["seconds"] = round(time.perf_counter() - t_start, 1)
+    print(f"loader benchmark took {figures['seconds']:.0f} s")
+    return figures
+
+
+def _repeat(loader: Any) -> Any:
+    while True:
+        yield from loader
+
+
+def add_loader_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--images", type=int, default=1536, help="synthetic images written (default 1536)")
+    p.add_argument("--size", type=int, default=256, help="their size in pixels (default 256)")
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--crop", type=int, default=224, help="RandomResizedCrop output (default 224)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", default="1,2", help="DataLoader worker counts to compare (default 1,2)")
+    p.add_argument("--images-measured", type=int, default=640, help="images timed per round and configuration")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved measurements; the best counts (default 3)")
+    p.add_argument("--warmup", type=int, default=2, help="batches before timing starts")
+    p.add_argument("--ceiling-images", type=int, default=256, help="images per ceiling measurement")
+    p.add_argument("--shuffle-buffer", type=int, default=1000)
+    p.add_argument("--prefetch", type=int, default=2, help="DataLoader prefetch_factor of both loaders")
+    p.add_argument("--tmp", default=None, help="folder for the temporary data (default: system temp)")
+
+
+# ----------------------------------------------------------------------------- other benchmarks
+# model, engine and e2e live in pipeline/bench (flags, presets and tables in pipeline/bench/cli.py);
+# each `bench_<name>(args) -> dict` returns the figures and `main` appends the row.
+
+
+def bench_model(args: argparse.Namespace) -> dict[str, Any]:
+    """Training step images/s and MFU, ours vs timm's VisionTransformer (same config and optimizer)."""
+    from pipeline.bench.cli import run_model
+
+    return run_model(args, print_table)
+
+
+def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
+    """DeepSpeed ZeRO 0-3 step vs a plain PyTorch loop (same model, optimizer, dtype); check_finite cost."""
+    from pipeline.bench.cli import run_engine
+
+    return run_engine(args, print_table)
+
+
+def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
+    """Shards -> train loader -> DeepSpeed step vs synthetic tensors on the device: does data keep up?"""
+    from pipeline.bench.cli import run_e2e
+
+    return run_e2e(args, print_table)
+
+
+# ----------------------------------------------------------------------------- dispatcher
+
+BENCHES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "loader": bench_loader, "model": bench_model, "engine": bench_engine, "e2e": bench_e2e,
+}
+ARGS: dict[str, Callable[[argparse.ArgumentParser], None]] = {"loader": add_loader_args}
+
+
+def _bench_args(name: str) -> Callable[[argparse.ArgumentParser], None]:
+    def add(p: argparse.ArgumentParser) -> None:
+        from pipeline.bench import cli
+
+        getattr(cli, f"add_{name}_args")(p)
+    return add
+
+
+ARGS.update({name: _bench_args(name) for name in ("model", "engine", "e2e")})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--no-csv", action="store_true", help=f"do not append to {RESULTS_CSV.relative_to(ROOT)}")
+    sub = p.add_subparsers(dest="bench", required=True)
+    for name in BENCHES:
+        sp = sub.add_parser(name, help=(BENCHES[name].__doc__ or name).strip().splitlines()[0])
+        if name in ARGS:
+            ARGS[name](sp)
+    sp = sub.add_parser("all", help="every implemented benchmark with its defaults")
+    for add in ARGS.values():
+        add(sp)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    names = list(BENCHES) if args.bench == "all" else [args.bench]
+    status = 0
+    for name in names:
+        print(f"== bench {name}")
+        try:
+            figures = BENCHES[name](args)
+        except NotImplementedError as e:
+            print(f"not implemented yet: {e}")
+            if args.bench != "all":
+                status = 2
+            continue
+        if not args.no_csv:
+            append_result(name, figures)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The model/engine/e2e benchmarks (pipeline.bench, launch/bench.py): tiny runs that finish in seconds,
+the figures they return, and that the plain-loop baseline does the same work as DeepSpeed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.bench import common, model
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = common.BenchSpec("vit_ti16", res=32, batch=2, dtype="bf16", num_classes=10, steps=1, windows=2, warmup=1)
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """The benchmarks set torch's thread count (--threads); other tests get theirs back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _positive(d: dict, *keys: str) -> None:
+    for k in keys:
+        assert d[k] > 0, (k, d[k])
+
+
+def test_interleaved_takes_turns_after_warmup():
+    calls: list[str] = []
+    contenders = {name: (lambda n=name: calls.append(n)) for name in ("a", "b", "c")}
+    times = common.interleaved(contenders, steps=2, windows=3, warmup=1, device=torch.device("cpu"))
+    assert calls[:3] == ["a", "b", "c"]  # warm-up
+    assert calls[3:] == ["a", "a", "b", "b", "c", "c"] * 3  # windows in turns
+    for clock in (times.wall, times.cpu):
+        assert {k: len(v) for k, v in clock.items()} == {"a": 3, "b": 3, "c": 3}
+        assert all(t >= 0 for v in clock.values() for t in v)
+
+
+def test_model_bench_returns_ours_timm_and_ratio():
+    torch.set_num_threads(1)
+    f = model.run(TINY, peak=1e12, log=lambda *_: None)
+    for name in ("ours", "timm"):
+        _positive(f[name], "img_s", "step_ms", "tflops", "mfu", "cpu_step_ms")
+    assert f["ours_vs_timm"] > 0 and len(f["ours_vs_timm_windows"]) == TINY.windows
+    assert f["ours_vs_timm_cpu"] > 0 and len(f["ours_vs_timm_cpu_windows"]) == TINY.windows
+    assert f["gflops_per_image"] > 0 and f["seconds"] > 0
+    assert model.rows(f)[0][0] == "ours"
+
+
+def test_model_pair_has_identical_weights_and_outputs():
+    ours, theirs = model.build_pair(TINY)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.eval()(x), ours.eval()(x), atol=1e-5, rtol=0)
+
+
+def test_plain_step_bf16_keeps_fp32_master_weights():
+    torch.manual_seed(0)
+    spec = TINY
+    ours, _ = model.build_pair(spec)
+    images, targets = common.synthetic_batch(spec, torch.device("cpu"))
+    step = common.PlainStep(ours, spec, images, targets)
+    assert all(p.dtype == torch.bfloat16 for p in step.model.parameters())
+    losses = [step().item() for _ in range(3)]
+    assert losses[-1] < losses[0]
+    for p, m in zip(step.params, step.master_params):
+        assert m.dtype == torch.float32 and torch.equal(p.detach(), m.detach().to(torch.bfloat16))
+
+
+DIST_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, ".")
+    torch.set_num_threads(1)
+    from pipeline.bench import common, e2e, engine
+    spec = common.BenchSpec("vit_ti16", res=32, batch=4, dtype="bf16", num_classes=10, steps=1, windows=2, warmup=1)
+    out = {"engine": engine.run(spec, (0, 1, 2, 3), check_finite=True, log=lambda *_: None),
+           "e2e": e2e.run(spec, workers=1, images=48, image_size=40, log=lambda *_: None)}
+    # The baseline does DeepSpeed's work: same weights, same bf16 + fp32-master AdamW, same clipping.
+    x, y = common.synthetic_batch(spec, torch.device("cpu"))
+    plain = engine.build_plain(spec, x, y)
+    ds = engine.build_engine(spec, 1)
+    out["plain_losses"] = [plain().item() for _ in range(3)]
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.cross_entropy(ds(x).float(), y)
+        ds.backward(loss)
+        ds.step()
+        losses.append(loss.item())
+    out["zero1_losses"] = losses
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def dist_figures() -> dict:
+    """engine and e2e join a process group: run them in a child process (the test process stays clean)."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-c", DIST_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_engine_bench_has_every_stage_with_check_finite(dist_figures):
+    from pipeline.bench import engine
+
+    f = dist_figures["engine"]
+    _positive(f["plain"], "img_s", "step_ms")
+    for stage in (0, 1, 2, 3):
+        z = f[f"zero{stage}"]
+        _positive(z, "img_s", "step_ms", "vs_plain", "vs_plain_cpu", "cpu_step_ms")
+        _positive(z["check_finite"], "img_s", "step_ms", "vs_plain", "vs_off", "vs_off_cpu")
+        assert len(z["vs_plain_windows"]) == 2
+    assert len(engine.rows(f)) == 5
+
+
+def test_e2e_bench_compares_loader_with_synthetic(dist_figures):
+    f = dist_figures["e2e"]
+    _positive(f["loader"], "img_s", "step_ms")
+    _positive(f["synthetic"], "img_s", "step_ms")
+    assert f["e2e_vs_synthetic"] > 0 and 0 <= f["loader"]["data_wait"] <= 1
+    assert f["zero_stage"] == 1 and f["workers"] == 1
+
+
+def test_plain_loop_matches_deepspeed_zero1_bf16(dist_figures):
+    # The overhead ratio compares equal work (DeepSpeed's bf16 + fp32 master AdamW + clipping): the same
+    # losses up to rounding (DeepSpeed sums the gradient norm over its flat buffer, in another order).
+    plain, zero1 = dist_figures["plain_losses"], dist_figures["zero1_losses"]
+    assert plain[0] == zero1[0] and plain[-1] < plain[0]
+    torch.testing.assert_close(torch.tensor(plain), torch.tensor(zero1), rtol=1e-3, atol=0)
+
+
+def _launch_bench():
+    spec = importlib.util.spec_from_file_location("launch_bench", ROOT / "launch" / "bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cli_flags_override_the_preset_and_all_parses():
+    bench = _launch_bench()
+    p = bench.build_parser()
+    args = p.parse_args(["all"])  # every benchmark's flags in one parser, no clashes
+    assert args.batch is None and args.batch_size == 64
+    args = p.parse_args(["model", "--variant", "vit_s16", "--res", "96", "--batch", "4", "--dtype", "fp32",
+                         "--grad-ckpt", "--steps", "2", "--threads", "1"])
+    from pipeline.bench.cli import _specs
+
+    (spec,) = _specs(args)
+    assert (spec.variant, spec.res, spec.batch, spec.dtype, spec.grad_ckpt, spec.compile, spec.steps) == \
+        ("vit_s16", 96, 4, "fp32", True, False, 2)
+    gpu = _specs(p.parse_args(["model", "--preset", "gpu", "--threads", "1"]))
+    assert [(s.variant, s.batch, s.dtype) for s in gpu] == [("vit_b16", 256, "bf16"), ("vit_l16", 64, "bf16")]
+
+
+def test_cli_model_runs_and_prints_a_table(capsys):
+    bench = _launch_bench()
+    code = bench.main(["--no-csv", "model", "--variant", "vit_ti16", "--res", "32", "--batch", "2", "--steps", "1",
+                       "--windows", "1", "--warmup-steps", "0", "--threads", "1"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "ours" in out and "timm" in out and "step time / timm" in out
