@@ -59,13 +59,13 @@ def env() -> dict[str, str]:
 
 
 def run(entry: str, config: str, overrides: list[str], ranks: int = 2, extra: list[str] = (),
-        timeout: float = 300, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        timeout: float = 900, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(command(entry, config, overrides, ranks, list(extra)), cwd=ROOT,
                           env={**env(), **(extra_env or {})}, capture_output=True, text=True, timeout=timeout)
 
 
 def run_and_signal(entry: str, config: str, overrides: list[str], when: str, sig: int = signal.SIGUSR1,
-                   rank: int = 1, ranks: int = 2, timeout: float = 300) -> tuple[int, str]:
+                   rank: int = 1, ranks: int = 2, timeout: float = 900) -> tuple[int, str]:
     """Start a run, send `sig` to one rank once a line containing `when` is printed; return (code, output)."""
     proc = subprocess.Popen(command(entry, config, overrides, ranks), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

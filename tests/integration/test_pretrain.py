@@ -110,3 +110,17 @@ def test_checkpoint_of_another_model_is_refused(shards, tmp_path):
     other = run("pretrain.py", CONFIG, [*base(shards, run_dir, 1, steps=4), "model.embed_dim=48"], ranks=1)
     assert other.returncode == 1
     assert "different model" in other.stderr and "embed_dim: 32 (checkpoint) vs 48 (config)" in other.stderr
+
+
+def test_zero3_init_builds_the_same_model_as_stage0(shards, tmp_path):
+    """Under deepspeed.zero.Init every parameter is partitioned as it is created; the ViT's init must
+    still produce the seed's weights. lr=0 for one step: the exported weights are the initial ones."""
+    one_step = ["train.steps=1", "train.warmup_steps=0", "train.lr=0.0", "train.log_every=1", "train.eval_every=0"]
+    results = {}
+    for zero in (0, 3):
+        run_dir = tmp_path / f"zero{zero}"
+        out = run("pretrain.py", CONFIG, [*base(shards, run_dir, zero), *one_step])
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        results[zero] = weights(run_dir), metrics(run_dir)[0]["metrics"]["train/loss"]
+    assert_same_weights(results[0][0], results[3][0])
+    assert results[3][1] == pytest.approx(results[0][1], rel=1e-2)  # first-step loss, bf16 tolerance
