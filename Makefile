@@ -6,6 +6,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PYTHONUNBUFFERED := 1
+# DeepSpeed JIT-builds small C++ ops (shm comm, CPU Adam) into torch's extension cache. One cache per
+# checkout: two checkouts sharing ~/.cache/torch_extensions rebuild each other's ops mid-run.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: venv test test-fast lint bench demo clean
 

@@ -60,8 +60,19 @@ def env() -> dict[str, str]:
 
 def run(entry: str, config: str, overrides: list[str], ranks: int = 2, extra: list[str] = (),
         timeout: float = 900, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(command(entry, config, overrides, ranks, list(extra)), cwd=ROOT,
-                          env={**env(), **(extra_env or {})}, capture_output=True, text=True, timeout=timeout)
+    """Run an entry point to the end. On a timeout the whole process group is killed and the test
+    fails with what the run printed, so a hang shows where it hung."""
+    argv = command(entry, config, overrides, ranks, list(extra))
+    proc = subprocess.Popen(argv, cwd=ROOT, env={**env(), **(extra_env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(argv[:6])} ... still running after {timeout:.0f}s:\n"
+                             f"{out[-4000:]}\n{err[-4000:]}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def run_and_signal(entry: str, config: str, overrides: list[str], when: str, sig: int = signal.SIGUSR1,
