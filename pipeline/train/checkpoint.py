@@ -137,3 +137,17 @@ def export_weights(engine, path: Path, metadata: dict[str, str] | None = None) -
         save_weights(state, path, metadata=metadata)
     if dist.is_initialized():
         dist.barrier()
+
+
+def consolidate(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """fp32 weights from a checkpoint on disk (any ZeRO stage, any world size), without an engine.
+
+    Reads DeepSpeed's own pickles, which only our trainer wrote into this run directory.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag = tag or latest_tag(run_dir)
+    if tag is None:
+        raise FileNotFoundError(f"{checkpoint_dir(run_dir)} has no complete checkpoint (no 'latest')")
+    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
+    return {k: v.float().contiguous() for k, v in state.items()}

@@ -54,13 +54,7 @@ def source_state_dict(src: Source) -> dict[str, torch.Tensor]:
         return load_weights(src.path)
     if (src.path / "model.safetensors").is_file():
         return load_weights(src.path / "model.safetensors")
-    # A run stopped before export: consolidate its newest checkpoint. This reads DeepSpeed's own pickles,
-    # which only our trainer wrote into this run directory.
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    tag = ckpt.latest_tag(src.path)
-    return {k: v.float() for k, v in
-            get_fp32_state_dict_from_zero_checkpoint(str(ckpt.checkpoint_dir(src.path)), tag=tag).items()}
+    return ckpt.consolidate(src.path)  # a run stopped before export: its newest checkpoint
 
 
 def prepare_finetune(cfg: Config) -> tuple[Config, Callable[[nn.Module], dict[str, str]]]:

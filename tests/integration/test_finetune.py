@@ -1,10 +1,22 @@
 """Fine-tuning end to end through the launcher: 2 ranks, ZeRO-3, from a run stopped before export."""
 
 import json
+import subprocess
 
 import pytest
+from safetensors.torch import load_file
 
-from tests.integration.runs import TINY, make_synthetic_shards, metrics, run
+from tests.integration.runs import (
+    PYTHON,
+    ROOT,
+    TINY,
+    assert_same_weights,
+    env,
+    make_synthetic_shards,
+    metrics,
+    run,
+    weights,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -15,7 +27,13 @@ def test_finetune_from_an_unexported_run_at_twice_the_resolution_with_zero3(tmp_
     pre = run("pretrain.py", "configs/pretrain/demo.yaml",
               [*TINY, f"data.path={shards}", f"run.dir={pre_dir}", "train.steps=4", "train.ckpt_every=2"], ranks=1)
     assert pre.returncode == 0, pre.stderr[-3000:]
-    (pre_dir / "model.safetensors").unlink()  # as if preempted before the export: use the checkpoint
+    # launch/export_weights.py consolidates the checkpoint to the very weights the trainer exported.
+    exported = weights(pre_dir)
+    (pre_dir / "model.safetensors").unlink()  # as if preempted before the export
+    out = subprocess.run([PYTHON, "launch/export_weights.py", str(pre_dir), "--out", str(tmp_path / "w.safetensors")],
+                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert_same_weights(exported, load_file(str(tmp_path / "w.safetensors")))
 
     ft = run("finetune.py", "configs/finetune/demo.yaml",
              [*TINY, f"data.path={shards}", f"run.dir={ft_dir}", "train.steps=6", "train.warmup_steps=1",
