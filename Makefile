@@ -24,7 +24,7 @@ venv: $(STAMP)
 # with apt when missing; otherwise those tests skip and say why.
 test: $(STAMP)
 	bash tests/cluster/install_slurm.sh
-	@if [ -f tests/ui/install_chromium.sh ]; then bash tests/ui/install_chromium.sh; fi
+	bash tests/ui/install_chromium.sh
 	$(PY) -m pytest tests
 
 # Unit tests only (seconds): what to run while editing.
