@@ -117,6 +117,8 @@ class DataConfig:
     """Probability of CutMix instead of Mixup when both are enabled."""
     prefetch_factor: int = 2
     """Batches each DataLoader worker prepares ahead."""
+    decode_device: Literal["cpu", "cuda"] = "cpu"
+    """cuda: workers only read bytes and draw the crop/flip; the trainer decodes the batch with nvjpeg (torchvision.io.decode_jpeg(device='cuda')), crops, resizes and normalises it on the GPU. For when the CPU cannot keep up. JPEG shards only."""
 
 
 @dataclass
@@ -434,6 +436,12 @@ def validate(cfg: Config, where: str = "config") -> None:
         ("train.max_nonfinite_steps", cfg.train.max_nonfinite_steps > 0, "> 0"),
         ("data.max_bad_fraction", 0 <= cfg.data.max_bad_fraction <= 1, "between 0 and 1"),
         ("data.num_workers", cfg.data.num_workers >= 0, ">= 0"),
+        ("data.decode_device", cfg.data.decode_device == "cpu" or (
+            cfg.data.auto_augment is None and cfg.data.color_jitter is None),
+         "'cpu' when data.auto_augment or data.color_jitter is set (the GPU decode does crop, flip and "
+         "normalisation only)"),
+        ("data.interpolation", cfg.data.decode_device == "cpu" or cfg.data.interpolation in ("bilinear", "bicubic"),
+         "'bilinear' or 'bicubic' when data.decode_device is 'cuda'"),
         ("model.drop_rate", 0 <= cfg.model.drop_rate < 1, "in [0, 1)"),
         ("model.drop_path_rate", 0 <= cfg.model.drop_path_rate < 1, "in [0, 1)"),
     ]

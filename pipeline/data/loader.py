@@ -15,6 +15,9 @@ Train stream (`build_train_loader`): infinite, deterministic, resumable.
   decoding, and skips the emitted samples. Augmentation is seeded per sample from
   (seed, epoch, g, block, i), Mixup per batch, so the resumed stream is tensor-for-tensor equal.
 - Every rank yields batches forever: no rank runs out before another.
+- `data.decode_device: cuda`: workers read headers and draw crops only; batches hold raw bytes,
+  and `TrainLoader.to_device` decodes them on the device (see gpu_decode.py). The trainer calls
+  `to_device` in both modes.
 
 Eval pass (`build_eval_loader`): dataset.json's per-shard counts number the samples 0..N-1;
 rank r takes the contiguous range [r N / w, (r+1) N / w); every rank runs
@@ -42,6 +45,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.config import DataConfig, image_size
 
 from . import tario
+from .gpu_decode import CropDraw, GpuBatchDecoder, open_lazy, pack_batch, replace_bad
 from .info import BadDataError, DataError, DatasetInfo, SplitInfo, read_dataset_info
 from .transforms import (
     BatchNormalizer,
@@ -102,6 +106,13 @@ def _decode(raw: tario.RawSample, label_key: str, num_classes: int | None) -> tu
     return tario.decode_image(data), label
 
 
+def _header(raw: tario.RawSample, label_key: str, num_classes: int | None) -> tuple[bytes, Any, int]:
+    """decode_device=cuda: (bytes, header-only PIL image, label) or SampleError; no pixels decoded."""
+    _, data = tario.image_member(raw)
+    label = tario.parse_label(raw, label_key, num_classes)
+    return data, open_lazy(data), label
+
+
 # ----------------------------------------------------------------------------- train stream
 
 
@@ -135,6 +146,9 @@ class TrainStream(IterableDataset):
         self.sample_level = len(self.shards) < self.readers
         self.worker_states = [_initial_worker_state() for _ in range(self.workers)]
         self.rotation = 0  # DataLoader worker i plays logical reader (i + rotation) % workers
+        self.gpu_decode = cfg.decode_device == "cuda"  # workers draw crops; TrainLoader.to_device decodes
+        self.draw = CropDraw(self.transform) if self.gpu_decode else None
+        self.shard_index = {sh: i for i, sh in enumerate(self.shards)}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -215,14 +229,21 @@ class _TrainReader:
                     _, raw, shard, _ = block[order[i]]
                     st["k"] = i + 1
                     try:
-                        img, label = _decode(raw, s.label_key, s.num_classes)
+                        if s.draw is not None:
+                            data, img, label = _header(raw, s.label_key, s.num_classes)
+                        else:
+                            img, label = _decode(raw, s.label_key, s.num_classes)
                     except tario.SampleError as e:
                         _count_bad(st, e.kind, shard)
                         self._check()
                         continue
                     st["read"] += 1
                     with seeded(sample_seed(s.seed, st["epoch"], self.g, st["block"], i), self.restore_rng):
-                        tensor = s.transform(img)
+                        if s.draw is not None:  # same RNG calls as s.transform: same box and flip
+                            box, flip = s.draw(img)
+                            tensor = (data, box, flip, s.shard_index[shard])
+                        else:
+                            tensor = s.transform(img)
                     yield tensor, label
                 st["block"] += 1
                 st["plan_pos"], st["index"], st["offset"], st["counter"] = after
@@ -244,6 +265,13 @@ class _TrainReader:
             samples = self._samples()
             while True:
                 chunk = list(islice(samples, s.batch_size))
+                if s.gpu_decode:  # raw bytes + boxes; decoded, mixed up by TrainLoader.to_device
+                    mix_seed = sample_seed(s.seed, self.g, self.state["batches"], 0x4D1C)
+                    self.state["batches"] += 1
+                    yield {"images": pack_batch([t for t, _ in chunk], mix_seed),
+                           "targets": torch.tensor([label for _, label in chunk], dtype=torch.long),
+                           "worker": self.logical, "state": copy.deepcopy(self.state)}
+                    continue
                 images = empty_batch((s.batch_size, 3, *s.img_size), shared=not self.restore_rng)
                 for j, (tensor, _) in enumerate(chunk):
                     s.normalize(tensor, out=images[j])  # uint8 -> normalised float32
@@ -274,6 +302,9 @@ class TrainLoader:
         self._worker_states = [_initial_worker_state() for _ in range(stream.workers)]
         self._batches = 0
         self._it: Iterator[dict[str, Any]] | None = None
+        self._decode_bad = _new_counters()  # decode_device=cuda: bad bodies found at decode time
+        self.decoder = (GpuBatchDecoder(stream.img_size, cfg.mean, cfg.std, cfg.interpolation)
+                        if stream.gpu_decode else None)
 
     # iteration ------------------------------------------------------------------------------
 
@@ -309,6 +340,29 @@ class TrainLoader:
             raise BadDataError(msg)
         return item["images"], item["targets"]
 
+    def to_device(self, images: Any, targets: torch.Tensor, device: torch.device | str,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch from `next()` on `device`: a copy, or with decode_device=cuda the decode, crop,
+        resize, flip, normalisation (and Mixup/CutMix) of the raw JPEG batch there."""
+        if self.decoder is None:
+            return images.to(device, dtype, non_blocking=True), targets.to(device, non_blocking=True)
+        out, bad = self.decoder(images, device)
+        targets = targets.to(device, non_blocking=True)
+        if bad:
+            shards = images["shards"].tolist()
+            for k in bad:
+                _count_bad(self._decode_bad, tario.CORRUPT_IMAGE, self.stream.shards[shards[k]])
+                self._decode_bad["read"] -= 1  # the worker counted it read already
+            replace_bad(out, targets, bad)
+            msg = bad_fraction_message(self._counters(), self.cfg.max_bad_fraction, f"rank {self.stream.rank}")
+            if msg is not None:
+                self.close()
+                raise BadDataError(msg)
+        if self.stream.mixup is not None:
+            with seeded(int(images["mixup_seed"]), restore=True):
+                out, targets = self.stream.mixup(out, targets)
+        return out.to(dtype), targets
+
     def close(self) -> None:
         """Stop the worker processes (they restart on the next batch)."""
         self._it = None
@@ -326,7 +380,8 @@ class TrainLoader:
     def state_dict(self) -> dict[str, Any]:
         """Position after the last batch handed out (small, picklable, JSON-able)."""
         return {"version": STATE_VERSION, **self._fingerprint(), "batches": self._batches,
-                "workers_state": copy.deepcopy(self._worker_states)}
+                "workers_state": copy.deepcopy(self._worker_states),
+                "decode_bad": copy.deepcopy(self._decode_bad)}
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Continue from `state`. With another seed, world size, worker count, batch size or shard
@@ -337,6 +392,7 @@ class TrainLoader:
         mine = self._fingerprint()
         diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         self.close()
+        self._decode_bad = copy.deepcopy(state.get("decode_bad", _new_counters()))
         if not diff:
             self._worker_states = copy.deepcopy(state["workers_state"])
             self._batches = int(state["batches"])
@@ -353,7 +409,7 @@ class TrainLoader:
         self._batches = 0
 
     def _counters(self) -> dict[str, Any]:
-        return _merge_counters(self._worker_states)
+        return _merge_counters([*self._worker_states, self._decode_bad])
 
     def bad_counts(self) -> dict[str, int]:
         """Samples skipped, by kind (a shard that cannot be read counts all the samples dataset.json

@@ -234,8 +234,7 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
         t0 = time.perf_counter()
         images, targets = next(data)
         wait = time.perf_counter() - t0
-        images = images.to(engine.device, s.dtype, non_blocking=True)
-        targets = targets.to(engine.device, non_blocking=True)
+        images, targets = s.train_loader.to_device(images, targets, engine.device, s.dtype)  # data.decode_device
         loss = loss_fn(engine(images).float(), targets, cfg.data.label_smoothing)
         meter.add(images.shape[0], wait)
         if tc.check_finite and not all_finite(loss):
