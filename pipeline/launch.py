@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from pipeline.config import ConfigError, load_or_exit
@@ -53,7 +52,10 @@ def run(kind: str, args: argparse.Namespace) -> int:
 
             cfg, prepare = prepare_finetune(cfg)
         return fit(cfg, prepare)
-    except (ConfigError, DataError, BadDataError, WeightsError, TrainError, FileNotFoundError) as e:
+    except ConfigError as e:  # e.g. fine-tuning without --from
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except (DataError, BadDataError, WeightsError, TrainError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
@@ -66,4 +68,3 @@ def _shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
-    os.environ.pop("MASTER_PORT", None)
