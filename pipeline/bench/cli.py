@@ -68,6 +68,8 @@ def add_e2e_args(p: argparse.ArgumentParser) -> None:
          help="synthetic JPEGs written as shards (default: max(512, 8 x batch))")
     _add(p, "--e2e-image-size", type=int, default=None, help="their size in pixels (default: res x 8/7)")
     _add(p, "--zero-stage", type=int, default=1, help="ZeRO stage of the e2e engine (default 1)")
+    _add(p, "--decode-device", choices=["cpu", "cuda"], default="cpu",
+         help="data.decode_device: cuda decodes JPEGs with nvjpeg on the device (default cpu)")
     _add(p, "--tmp", default=None, help="folder for the temporary data (default: system temp)")
 
 
@@ -148,7 +150,8 @@ def run_e2e(args: argparse.Namespace, print_table: PrintTable) -> dict[str, Any]
             workers = min(8, max(1, (os.cpu_count() or 2) - 1)) if torch.cuda.is_available() else 1
         images = args.e2e_images or max(512, 8 * spec.batch)
         figures = e2e.run(spec, workers=workers, images=images, image_size=args.e2e_image_size,
-                          zero_stage=args.zero_stage, tmp=args.tmp, peak=peak_flops(args), overrides=args.overrides)
+                          zero_stage=args.zero_stage, tmp=args.tmp, peak=peak_flops(args), overrides=args.overrides,
+                          decode_device=args.decode_device)
         print_table(f"end to end, {spec.label}, ZeRO-{args.zero_stage}, {workers} loader worker(s), "
                     f"{figures['threads']} thread(s), median of {spec.windows} windows x {spec.steps} steps, "
                     f"in turns", e2e.HEADER, e2e.rows(figures))

@@ -58,14 +58,14 @@ class LoaderStep:
         t0 = time.perf_counter()
         images, targets = next(self.loader)
         self.wait += time.perf_counter() - t0
-        images = images.to(self.engine.device, self.dtype, non_blocking=True)
-        targets = targets.to(self.engine.device, non_blocking=True)
+        # As the trainer does: a plain copy, or with data.decode_device=cuda the batch decode on the device.
+        images, targets = self.loader.to_device(images, targets, self.engine.device, self.dtype)
         trainer_step(self.engine, images, targets, False, self.loss_sum)
 
 
 def run(spec: BenchSpec, workers: int = 1, images: int = 512, image_size: int | None = None,
         zero_stage: int = 1, tmp: str | None = None, peak: float | None = None, overrides: Sequence[str] = (),
-        log: Any = print) -> dict[str, Any]:
+        log: Any = print, decode_device: str = "cpu") -> dict[str, Any]:
     from pipeline.config import DataConfig
     from pipeline.data import build_train_loader
 
@@ -81,7 +81,8 @@ def run(spec: BenchSpec, workers: int = 1, images: int = 512, image_size: int | 
         shards = write_shards(Path(folder) / "shards", images, image_size, classes=10)
         shard_s = time.perf_counter() - t0
         log(f"e2e: wrote {images} {image_size}px JPEGs as shards in {shard_s:.1f} s")
-        data_cfg = DataConfig(path=str(shards), num_workers=workers, shuffle_buffer=min(1000, images))
+        data_cfg = DataConfig(path=str(shards), num_workers=workers, shuffle_buffer=min(1000, images),
+                              decode_device=decode_device)
         loader = build_train_loader(data_cfg, spec.res, spec.batch, seed=0)
         engine = build_engine(spec, zero_stage, overrides)
         batch = synthetic_batch(spec, device)
