@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import hashlib
 import inspect
-import json
 import operator
 import re
 import sys
@@ -451,10 +449,6 @@ def validate(cfg: Config, where: str = "config") -> None:
             raise ConfigError(f"{where}: key '{key}' must be {expected}, got {value!r}")
 
 
-def config_from_dict(data: dict[str, Any], where: str = "config") -> Config:
-    return _from_dict(Config, data, where)
-
-
 def to_dict(cfg: Any) -> dict[str, Any]:
     """Plain nested dict (tuples as lists) for YAML, JSON and MLflow."""
     def plain(v: Any) -> Any:
@@ -479,11 +473,6 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[prefix + k] = v
     return out
-
-
-def model_hash(cfg: Config) -> str:
-    """Fingerprint of what fixes the parameter shapes; a checkpoint from another is refused."""
-    return hashlib.sha256(json.dumps(to_dict(cfg.model), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

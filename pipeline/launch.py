@@ -33,10 +33,6 @@ def parse_res(text: str) -> int | list[int]:
 
 
 def run(kind: str, args: argparse.Namespace) -> int:
-    from pipeline.data import BadDataError, DataError
-    from pipeline.model.weights import WeightsError
-    from pipeline.train.trainer import TrainError, fit
-
     overrides = [*args.overrides, f"run.kind={kind}"]
     prepare = None
     if kind == "finetune":
@@ -46,6 +42,11 @@ def run(kind: str, args: argparse.Namespace) -> int:
             res = parse_res(args.res)
             overrides.append(f"model.img_size={res}")
     cfg = load_or_exit(args.config, overrides)
+    # Imported after the config is read: a typo is reported at once, not after DeepSpeed's import.
+    from pipeline.data import BadDataError, DataError
+    from pipeline.model.weights import WeightsError
+    from pipeline.train.trainer import TrainError, fit
+
     try:
         if kind == "finetune":
             from pipeline.train.finetune import prepare_finetune

@@ -14,7 +14,6 @@ measured as a second column on the same engines.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,12 +39,9 @@ def init_single_process() -> Any:
     """Join a one-process group (gloo on CPU) the way a launcher would; returns pipeline.dist's DistEnv.
     Under a real launcher (RANK/WORLD_SIZE set) its environment is used and must be world size 1."""
     use_cpu_accelerator()
-    from pipeline.dist import free_port, init_distributed
+    from pipeline.dist import init_distributed
 
-    if not (os.environ.get("RANK") and os.environ.get("WORLD_SIZE")):
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
-    env = init_distributed()
+    env = init_distributed()  # no launcher: rank 0 of 1 on a free local port
     if env.world_size != 1:
         raise SystemExit(f"the engine benchmarks run in one process; this one is rank {env.rank} of "
                          f"{env.world_size}: run `python launch/bench.py ...` without a launcher")

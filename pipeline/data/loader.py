@@ -541,14 +541,18 @@ def _label_key(cfg: DataConfig, info: DatasetInfo) -> str:
     return cfg.label_key if cfg.label_key != "cls" else info.label_key
 
 
-def build_train_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_size: int, seed: int,
-                       rank: int = 0, world_size: int = 1, num_classes: int | None = None,
-                       info: DatasetInfo | None = None) -> TrainLoader:
-    """The infinite, resumable train stream of one rank (see the module docstring)."""
+def _check_placement(batch_size: int, rank: int, world_size: int) -> None:
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
+
+
+def build_train_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_size: int, seed: int,
+                       rank: int = 0, world_size: int = 1, num_classes: int | None = None,
+                       info: DatasetInfo | None = None) -> TrainLoader:
+    """The infinite, resumable train stream of one rank (see the module docstring)."""
+    _check_placement(batch_size, rank, world_size)
     info = info or read_dataset_info(cfg.path)
     split = info.split(cfg.train_split)
     num_classes = num_classes or info.num_classes
@@ -570,10 +574,7 @@ def build_eval_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_si
                       world_size: int = 1, num_classes: int | None = None,
                       info: DatasetInfo | None = None) -> EvalLoader:
     """One exactly-once pass over the validation split, the same number of batches on every rank."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world size {world_size}")
+    _check_placement(batch_size, rank, world_size)
     info = info or read_dataset_info(cfg.path)
     split = info.split(cfg.val_split)
     n = split.num_samples

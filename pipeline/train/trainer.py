@@ -160,7 +160,7 @@ def save(s: Setup, cfg: Config, step: int) -> str:
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+    return {k: _norm(v) for k, v in d.items()}
 
 
 # ----------------------------------------------------------------------------- step and eval
@@ -228,7 +228,7 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
     data = iter(s.train_loader)
     loss_sum = torch.zeros((), device=engine.device)  # summed on device; read only at log steps (no sync)
     micro_count, nonfinite_in_a_row, nonfinite_total = 0, 0, 0
-    last_saved = step if ckpt.latest_tag(Path(cfg.run.dir)) else -1
+    last_saved = step if step > 0 else -1  # a resumed run's checkpoint is the one at `step`
 
     while step < tc.steps:
         t0 = time.perf_counter()

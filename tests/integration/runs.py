@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -100,18 +101,11 @@ def rank_proc(launcher_pid: int, rank: int, ranks: int) -> psutil.Process:
     if ranks == 1:
         return psutil.Process(launcher_pid)
     for child in psutil.Process(launcher_pid).children(recursive=True):
-        with _suppress():
+        with contextlib.suppress(psutil.Error):
             if f"--local_rank={rank}" in child.cmdline():
                 return child
     raise AssertionError(f"no process for rank {rank} under {launcher_pid}")
 
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], psutil.Error)
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
