@@ -424,6 +424,8 @@ def validate(cfg: Config, where: str = "config") -> None:
          "false unless deepspeed.zero_stage is 3"),
         ("deepspeed.offload_optimizer", not cfg.deepspeed.offload_optimizer or cfg.deepspeed.zero_stage >= 1,
          "false unless deepspeed.zero_stage >= 1"),
+        ("deepspeed.offload_optimizer", not cfg.deepspeed.offload_optimizer or cfg.train.optimizer != "sgd",
+         "false with train.optimizer 'sgd' (ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam)"),
         ("train.steps", cfg.train.steps > 0, "> 0"),
         ("train.micro_batch_size", cfg.train.micro_batch_size > 0, "> 0"),
         ("train.grad_accum_steps", cfg.train.grad_accum_steps > 0, "> 0"),

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from pipeline.config import ConfigError, load_or_exit
+from pipeline.train.preemption import install_signal_handlers
 
 
 def parse_args(kind: str, argv: list[str]) -> argparse.Namespace:
@@ -33,6 +34,7 @@ def parse_res(text: str) -> int | list[int]:
 
 
 def run(kind: str, args: argparse.Namespace) -> int:
+    install_signal_handlers()  # before anything slow (the launch scripts already did; idempotent)
     overrides = [*args.overrides, f"run.kind={kind}"]
     prepare = None
     if kind == "finetune":
