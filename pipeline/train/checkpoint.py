@@ -195,9 +195,29 @@ def convert_to_universal(run_dir: Path, tag: str) -> Path:
         shutil.copy2(z3, z12)
     elif z12.is_file() and not z3.is_file():
         shutil.copy2(z12, z3)
+    _bridge_zero_stages(out / "zero")
     shutil.copy2(checkpoint_dir(run_dir) / tag / STATE_FILE, out / STATE_FILE)
     _write_atomic(done, tag + "\n")
     return out
+
+
+def _bridge_zero_stages(zero: Path) -> None:
+    """ds_to_universal writes the optimizer's step where the source stage's loader reads it; put it where
+    the other stages' loaders read it too, so that ZeRO-1/2 <-> ZeRO-3 works (DeepSpeed 0.19: ZeRO-3
+    reads optimizer_state.pt's optimizer_state_dict.state[0].step, ZeRO-1/2 reads PARAM/step.pt)."""
+    params = sorted(p for p in zero.iterdir() if p.is_dir())
+    global_state = zero / "optimizer_state.pt"
+    sd = torch.load(global_state, map_location="cpu", weights_only=False)
+    if "optimizer_state_dict" not in sd:  # from ZeRO-1/2
+        step = torch.load(params[0] / "step.pt", map_location="cpu", weights_only=False)
+        sd["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": sd["param_groups"]}
+        torch.save(sd, global_state)
+        return
+    step = sd["optimizer_state_dict"]["state"][0]["step"]  # from ZeRO-3
+    step = step if torch.is_tensor(step) else torch.tensor(float(step))
+    for p in params:
+        if not (p / "step.pt").is_file():
+            torch.save(step, p / "step.pt")
 
 
 def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
