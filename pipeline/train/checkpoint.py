@@ -167,6 +167,17 @@ def load_checkpoint(engine, root: Path, tag: str) -> dict[str, Any]:
                                           load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise FileNotFoundError(f"DeepSpeed could not load checkpoint '{tag}' from {root}")
+    if engine.load_universal_checkpoint() and engine.zero_optimization_partition_weights():
+        # DeepSpeed 0.19's ZeRO-3 universal load fills the fp32 master partitions but not the parameters
+        # the forward uses (ZeRO-1/2 get update_lp_params()); without this the first step after the
+        # resume runs on the initial weights.
+        for i in range(len(engine.optimizer.fp32_partitioned_groups_flat)):
+            engine.optimizer._reassign_or_swap_out_partitioned_parameters(i)
+        # It also gives every group's state the same `step` tensor, which torch's Adam increments in place:
+        # with G groups each optimizer step would count G steps (and get Adam's bias correction wrong).
+        for state in engine.optimizer.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
     return client
 
 

@@ -102,14 +102,17 @@ def peak_group_lr(groups: list[dict[str, Any]]) -> float:
     return peak[0] if peak else max(g["lr"] for g in groups)
 
 
-def apply_hparams(groups: list[dict[str, Any]], scheduler: Any, cfg: TrainConfig, depth: int) -> None:
+def apply_hparams(groups: list[dict[str, Any]], built: list[dict[str, Any]], scheduler: Any, cfg: TrainConfig,
+                  depth: int) -> None:
     """Make a resumed optimizer and schedule follow `cfg`: a checkpoint restores every group's lr, weight
-    decay and betas and the schedule's base lrs as they were saved; an override on resume must win.
-    The schedule's position (last_epoch) is kept; the current lr is recomputed from it."""
+    decay and betas and the schedule's base lrs as they were saved (DeepSpeed's ZeRO-3 universal load even
+    gives every group group 0's values); an override on resume must win. `built` are the groups as
+    `param_groups` made them (same order), which say what each group is. The schedule's position
+    (last_epoch) is kept; the current lr is recomputed from it."""
     base_lrs = []
-    for g in groups:
-        g["lr_scale"] = lr_scale(cfg, g["layer"], depth)
-        g["weight_decay"] = cfg.weight_decay if g["decay"] else 0.0
+    for g, b in zip(groups, built, strict=True):
+        g.update(decay=b["decay"], layer=b["layer"], lr_scale=lr_scale(cfg, b["layer"], depth))
+        g["weight_decay"] = cfg.weight_decay if b["decay"] else 0.0
         if "betas" in g:
             g["betas"] = tuple(cfg.betas)
         if "momentum" in g:

@@ -63,6 +63,7 @@ class Setup:
     env: DistEnv
     engine: Any
     optimizer: torch.optim.Optimizer  # the client optimizer: its param_groups are the ones DeepSpeed steps
+    groups: list[dict[str, Any]]  # what each of its groups is (decay? layer?), as param_groups built them
     model_kwargs: dict[str, Any]
     train_loader: Any
     eval_loader: Any
@@ -130,7 +131,7 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
                                     rank=env.rank, world_size=env.world_size, info=info)
     tracker = start_tracking(cfg, run_dir, env.is_main, env.world_size, tags=tags)
     dtype = torch.bfloat16 if cfg.deepspeed.bf16 else torch.float32
-    return Setup(env, engine, optimizer, model_kwargs, train_loader, eval_loader, tracker, dtype,
+    return Setup(env, engine, optimizer, groups, model_kwargs, train_loader, eval_loader, tracker, dtype,
                  model_flops(model_kwargs), plan)
 
 
@@ -220,7 +221,7 @@ def resume(s: Setup, cfg: Config) -> int:
     changed = changed_hparams(plan.state, cfg)
     if changed or plan.universal:
         # The checkpoint restored its own lr, weight decay and schedule; the config's values win.
-        apply_hparams(s.optimizer.param_groups, s.engine.lr_scheduler, cfg.train, s.model_kwargs["depth"])
+        apply_hparams(s.optimizer.param_groups, s.groups, s.engine.lr_scheduler, cfg.train, s.model_kwargs["depth"])
     if changed:
         log(s.env, "resume: overrides applied to the resumed optimizer and schedule: " + ", ".join(changed))
     if plan.state.world_size == s.env.world_size:
