@@ -156,7 +156,7 @@ class TrainConfig:
     ckpt_every: int = 0
     """Save a checkpoint every N steps (0: only at the end and on preemption)."""
     keep_last: int = 2
-    """Keep the newest K checkpoints."""
+    """Keep the newest K checkpoints (a universal conversion made on resume, RUN_DIR/universal/, is removed at the next checkpoint)."""
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of M (0: none)."""
     max_nonfinite_steps: int = 5
@@ -178,7 +178,7 @@ class DeepSpeedConfig:
     bf16: bool = True
     """Train in bfloat16 with fp32 master weights."""
     offload_optimizer: bool = False
-    """ZeRO-Offload: keep optimizer states on CPU (stage >= 1)."""
+    """ZeRO-Offload: keep optimizer states on CPU and step them there with DeepSpeed's CPU Adam (stage >= 1; adam/adamw only; built on first use)."""
     offload_params: bool = False
     """ZeRO-Infinity: keep parameters on CPU (stage 3 only)."""
     extra: dict[str, Any] = field(default_factory=dict)
