@@ -66,3 +66,34 @@ class Preemption:
         if self.group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
+
+
+def measure_agreement(calls: int = 2000) -> None:
+    """What one agreement costs (the README's figure): `deepspeed --num_gpus 2 pipeline/train/preemption.py`.
+    Times `should_stop()` on every rank after a barrier, so only the all-reduce itself is counted."""
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    from pipeline.dist import init_distributed
+
+    env = init_distributed()
+    agree = Preemption()
+    for _ in range(200):  # warm-up: the gloo pair connections
+        agree.should_stop()
+    times = []
+    for _ in range(calls):
+        dist.barrier()
+        t0 = time.perf_counter()
+        agree.should_stop()
+        times.append(time.perf_counter() - t0)
+    if env.is_main:
+        times.sort()
+        print(f"preemption agreement over {env.world_size} ranks: median {1e6 * statistics.median(times):.0f} us, "
+              f"mean {1e6 * statistics.mean(times):.0f} us, p90 {1e6 * times[int(0.9 * calls)]:.0f} us", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    measure_agreement()
