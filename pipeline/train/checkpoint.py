@@ -213,9 +213,10 @@ def convert_to_universal(run_dir: Path, tag: str) -> Path:
 
 
 def _bridge_zero_stages(zero: Path) -> None:
-    """ds_to_universal writes the optimizer's step where the source stage's loader reads it; put it where
-    the other stages' loaders read it too, so that ZeRO-1/2 <-> ZeRO-3 works (DeepSpeed 0.19: ZeRO-3
-    reads optimizer_state.pt's optimizer_state_dict.state[0].step, ZeRO-1/2 reads PARAM/step.pt)."""
+    """ds_to_universal writes the optimizer's step (and version) where the source stage's loader reads
+    them; put them where the other stages' loaders read them too, so that ZeRO-1/2 <-> ZeRO-3 works
+    (DeepSpeed 0.19: ZeRO-3 reads optimizer_state.pt's optimizer_state_dict.state[0].step, ZeRO-1/2
+    reads PARAM/step.pt and asserts on optimizer_state.pt's ds_version)."""
     params = sorted(p for p in zero.iterdir() if p.is_dir())
     global_state = zero / "optimizer_state.pt"
     sd = torch.load(global_state, map_location="cpu", weights_only=False)
@@ -226,6 +227,20 @@ def _bridge_zero_stages(zero: Path) -> None:
         return
     step = sd["optimizer_state_dict"]["state"][0]["step"]  # from ZeRO-3
     step = step if torch.is_tensor(step) else torch.tensor(float(step))
+    # ZeRO-3 writes each state as a flat tensor; ZeRO-1/2 read {"param": tensor of the real shape}.
+    model_states = torch.load(zero.parent / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu",
+                              weights_only=False)
+    shapes = {name: shape for group in model_states["param_shapes"] for name, shape in group.items()}
+    for p in params:
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            value = torch.load(p / f"{key}.pt", map_location="cpu", weights_only=False)
+            if torch.is_tensor(value):
+                torch.save({"param": value.view(shapes[p.name])}, p / f"{key}.pt")
+    if "ds_version" not in sd:  # ZeRO-1/2's loader asserts on it; ZeRO-3 keeps it elsewhere
+        import deepspeed
+
+        sd["ds_version"] = deepspeed.__version__
+        torch.save(sd, global_state)
     for p in params:
         if not (p / "step.pt").is_file():
             torch.save(step, p / "step.pt")

@@ -214,7 +214,7 @@ def resume(s: Setup, cfg: Config) -> int:
         return 0
     try:
         client = ckpt.load_checkpoint(s.engine, plan.root, plan.tag)
-    except (RuntimeError, ValueError, KeyError, AssertionError) as e:  # DeepSpeed's, on files it cannot use
+    except (RuntimeError, ValueError, LookupError, AssertionError) as e:  # DeepSpeed's, on files it cannot use
         raise TrainError(f"{plan.root / plan.tag}: DeepSpeed could not load this checkpoint: {_first_line(e)}. "
                          f"Resume with the layout it was written with ({plan.state.world_size} ranks, ZeRO-"
                          f"{plan.state.zero_stage}) or start a new run.dir.") from None
