@@ -2,19 +2,14 @@
 
     tracker = start_tracking(cfg, run_dir, is_main=env.is_main, world_size=env.world_size)
     tracker.log_metrics({"train/loss": 2.3}, step=10)
-    tracker.log_artifact(run_dir / "model.safetensors")
     tracker.finish()                # "FINISHED"; finish(None) leaves the run RUNNING for a requeue
 
-Where: ``MLFLOW_TRACKING_URI`` when set (a team server), else where MLflow itself looks by default
-(``./mlflow.db``, artifacts in ``./mlruns``): a plain ``mlflow ui`` in the same folder shows every run.
-
-The run directory is the record, MLflow a copy: the training thread only appends to metrics.jsonl and
-rewrites tracking.json (params, tags, artifacts, status). A background thread (`_Worker`) copies them
-to MLflow (`_Syncer`, progress per URI in mlflow_sync.json), so a server that is down or slow costs
-training nothing: it says so once, retries every ``tracking.retry_s`` and catches up from the file;
-``python launch/sync_mlflow.py RUN_DIR`` sends what a job could not (the same `_Syncer`: nothing twice).
-A requeued job continues the run named in RUN_DIR/mlflow_run_id; a param changed on resume becomes tag
-``param_override.<key>`` (MLflow refuses to change a logged param).
+Where: ``MLFLOW_TRACKING_URI``, else MLflow's own default (``./mlflow.db``, artifacts in ``./mlruns``),
+so a plain ``mlflow ui`` there shows every run. The run directory is the record: the training thread
+only writes metrics.jsonl and tracking.json; a background thread copies them to MLflow (`_Syncer`,
+progress per URI in mlflow_sync.json), says once when the server is down and catches up when it is
+back. ``python launch/sync_mlflow.py RUN_DIR`` sends what a job could not (nothing twice). A requeued
+job continues the run in RUN_DIR/mlflow_run_id; a param changed on resume becomes tag ``param_override.<key>``.
 """
 
 from __future__ import annotations

@@ -4,12 +4,14 @@ One short pretraining and one short fine-tune (the demo configs on the digits sh
 process each) log to `mlflow.db` in a temporary folder; `mlflow server` started there with no store
 flags (what plain `mlflow ui` there opens) then answers the REST API (runs, flattened params, metric
 histories, the fine-tune's link to its parent), and headless Chromium opens the experiment page as
-a user does (no workflow switch in the address: the experiment's kind tag decides), the chart view
-with both runs' curves overlaid, and the run-compare page. The screenshots and each page's HTML go
-to tests/.artifacts/ (mlflow_experiment.png, mlflow_charts.png, mlflow_compare.png).
+a user does from the link a job prints, the compare page's loss and top-1 curves of both runs
+overlaid, the chart view, and the run-compare table. The screenshots and each page's HTML go
+to tests/.artifacts/ (mlflow_experiment.png, mlflow_curves.png, mlflow_charts.png, mlflow_compare.png).
 
-The README's pictures (docs/img/) are these, from longer runs:
-    VIT_UI_STEPS=300,150 pytest tests/integration/test_mlflow_ui.py && cp tests/.artifacts/mlflow_{experiment,charts}.png docs/img/
+The README's pictures (docs/img/) are two of these, from longer runs:
+    VIT_UI_STEPS=300,150 pytest tests/integration/test_mlflow_ui.py
+    cp tests/.artifacts/mlflow_experiment.png docs/img/mlflow-experiment.png
+    cp tests/.artifacts/mlflow_curves.png docs/img/mlflow-compare.png
 Without Chromium the browser tests skip; `bash tests/ui/install_chromium.sh` installs it."""
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def demo(tmp_path_factory) -> Iterator[dict]:
     pre_dir, ft_dir = tmp / "demo-pretrain", tmp / "demo-finetune"  # the run directory names the run
 
     pre = run("pretrain.py", "configs/pretrain/demo.yaml",
-              [*common, f"run.dir={pre_dir}", f"train.steps={PRE_STEPS}", f"train.eval_every={PRE_STEPS // 2}",
+              [*common, f"run.dir={pre_dir}", f"train.steps={PRE_STEPS}", f"train.eval_every={PRE_STEPS // 5}",
                f"train.warmup_steps={PRE_STEPS // 5}", f"train.ckpt_every={PRE_STEPS}",
                f"train.log_every={max(2, PRE_STEPS // 30)}"], ranks=1, extra_env=mlflow_env)
     assert pre.returncode == 0, pre.stdout[-3000:] + pre.stderr[-3000:]
@@ -80,7 +82,7 @@ def demo(tmp_path_factory) -> Iterator[dict]:
     proc = _start_server(db, tmp, port, log)
     try:
         ft = run("finetune.py", "configs/finetune/demo.yaml",
-                 [*common, f"run.dir={ft_dir}", f"train.steps={FT_STEPS}", f"train.eval_every={FT_STEPS // 2}",
+                 [*common, f"run.dir={ft_dir}", f"train.steps={FT_STEPS}", f"train.eval_every={FT_STEPS // 5}",
                   f"train.warmup_steps={FT_STEPS // 5}", f"train.ckpt_every={FT_STEPS}",
                   f"train.log_every={max(2, FT_STEPS // 30)}"], ranks=1, extra=["--from", str(pre_dir), "--res", "64"],
                  extra_env=mlflow_env)
@@ -200,8 +202,8 @@ def test_both_runs_with_params_metrics_and_the_parent_link(demo, server, experim
     every = max(2, PRE_STEPS // 30), max(2, FT_STEPS // 30)
     assert [s for s, _ in _history(server, demo["pre_id"], "train/loss")] == list(range(every[0], PRE_STEPS + 1, every[0]))
     assert [s for s, _ in _history(server, demo["ft_id"], "train/loss")] == list(range(every[1], FT_STEPS + 1, every[1]))
-    assert [s for s, _ in _history(server, demo["pre_id"], "eval/top1")] == [PRE_STEPS // 2, PRE_STEPS]
-    assert [s for s, _ in _history(server, demo["ft_id"], "eval/top1")] == [FT_STEPS // 2, FT_STEPS]
+    assert [s for s, _ in _history(server, demo["pre_id"], "eval/top1")] == [PRE_STEPS // 5 * k for k in range(1, 6)]
+    assert [s for s, _ in _history(server, demo["ft_id"], "eval/top1")] == [FT_STEPS // 5 * k for k in range(1, 6)]
     for run_id in (demo["pre_id"], demo["ft_id"]):
         for key in ("train/lr", "train/grad_norm", "perf/images_per_s", "eval/loss", "eval/top5"):
             assert _history(server, run_id, key), f"{run_id} has no {key}"
@@ -282,6 +284,18 @@ def test_experiment_page_opens_on_the_training_runs(demo, experiment_id):
     url = f"http://{UI_HOST}:{demo['port']}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
     dom = _browse(url, "mlflow_experiment", (1400, 800), ("demo-pretrain", "demo-finetune", "Run Name"))
     assert "No traces" not in dom
+
+
+def test_compare_shows_loss_and_top1_curves_overlaid(demo, experiment_id):
+    # Compare -> a metric: MLflow 3's metric page (Routes.getMetricPageRoute), both runs, both metrics.
+    query = "&".join(f"{k}={urllib.parse.quote(json.dumps(v))}" for k, v in {
+        "runs": [demo["pre_id"], demo["ft_id"]], "metric": "train/loss", "experiments": [experiment_id],
+        "plot_metric_keys": ["train/loss", "eval/top1"], "plot_layout": {}, "x_axis": "step",
+        "y_axis_scale": "linear", "line_smoothness": 1, "show_point": True, "deselected_curves": [],
+        "last_linear_y_axis_range": []}.items())
+    url = f"http://{UI_HOST}:{demo['port']}/#/metric?{query}&workflowType=machine_learning"
+    expect = ("train/loss vs eval/top1", "demo-pretrain (train/loss)", "demo-finetune (eval/top1)")
+    _browse(url, "mlflow_curves", (1400, 900), expect)
 
 
 def test_runs_chart_view_overlays_both_runs(demo, experiment_id):
