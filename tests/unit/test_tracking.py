@@ -283,6 +283,6 @@ def test_disabled_tracking_writes_only_the_run_dir(tmp_path):
     tracker.log_metrics({"loss": 2.0, "bad_samples": 3}, step=7)
     tracker.finish()
     assert tracker.run_id is None
-    assert not (tmp_path / "mlruns").exists()
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlflow.db").exists()
     assert jsonl(run_dir / METRICS_FILE)[0]["metrics"] == {"loss": 2.0, "bad_samples": 3.0}
     assert not (run_dir / RUN_ID_FILE).exists()
