@@ -288,11 +288,12 @@ def test_experiment_page_opens_on_the_training_runs(demo, experiment_id):
 
 def test_compare_shows_loss_and_top1_curves_overlaid(demo, experiment_id):
     # Compare -> a metric: MLflow 3's metric page (Routes.getMetricPageRoute), both runs, both metrics.
-    query = "&".join(f"{k}={urllib.parse.quote(json.dumps(v))}" for k, v in {
-        "runs": [demo["pre_id"], demo["ft_id"]], "metric": "train/loss", "experiments": [experiment_id],
-        "plot_metric_keys": ["train/loss", "eval/top1"], "plot_layout": {}, "x_axis": "step",
-        "y_axis_scale": "linear", "line_smoothness": 1, "show_point": True, "deselected_curves": [],
-        "last_linear_y_axis_range": []}.items())
+    as_json = {"runs": [demo["pre_id"], demo["ft_id"]], "metric": "train/loss", "experiments": [experiment_id],
+               "plot_metric_keys": ["train/loss", "eval/top1"], "plot_layout": {}, "deselected_curves": [],
+               "last_linear_y_axis_range": []}
+    plain = {"x_axis": "step", "y_axis_scale": "linear", "line_smoothness": "1", "show_point": "true"}
+    query = "&".join([*(f"{k}={urllib.parse.quote(json.dumps(v))}" for k, v in as_json.items()),
+                      *(f"{k}={v}" for k, v in plain.items())])
     url = f"http://{UI_HOST}:{demo['port']}/#/metric?{query}&workflowType=machine_learning"
     expect = ("train/loss vs eval/top1", "demo-pretrain (train/loss)", "demo-finetune (eval/top1)")
     _browse(url, "mlflow_curves", (1400, 900), expect)
