@@ -420,9 +420,12 @@ class _MainTracker(Tracker):
         if self._thread is None:
             return
         uploads = self._connected and any(a["path"].endswith(".safetensors") for a in self._record["artifacts"])
+        # A new SQLite store still creating its tables (slow on a busy machine): a process that exits
+        # mid-migration leaves a store that no later job can open, so that wait is bounded generously.
+        creating = not self._connected and self.uri.startswith("sqlite:") and not self._first_try.is_set()
         self._stopping = True
         self._wake.set()
-        self._thread.join(self.tcfg.timeout_s + (self.tcfg.upload_timeout_s if uploads else 0.0))
+        self._thread.join(self.tcfg.timeout_s + (self.tcfg.upload_timeout_s if uploads or creating else 0.0))
         if self._thread.is_alive() or not self._connected:
             _say(f"not everything reached MLflow at {self.uri}; it is all in {self.run_dir}; "
                  f"send it with: {SYNC_COMMAND} {self.run_dir}", err=True)
