@@ -121,7 +121,7 @@ def resolve_finetune_defaults(args: argparse.Namespace) -> list[str]:
     if not args.res:
         tree["model"]["img_size"] = recipe["model"]["img_size"]
     res_name = (args.res or str(recipe["model"]["img_size"])).lower()
-    tree["run"] = {**tree.get("run", {}), "dir": str(RUNS / f"{source.resolve().name}-ft{res_name}")}
+    tree["run"] = {**tree.get("run", {}), "dir": str(RUNS / f"{source_cfg.parent.resolve().name}-ft{res_name}")}
     tree.pop("finetune", None)
     _say(f"no --config: the paper's fine-tuning recipe (train section of {FINETUNE_RECIPE}) with the "
          f"architecture and data of {source_cfg} (data.path={tree.get('data', {}).get('path')}), "
