@@ -25,7 +25,7 @@ rm -rf "$PRE" "$FT"
 "$PY" - "$PRE" "$FT" "$start" <<'PYEOF'
 import json, sys, time
 from pathlib import Path
-from pipeline.tracking import UI_COMMAND
+from pipeline.tracking import tracking_uri, ui_hint
 
 def top1(run_dir):
     evals = [json.loads(l)["metrics"] for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -35,5 +35,5 @@ pre, ft = top1(sys.argv[1]), top1(sys.argv[2])
 print(f"\npretrain  (32 px) top-1: {100 * pre:.1f}%   {sys.argv[1]}")
 print(f"fine-tune (64 px) top-1: {100 * ft:.1f}%   {sys.argv[2]}")
 print(f"demo took {time.time() - float(sys.argv[3]):.0f} s")
-print(f"compare the runs: {UI_COMMAND}   then open http://127.0.0.1:5000")
+print(f"compare the runs: {ui_hint(tracking_uri())}")
 PYEOF

@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """Fine-tune a pretrained ViT at a new resolution with a fresh head.
 
+    deepspeed launch/finetune.py --res 384          # the newest finished pretraining run in runs/, the paper's recipe
     deepspeed launch/finetune.py --config configs/finetune/vit_b16_384.yaml --from runs/b16-i21k --res 384
     deepspeed launch/finetune.py --config configs/finetune/demo.yaml --from runs/demo-pretrain --res 64
     python launch/finetune.py --config configs/finetune/vit_b16_384.yaml --from vit_b16.safetensors --res 384x512
 
---from: a pretraining run directory, a .safetensors file, or a timm-format .pth/.bin state dict.
+--from: a pretraining run directory, a .safetensors file, or a timm-format .pth/.bin state dict; without it,
+the newest finished pretraining run under runs/ (printed). Without --config: the paper's recipe (the train
+section of configs/finetune/vit_b16_384.yaml) with the source run's architecture and data set.
 Exit codes as launch/pretrain.py (0 done, 75 preempted, 3 non-finite, 1 data/weights error, 2 config error).
 """
 

@@ -4,6 +4,7 @@
     deepspeed launch/pretrain.py --config configs/pretrain/demo.yaml [train.lr=3e-4 ...]   # one node
     srun python launch/pretrain.py --config configs/pretrain/vit_b16_i21k.yaml run.dir=...  # Slurm
     python launch/pretrain.py --config configs/pretrain/demo.yaml                         # one process
+    python launch/pretrain.py                                                             # the demo config
 
 Starting again with the same run.dir resumes from its latest checkpoint. Exit codes: 0 done,
 75 checkpointed on SIGUSR1/SIGTERM (requeue), 3 stopped on non-finite losses, 1 data/checkpoint error,

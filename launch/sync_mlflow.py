@@ -1,6 +1,6 @@
 """Send a run directory's metrics, params, tags and artifacts to MLflow: what a job could not send live.
 
-    python launch/sync_mlflow.py runs/vit_b16                 # to $MLFLOW_TRACKING_URI or ./mlruns/mlflow.db
+    python launch/sync_mlflow.py runs/vit_b16                 # to $MLFLOW_TRACKING_URI or ./mlflow.db
     python launch/sync_mlflow.py runs/* --uri http://mlflow.example.org:5000
 
 The run is created on that tracking URI if it has never seen it, and continued otherwise. Progress
@@ -24,7 +24,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
-    parser.add_argument("--uri", help="tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlruns/mlflow.db)")
+    parser.add_argument("--uri", help="tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
     args = parser.parse_args(argv)
     failed = 0
     for run_dir in args.run_dirs:

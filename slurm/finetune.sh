@@ -3,7 +3,8 @@
 # resized, the head is replaced). Same launch, requeue and container handling as
 # slurm/pretrain.sh, which this script runs after setting the fine-tune defaults.
 #
-#   mkdir -p logs && FROM=runs/vit-pretrain-1234 RES=384 sbatch slurm/finetune.sh
+#   RES=384 sbatch slurm/finetune.sh          # the newest finished pretraining run in runs/, paper recipe
+#   FROM=runs/vit-pretrain-1234 RES=384 sbatch slurm/finetune.sh
 #   FROM=runs/b16 RES=384 CONFIG=configs/finetune/vit_b16_384.yaml RUN_DIR=runs/b16-384 sbatch slurm/finetune.sh
 #
 # ---- defaults: edit here, or override on the command line ----------------------------------
@@ -22,27 +23,29 @@
 #
 # Environment variables (besides those of slurm/pretrain.sh: RUN_DIR, OVERRIDES, PYTHON,
 # CONTAINER_IMAGE, CONTAINER_MOUNTS, MAX_RESTARTS):
-#   FROM    weights to start from: a pretrain run directory, a .safetensors file or a timm .pth/.bin (required)
+#   FROM    weights to start from: a pretrain run directory, a .safetensors file or a timm .pth/.bin
+#           (default: the newest finished pretraining run in runs/, named in the log)
 #   RES     fine-tuning resolution, e.g. 384 or 384x512 (default: the config's model.img_size)
-#   CONFIG  fine-tune config (default: configs/finetune/vit_b16_384.yaml)
+#   CONFIG  fine-tune config (default: none: the paper's recipe, configs/finetune/vit_b16_384.yaml's
+#           train section, with the architecture and data set of the FROM run; see launch/finetune.py)
+#   RUN_DIR default: runs/<job name>-<job id>
 set -euo pipefail
 
 die() { echo "error: $*" >&2; exit 2; }
 
 if [[ -z ${SLURM_JOB_ID:-} ]]; then
-    die "run this script with sbatch (e.g. 'FROM=runs/... RES=384 sbatch slurm/finetune.sh'), not directly"
+    die "run this script with sbatch (e.g. 'RES=384 sbatch slurm/finetune.sh'), not directly"
 fi
 cd "${SLURM_SUBMIT_DIR:?}"
 
 FROM=${FROM:-}
 RES=${RES:-}
-[[ -n $FROM ]] || die "set FROM to the pretrained weights: a run directory, a .safetensors or timm checkpoint"
-[[ -e $FROM ]] || die "FROM=$FROM does not exist (relative paths are relative to $PWD)"
+[[ -z $FROM || -e $FROM ]] || die "FROM=$FROM does not exist (relative paths are relative to $PWD)"
 [[ -z $RES || $RES =~ ^[0-9]+(x[0-9]+)?$ ]] || die "RES=$RES: expected a size like 384 or 384x512"
 
 export ENTRY=${ENTRY:-launch/finetune.py}
-export CONFIG=${CONFIG:-configs/finetune/vit_b16_384.yaml}
-EXTRA_ARGS="--from $FROM${RES:+ --res $RES}${EXTRA_ARGS:+ $EXTRA_ARGS}"
+export DEFAULT_CONFIG=""   # no CONFIG: launch/finetune.py derives the config from the FROM run
+EXTRA_ARGS="${FROM:+--from $FROM}${RES:+ --res $RES}${EXTRA_ARGS:+ $EXTRA_ARGS}"
 export EXTRA_ARGS
 
 # Everything else (checks, environment, srun, signal forwarding, requeue on exit 75) is shared.

@@ -2,12 +2,13 @@
 # Multi-node ViT pretraining: srun starts one task per GPU; each task finds its rank, the world
 # size and the master address in Slurm's environment (pipeline/dist.py), so no ssh or hostfile.
 #
-#   mkdir -p logs && sbatch slurm/pretrain.sh                      # defaults below
+#   sbatch slurm/pretrain.sh                                       # the demo config, defaults below
 #   CONFIG=configs/pretrain/vit_b16_i21k.yaml RUN_DIR=runs/b16 sbatch slurm/pretrain.sh
 #   OVERRIDES="train.steps=90000 train.lr=1e-3" sbatch --nodes=4 slurm/pretrain.sh
+#   sbatch --nodes=1 --ntasks-per-node=2 --gpus-per-node=0 slurm/pretrain.sh   # a small (CPU) partition
 #
-# Submit from the repository root (the job runs there). Slurm opens the log before the script
-# starts, so logs/ must exist: `mkdir -p logs`.
+# Submit from the repository root (the job runs there; its log goes to logs/, which is tracked so
+# that it exists in a fresh clone: Slurm opens the log before the script starts).
 #
 # Preemption and time limits: Slurm sends SIGUSR1 to every task 300 s before the time limit
 # (and `scancel --signal=USR1 <job>` does the same by hand). The trainer checkpoints at the next
@@ -32,7 +33,7 @@
 # -----------------------------------------------------------------------------------------------
 #
 # Environment variables (all optional):
-#   CONFIG           run config                         (default: configs/pretrain/vit_b16_i21k.yaml)
+#   CONFIG           run config                         (default: configs/pretrain/demo.yaml)
 #   RUN_DIR          run directory; an existing checkpoint there resumes (default: runs/<job name>-<job id>)
 #   OVERRIDES        extra dotted config overrides, space separated ("train.steps=1000 train.lr=3e-4")
 #   PYTHON           interpreter (default: .venv/bin/python if present, else python3; "python" in a container).
@@ -51,7 +52,7 @@ PREEMPTED_EXIT_CODE=75
 die() { echo "error: $*" >&2; exit 2; }
 
 if [[ -z ${SLURM_JOB_ID:-} ]]; then
-    die "run this script with sbatch (e.g. 'mkdir -p logs && sbatch slurm/pretrain.sh'), not directly"
+    die "run this script with sbatch (e.g. 'sbatch slurm/pretrain.sh'), not directly"
 fi
 
 # sbatch runs a copy of this script from Slurm's spool directory: the repository is where it was submitted.
@@ -59,8 +60,9 @@ cd "${SLURM_SUBMIT_DIR:?}"
 ENTRY=${ENTRY:-launch/pretrain.py}
 [[ -f $ENTRY ]] || die "ENTRY=$ENTRY not found in $PWD; submit from the repository root"
 
-CONFIG=${CONFIG:-configs/pretrain/vit_b16_i21k.yaml}
-[[ -f $CONFIG ]] || die "CONFIG=$CONFIG does not exist (relative paths are relative to $PWD)"
+# DEFAULT_CONFIG: slurm/finetune.sh sets it empty (launch/finetune.py then derives the run's config).
+CONFIG=${CONFIG:-${DEFAULT_CONFIG-configs/pretrain/demo.yaml}}
+[[ -z $CONFIG || -f $CONFIG ]] || die "CONFIG=$CONFIG does not exist (relative paths are relative to $PWD)"
 # The job id survives requeues, so the default run directory is the same on every restart.
 RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME:-vit}-${SLURM_JOB_ID}}
 OVERRIDES=${OVERRIDES:-}
@@ -98,7 +100,9 @@ export NCCL_ASYNC_ERROR_HANDLING=${NCCL_ASYNC_ERROR_HANDLING:-1}   # the name be
 read -r -a python_cmd <<<"$PYTHON"
 read -r -a extra_args <<<"$EXTRA_ARGS"
 read -r -a overrides <<<"$OVERRIDES"
-cmd=("${python_cmd[@]}" "$ENTRY" --config "$CONFIG" "${extra_args[@]}" "run.dir=$RUN_DIR" "${overrides[@]}")
+config_args=()
+[[ -z $CONFIG ]] || config_args=(--config "$CONFIG")
+cmd=("${python_cmd[@]}" "$ENTRY" "${config_args[@]}" "${extra_args[@]}" "run.dir=$RUN_DIR" "${overrides[@]}")
 
 # Slurm >= 22.05 no longer passes --cpus-per-task from sbatch to srun: say it again.
 srun_args=(--label "--cpus-per-task=${SLURM_CPUS_PER_TASK:-1}")
@@ -114,7 +118,7 @@ echo "=== $(date -Is) job ${SLURM_JOB_ID} (${SLURM_JOB_NAME:-}) restart ${RESTAR
 nodes=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd' ' || true)
 echo "=== nodes ${nodes:-${SLURM_JOB_NODELIST:-?}} (${SLURM_JOB_NUM_NODES:-?}), world size ${SLURM_NTASKS:-?}" \
      "(${SLURM_NTASKS_PER_NODE:-?} per node)"
-echo "=== run dir ${RUN_DIR}, config ${CONFIG}${CONTAINER_IMAGE:+, container $CONTAINER_IMAGE}"
+echo "=== run dir ${RUN_DIR}, config ${CONFIG:-(derived by $ENTRY)}${CONTAINER_IMAGE:+, container $CONTAINER_IMAGE}"
 echo "=== srun ${srun_args[*]} ${cmd[*]}"
 
 srun_pid=""

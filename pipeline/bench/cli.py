@@ -73,6 +73,22 @@ def add_e2e_args(p: argparse.ArgumentParser) -> None:
     _add(p, "--tmp", default=None, help="folder for the temporary data (default: system temp)")
 
 
+def add_gpu_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p)
+    _add(p, "--smoke", action="store_true",
+         help="run the gpu benchmark's code on the CPU with a tiny model (minutes on 2 cores, mostly compiling)")
+    _add(p, "--models", default=None,
+         help="VARIANT@RES,... to measure (default vit_b16@224,vit_l16@224,vit_b16@384)")
+    _add(p, "--budget-s", type=float, default=360.0,
+         help="start no training arm after this many seconds (compiling dominates; default 360)")
+    _add(p, "--correctness-steps", type=int, default=300, help="steps of the bf16-vs-fp32 loss curves (default 300)")
+    _add(p, "--e2e-workers", type=int, default=None,
+         help="train loader worker processes (default: 1 on CPU, min(8, cores - 1) with a GPU)")
+    _add(p, "--peak-flops", type=float, default=None,
+         help="peak FLOP/s of the device for MFU (default: the GPU's bf16 datasheet figure; none on CPU)")
+    _add(p, "--tmp", default=None, help="folder for the temporary data (default: system temp)")
+
+
 def _specs(args: argparse.Namespace) -> list[Any]:
     import dataclasses
 
@@ -158,3 +174,30 @@ def run_e2e(args: argparse.Namespace, print_table: PrintTable) -> dict[str, Any]
         print(f"took {figures['seconds']:.0f} s (shards written in {figures['shard_write_s']:.0f} s)")
         runs.append((spec, figures))
     return _collect(runs)
+
+
+def run_gpu(args: argparse.Namespace, print_table: PrintTable) -> dict[str, Any]:
+    """GPU figures: B/16, L/16 (224) and B/16@384 training steps (plain/ZeRO-1 x eager/compiled, checkpointing),
+    a profile, end to end from JPEG shards (CPU decode and nvjpeg), bf16-vs-fp32 and nvjpeg-vs-PIL checks."""
+    import torch
+
+    from pipeline.bench import gpu
+    from pipeline.bench.common import peak_flops
+
+    if not args.smoke and not torch.cuda.is_available():
+        raise NotImplementedError("bench gpu needs a CUDA GPU (`--smoke` runs its code on the CPU)")
+    if args.smoke:
+        torch.set_num_threads(1)
+    models = None
+    if args.models:
+        models = [(m.split("@")[0], int(m.split("@")[1])) for m in args.models.split(",")]
+    figures = gpu.run(smoke=args.smoke, models=models, overrides=args.overrides, peak=peak_flops(args),
+                      workers=args.e2e_workers, correctness_steps=args.correctness_steps, tmp=args.tmp,
+                      budget_s=args.budget_s)
+    print_table("training step, bf16, SDPA attention, one device; arms one after another", gpu.HEADER,
+                gpu.rows(figures))
+    for decode, f in figures["e2e"].items():
+        print(f"end to end, decode on {decode}: {f['e2e_vs_synthetic']:.3f} of synthetic, data wait "
+              f"{100 * f['loader']['data_wait']:.1f}%, ~{f['cores_to_keep_up']} CPU cores to keep up")
+    print(f"took {figures['seconds']:.0f} s")
+    return figures

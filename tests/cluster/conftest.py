@@ -55,3 +55,14 @@ def job_dir(tmp_path, slurm_cluster) -> Path:
         deadline = time.monotonic() + 60
         while slurm_cluster.running_job_ids() and time.monotonic() < deadline:
             time.sleep(0.5)
+
+
+@pytest.fixture(scope="session")
+def digits_shards(tmp_path_factory) -> Path:
+    """The demo's shards, written once per session (what `python launch/make_shards.py --source digits` writes)."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("digits")
+    subprocess.run([sys.executable, "launch/make_shards.py", "--source", "digits", "--out", str(out),
+                    "--overwrite", "--no-progress"], cwd=REPO, check=True, capture_output=True, timeout=300)
+    return out

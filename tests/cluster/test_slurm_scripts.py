@@ -156,10 +156,12 @@ def test_a_missing_config_is_named(slurm_cluster, job_dir):
     assert "error: CONFIG=configs/pretrain/nope.yaml does not exist" in log
 
 
-def test_finetune_requires_from(slurm_cluster, job_dir):
-    job_id, rc = submit(slurm_cluster, job_dir, script="slurm/finetune.sh", wait=True, timeout_s=120, FROM="")
+def test_finetune_names_a_missing_from(slurm_cluster, job_dir):
+    # No FROM at all is fine (launch/finetune.py takes the newest finished run: tests/cluster/test_fresh_clone.py).
+    job_id, rc = submit(slurm_cluster, job_dir, script="slurm/finetune.sh", wait=True, timeout_s=120,
+                        FROM="runs/no-such-run")
     assert rc == 2
-    assert "set FROM to the pretrained weights" in job_log(job_dir, job_id)
+    assert "error: FROM=runs/no-such-run does not exist" in job_log(job_dir, job_id)
 
 
 # ----------------------------------------------------------------------------- the real trainer
@@ -176,18 +178,6 @@ def require(*paths: str) -> None:
     missing = [p for p in paths if not (REPO / p).exists()]
     if missing:
         pytest.skip(f"not written yet: {', '.join(missing)}")
-
-
-@pytest.fixture(scope="session")
-def digits_shards(tmp_path_factory) -> Path:
-    require("launch/make_shards.py")
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("digits")
-    subprocess.run([sys.executable, "launch/make_shards.py", "--source", "digits", "--out", str(out),
-                    "--overwrite"], cwd=REPO, check=True, capture_output=True, timeout=300)
-    return out
 
 
 @pytest.fixture(scope="session")

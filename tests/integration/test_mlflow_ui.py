@@ -1,13 +1,18 @@
 """The MLflow UI as a user sees it: a demo pretraining run and a fine-tune from it, served by `mlflow server`.
 
 One short pretraining and one short fine-tune (the demo configs on the digits shards, a single
-process each) log to a SQLite store in a temporary folder. A real `mlflow server` on that store then
-answers the REST API (runs, flattened params, metric histories, the fine-tune's link to its parent),
-and headless Chromium opens the UI's run-compare page (with "Show diff only" on, as a user would)
-and the runs' chart view. The screenshots, and each page's HTML, go to tests/.artifacts/
-(mlflow_compare.png, mlflow_charts.png) for a person to look at; docs/img/mlflow-compare.png was made
-the same way from longer runs (docs/ui.md). Without Chromium the browser tests skip;
-`bash tests/ui/install_chromium.sh` installs it."""
+process each) log to `mlflow.db` in a temporary folder; `mlflow server` started there with no store
+flags (what plain `mlflow ui` there opens) then answers the REST API (runs, flattened params, metric
+histories, the fine-tune's link to its parent), and headless Chromium opens the experiment page as
+a user does from the link a job prints, the compare page's loss and top-1 curves of both runs
+overlaid, the chart view, and the run-compare table. The screenshots and each page's HTML go
+to tests/.artifacts/ (mlflow_experiment.png, mlflow_curves.png, mlflow_charts.png, mlflow_compare.png).
+
+The README's pictures (docs/img/) are two of these, from longer runs:
+    VIT_UI_STEPS=300,150 pytest tests/integration/test_mlflow_ui.py
+    cp tests/.artifacts/mlflow_experiment.png docs/img/mlflow-experiment.png
+    cp tests/.artifacts/mlflow_curves.png docs/img/mlflow-compare.png
+Without Chromium the browser tests skip; `bash tests/ui/install_chromium.sh` installs it."""
 
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ EXPERIMENT = "vit-pipeline-demo"  # tracking.experiment of both demo configs
 UI_HOST = "mlflow.test"
 SERVER_START_S = 150  # `mlflow server` imports a lot: ~20-50 s on a busy 2-core box
 BROWSER_TIMEOUT_S = 90  # for a page to show what it should
+# Steps of the pretraining and the fine-tune: short by default; longer for the README's pictures.
+PRE_STEPS, FT_STEPS = (int(n) for n in os.environ.get("VIT_UI_STEPS", "20,10").split(","))
 
 
 # ----------------------------------------------------------------------------- runs and server
@@ -58,24 +65,26 @@ def demo(tmp_path_factory) -> Iterator[dict]:
                         "--no-progress"], check=True, cwd=ROOT, capture_output=True)
     else:
         make_synthetic_shards(data, size=32, samples=400, classes=10, per_shard=100)
-    db = tmp / "mlflow.db"
-    mlflow_env = {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
+    db = tmp / "mlflow.db"  # where `mlflow ui` started in tmp looks by default (jobs started there need no URI)
+    mlflow_env = {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}  # the jobs run from the repository root
     # Generous tracking waits: a new SQLite store takes seconds to create its tables on a loaded box,
     # and this test is about what ends up in MLflow, not about how long a job waits for it.
-    common = ["tracking.timeout_s=60", "train.log_every=2", f"data.path={data}"]
+    common = ["tracking.timeout_s=60", f"data.path={data}"]
     pre_dir, ft_dir = tmp / "demo-pretrain", tmp / "demo-finetune"  # the run directory names the run
 
     pre = run("pretrain.py", "configs/pretrain/demo.yaml",
-              [*common, f"run.dir={pre_dir}", "train.steps=20", "train.eval_every=10", "train.warmup_steps=4",
-               "train.ckpt_every=20"], ranks=1, extra_env=mlflow_env)
+              [*common, f"run.dir={pre_dir}", f"train.steps={PRE_STEPS}", f"train.eval_every={PRE_STEPS // 5}",
+               f"train.warmup_steps={PRE_STEPS // 5}", f"train.ckpt_every={PRE_STEPS}",
+               f"train.log_every={max(2, PRE_STEPS // 30)}"], ranks=1, extra_env=mlflow_env)
     assert pre.returncode == 0, pre.stdout[-3000:] + pre.stderr[-3000:]
 
     port, log = free_port(), tmp / "mlflow_server.log"
     proc = _start_server(db, tmp, port, log)
     try:
         ft = run("finetune.py", "configs/finetune/demo.yaml",
-                 [*common, f"run.dir={ft_dir}", "train.steps=10", "train.eval_every=5", "train.warmup_steps=2",
-                  "train.ckpt_every=10"], ranks=1, extra=["--from", str(pre_dir), "--res", "64"],
+                 [*common, f"run.dir={ft_dir}", f"train.steps={FT_STEPS}", f"train.eval_every={FT_STEPS // 5}",
+                  f"train.warmup_steps={FT_STEPS // 5}", f"train.ckpt_every={FT_STEPS}",
+                  f"train.log_every={max(2, FT_STEPS // 30)}"], ranks=1, extra=["--from", str(pre_dir), "--res", "64"],
                  extra_env=mlflow_env)
         assert ft.returncode == 0, ft.stdout[-3000:] + ft.stderr[-3000:]
         base = f"http://127.0.0.1:{port}"
@@ -93,8 +102,8 @@ def server(demo) -> str:
 
 
 def _start_server(db: Path, tmp: Path, port: int, log: Path) -> subprocess.Popen:
+    # No --backend-store-uri, no --default-artifact-root: MLflow's defaults (./mlflow.db, ./mlruns) in tmp.
     cmd = [MLFLOW, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-           "--backend-store-uri", f"sqlite:///{db}", "--default-artifact-root", str(tmp / "artifacts"),
            "--allowed-hosts", f"127.0.0.1:{port},localhost:{port},{UI_HOST}:{port}",
            "--cors-allowed-origins", f"http://{UI_HOST}:{port}"]
     # No job runner: MLflow 3 otherwise starts a huey consumer with 8 worker processes (GenAI scoring
@@ -177,7 +186,7 @@ def test_both_runs_with_params_metrics_and_the_parent_link(demo, server, experim
     assert (p_pre["model.img_size"], p_ft["model.img_size"]) == ("32", "64")
     assert float(p_pre["train.lr"]) == pytest.approx(2e-3) and float(p_ft["train.lr"]) == pytest.approx(0.03)
     assert (p_pre["train.optimizer"], p_ft["train.optimizer"]) == ("adamw", "sgd")
-    assert p_pre["train.steps"] == "20" and p_ft["train.steps"] == "10"
+    assert p_pre["train.steps"] == str(PRE_STEPS) and p_ft["train.steps"] == str(FT_STEPS)
     assert p_pre["deepspeed.zero_stage"] == "1"
 
     tags = {name: {t["key"]: t["value"] for t in r["data"].get("tags", [])} for name, r in runs.items()}
@@ -190,15 +199,20 @@ def test_both_runs_with_params_metrics_and_the_parent_link(demo, server, experim
     assert demo["pre_id"] in t_ft["mlflow.note.content"]  # the description the run page shows
 
     # Metric histories, with the optimizer step as MLflow's step.
-    assert [s for s, _ in _history(server, demo["pre_id"], "train/loss")] == list(range(2, 21, 2))
-    assert [s for s, _ in _history(server, demo["ft_id"], "train/loss")] == list(range(2, 11, 2))
-    assert [s for s, _ in _history(server, demo["pre_id"], "eval/top1")] == [10, 20]
-    assert [s for s, _ in _history(server, demo["ft_id"], "eval/top1")] == [5, 10]
+    every = max(2, PRE_STEPS // 30), max(2, FT_STEPS // 30)
+    assert [s for s, _ in _history(server, demo["pre_id"], "train/loss")] == list(range(every[0], PRE_STEPS + 1, every[0]))
+    assert [s for s, _ in _history(server, demo["ft_id"], "train/loss")] == list(range(every[1], FT_STEPS + 1, every[1]))
+    assert [s for s, _ in _history(server, demo["pre_id"], "eval/top1")] == [PRE_STEPS // 5 * k for k in range(1, 6)]
+    assert [s for s, _ in _history(server, demo["ft_id"], "eval/top1")] == [FT_STEPS // 5 * k for k in range(1, 6)]
     for run_id in (demo["pre_id"], demo["ft_id"]):
         for key in ("train/lr", "train/grad_norm", "perf/images_per_s", "eval/loss", "eval/top5"):
             assert _history(server, run_id, key), f"{run_id} has no {key}"
         assert all(0.0 <= v <= 1.0 for _, v in _history(server, run_id, "eval/top1"))
 
+    # The experiment says what it holds: training runs ("Machine learning" in MLflow 3's UI), not GenAI traces.
+    experiment = _api(server, "experiments/get", experiment_id=pre["info"]["experiment_id"])["experiment"]
+    assert {t["key"]: t["value"] for t in experiment.get("tags", [])}.get("mlflow.experimentKind") == (
+        "custom_model_development")
     # Artifacts, listed through the server: the resolved config and the exported weights.
     for run_id in (demo["pre_id"], demo["ft_id"]):
         listed = {f["path"] for f in _api(server, "artifacts/list", run_id=run_id).get("files", [])}
@@ -262,6 +276,27 @@ def test_compare_page_shows_both_runs_side_by_side(demo, experiment_id):
     # With "Show diff only": what differs between the two (resolution, recipe) is listed side by side.
     for text in ("model.img_size", "train.optimizer", "adamw", "sgd", "eval/top1"):
         assert text in dom, f"{text!r} not among the differences on the compare page"
+
+
+def test_experiment_page_opens_on_the_training_runs(demo, experiment_id):
+    # The link a job prints (tracking.ui_hint), as a user opens it the first time: MLflow 3 would
+    # otherwise show its GenAI overview (traces), empty for training runs.
+    url = f"http://{UI_HOST}:{demo['port']}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    dom = _browse(url, "mlflow_experiment", (1400, 800), ("demo-pretrain", "demo-finetune", "Run Name"))
+    assert "No traces" not in dom
+
+
+def test_compare_shows_loss_and_top1_curves_overlaid(demo, experiment_id):
+    # Compare -> a metric: MLflow 3's metric page (Routes.getMetricPageRoute), both runs, both metrics.
+    as_json = {"runs": [demo["pre_id"], demo["ft_id"]], "metric": "train/loss", "experiments": [experiment_id],
+               "plot_metric_keys": ["train/loss", "eval/top1"], "plot_layout": {}, "deselected_curves": [],
+               "last_linear_y_axis_range": []}
+    plain = {"x_axis": "step", "y_axis_scale": "linear", "line_smoothness": "1", "show_point": "true"}
+    query = "&".join([*(f"{k}={urllib.parse.quote(json.dumps(v))}" for k, v in as_json.items()),
+                      *(f"{k}={v}" for k, v in plain.items())])
+    url = f"http://{UI_HOST}:{demo['port']}/#/metric?{query}&workflowType=machine_learning"
+    expect = ("train/loss vs eval/top1", "demo-pretrain (train/loss)", "demo-finetune (eval/top1)")
+    _browse(url, "mlflow_curves", (1400, 900), expect)
 
 
 def test_runs_chart_view_overlays_both_runs(demo, experiment_id):

@@ -79,13 +79,16 @@ DIST_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     sys.path.insert(0, ".")
     torch.set_num_threads(1)
-    from pipeline.bench import common, e2e, engine
+    from pipeline.bench import common, e2e, engine, gpu
     spec = common.BenchSpec("vit_ti16", res=32, batch=4, dtype="bf16", num_classes=10, steps=1, windows=2, warmup=1)
     out = {"engine": engine.run(spec, (0, 1, 2, 3), check_finite=True, log=lambda *_: None),
            "e2e": e2e.run(spec, workers=1, images=48, image_size=40, log=lambda *_: None),
            # the nvjpeg path's code, run on the CPU device: workers draw crops, the step decodes
            "e2e_decode": e2e.run(spec, workers=1, images=48, image_size=40, log=lambda *_: None,
                                  decode_device="cuda")}
+    # `bench gpu`'s code on the CPU, without the compiled arms (Inductor's C++ build takes minutes here)
+    out["gpu"] = gpu.run(smoke=True, arms=[gpu.Arm("plain", False), gpu.Arm("zero1", False, True, 2)],
+                         correctness_steps=4, log=lambda *_: None)
     # The baseline does DeepSpeed's work: same weights, same bf16 + fp32-master AdamW, same clipping.
     x, y = common.synthetic_batch(spec, torch.device("cpu"))
     plain = engine.build_plain(spec, x, y)
@@ -143,6 +146,25 @@ def test_plain_loop_matches_deepspeed_zero1_bf16(dist_figures):
     plain, zero1 = dist_figures["plain_losses"], dist_figures["zero1_losses"]
     assert plain[0] == zero1[0] and plain[-1] < plain[0]
     torch.testing.assert_close(torch.tensor(plain), torch.tensor(zero1), rtol=1e-3, atol=0)
+
+
+def test_gpu_bench_code_runs_on_cpu_and_reports_every_part(dist_figures):
+    from pipeline.bench import gpu
+
+    f = dist_figures["gpu"]
+    (model,) = f["training"].values()
+    arms = model["arms"]
+    assert list(arms) == ["plain eager", "zero1 eager ckpt"]
+    assert arms["zero1 eager ckpt"]["batch"] == 2 * arms["plain eager"]["batch"] == 2 * model["batch"]
+    for r in arms.values():
+        _positive(r, "img_s", "step_ms")
+    assert f["profile"]["arm"] == "zero1 eager ckpt" and f["profile"]["top"]
+    for decode in ("cpu", "cuda"):
+        _positive(f["e2e"][decode], "e2e_vs_synthetic", "cores_to_keep_up")
+    c = f["correctness"]
+    assert c["bf16_vs_fp32"]["steps"] == 4 and 0 <= c["bf16_vs_fp32"]["max_rel_gap_smoothed"] < 0.5
+    assert c["nvjpeg_vs_pil"]["max_abs_diff"] == 0  # decode_jpeg on the CPU is libjpeg, as PIL
+    assert len(gpu.rows(f)) == 2
 
 
 def _launch_bench():

@@ -16,6 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -25,12 +26,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
 
 
-def test_compiled_vit_matches_eager_logits_and_gradients():
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_compiled_vit_matches_eager_logits_and_gradients(device: str):
     torch.manual_seed(0)
-    eager = build_vit("vit_ti16", **TINY).train()
+    eager = build_vit("vit_ti16", **TINY).train().to(device)
     # fullgraph: no graph breaks, so on a GPU the whole forward and backward are Inductor kernels.
     compiled = torch.compile(copy.deepcopy(eager), fullgraph=True)
-    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    x, y = torch.randn(4, 3, 32, 32, device=device), torch.randint(0, 10, (4,), device=device)
     with torch._inductor.config.patch(compile_threads=1):  # no worker pool to start on a small box
         out_c = compiled(x)
         F.cross_entropy(out_c, y).backward()

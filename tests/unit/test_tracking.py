@@ -80,8 +80,7 @@ def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, floa
 
 
 def test_metrics_params_tags_and_config_land_in_the_default_sqlite_store(tmp_path, template_db, capsys):
-    (tmp_path / "mlruns").mkdir()
-    shutil.copy(template_db, tmp_path / "mlruns" / "mlflow.db")  # the default location, pre-migrated
+    shutil.copy(template_db, tmp_path / "mlflow.db")  # MLflow's default location, pre-migrated
     cfg = make_cfg()
     run_dir = tmp_path / "runs" / "pre"
     tracker = start_tracking(cfg, run_dir, is_main=True, world_size=4)
@@ -93,7 +92,7 @@ def test_metrics_params_tags_and_config_land_in_the_default_sqlite_store(tmp_pat
     tracker.finish()
 
     assert UI_COMMAND in capsys.readouterr().out
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    client = MlflowClient()  # no URI: where MLflow (and `mlflow ui`) look by default, from the same folder
     run = client.get_run(tracker.run_id)
     assert (run_dir / RUN_ID_FILE).read_text().strip() == tracker.run_id
     assert run.info.status == "FINISHED"
@@ -108,7 +107,10 @@ def test_metrics_params_tags_and_config_land_in_the_default_sqlite_store(tmp_pat
         "pretrain", "vit_b16", "4", "1")
     artifacts = {a.path for a in client.list_artifacts(tracker.run_id)}
     assert artifacts == {"config.yaml", "model.safetensors"}
-    assert run.info.artifact_uri.startswith(str(tmp_path / "mlruns" / "artifacts"))
+    assert run.info.artifact_uri.startswith(str(tmp_path / "mlruns"))
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI's "Machine learning"
+    assert tags["mlflow.user"] and tags["mlflow.source.name"]  # from MLflow's context providers
     assert [row["step"] for row in jsonl(run_dir / METRICS_FILE)] == [10, 20, 30]
 
 
@@ -281,6 +283,6 @@ def test_disabled_tracking_writes_only_the_run_dir(tmp_path):
     tracker.log_metrics({"loss": 2.0, "bad_samples": 3}, step=7)
     tracker.finish()
     assert tracker.run_id is None
-    assert not (tmp_path / "mlruns").exists()
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlflow.db").exists()
     assert jsonl(run_dir / METRICS_FILE)[0]["metrics"] == {"loss": 2.0, "bad_samples": 3.0}
     assert not (run_dir / RUN_ID_FILE).exists()
