@@ -167,24 +167,30 @@ def plan_resume(cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> Resu
     why = "; ".join(x for x in (
         f"world size {state.world_size} -> {env.world_size}" if state.world_size != env.world_size else "",
         f"ZeRO-{state.zero_stage} -> ZeRO-{stage}" if state.zero_stage != stage else "") if x)
+    convert_on_rank0(env, run_dir, tag, state, why)
+    return ResumePlan(tag, state, ckpt.universal_dir(run_dir), universal=True)
+
+
+def convert_on_rank0(env: DistEnv, run_dir: Path, tag: str, state: ckpt.TrainerState, why: str) -> None:
+    """Rank 0 converts the tag to a universal checkpoint; every rank waits and learns whether it worked."""
     error = None
     if env.is_main:
         t0 = time.perf_counter()
         try:
             out = ckpt.convert_to_universal(run_dir, tag)
-            log(env, f"resume: layout changed ({why}): converted {tag_dir} to a universal checkpoint in {out} "
-                     f"({time.perf_counter() - t0:.1f} s); model and optimizer state are re-partitioned from it")
+            log(env, f"resume: layout changed ({why}): converted {ckpt.checkpoint_dir(run_dir) / tag} to a universal "
+                     f"checkpoint in {out} ({time.perf_counter() - t0:.1f} s); model and optimizer state are "
+                     f"re-partitioned from it")
         except Exception as e:  # DeepSpeed's converter asserts; the user needs one line and a way out
-            error = (f"{tag_dir}: could not convert to DeepSpeed's universal format for the new layout ({why}): "
-                     f"{_first_line(e)}. Resume with {state.world_size} ranks and deepspeed.zero_stage="
-                     f"{state.zero_stage}, or start a new run.dir.")
-    if dist.is_initialized():  # every rank waits for the conversion and learns whether it worked
+            error = (f"{ckpt.checkpoint_dir(run_dir) / tag}: could not convert to DeepSpeed's universal format for "
+                     f"the new layout ({why}): {_first_line(e)}. Resume with {state.world_size} ranks and "
+                     f"deepspeed.zero_stage={state.zero_stage}, or start a new run.dir.")
+    if dist.is_initialized():
         box = [error]
         dist.broadcast_object_list(box, src=0)
         error = box[0]
     if error:
         raise TrainError(error)
-    return ResumePlan(tag, state, ckpt.universal_dir(run_dir), universal=True)
 
 
 def check_resumable_hparams(state: ckpt.TrainerState, cfg: Config, tag_dir: Path) -> None:
@@ -196,10 +202,10 @@ def check_resumable_hparams(state: ckpt.TrainerState, cfg: Config, tag_dir: Path
                          f"{cfg.train.optimizer}: its optimizer state cannot be carried over. Resume with "
                          f"train.optimizer={saved['optimizer']} or start a new run.dir.")
     if (saved.get("layer_decay") is None) != (cfg.train.layer_decay is None):
-        raise TrainError(f"{tag_dir} was trained with train.layer_decay={saved.get('layer_decay')}, the config "
-                         f"says {cfg.train.layer_decay}: switching layer decay on or off changes the parameter "
+        raise TrainError(f"{tag_dir} was trained with train.layer_decay={_yaml(saved.get('layer_decay'))}, the "
+                         f"config says {_yaml(cfg.train.layer_decay)}: switching layer decay on or off changes the parameter "
                          f"groups of the saved optimizer. Resume with train.layer_decay="
-                         f"{saved.get('layer_decay')} or start a new run.dir.")
+                         f"{_yaml(saved.get('layer_decay'))} or start a new run.dir.")
 
 
 def changed_hparams(state: ckpt.TrainerState, cfg: Config) -> list[str]:
@@ -237,6 +243,10 @@ def resume(s: Setup, cfg: Config) -> int:
 
 def _norm(v: Any) -> Any:
     return list(v) if isinstance(v, (tuple, list)) else v
+
+
+def _yaml(v: Any) -> str:
+    return "null" if v is None else str(v)
 
 
 def _first_line(e: BaseException) -> str:

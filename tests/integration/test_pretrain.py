@@ -223,7 +223,7 @@ def test_resume_errors_are_one_line_and_overrides_are_applied(shards, tmp_path):
         assert "Traceback" not in out.stderr and str(run_dir) in out.stderr and expect in out.stderr, out.stderr
 
     refused("deepspeed.zero_stage=0", expect="resume with deepspeed.zero_stage=1")
-    refused("train.layer_decay=0.7", expect="Resume with train.layer_decay=None")
+    refused("train.layer_decay=0.7", expect="Resume with train.layer_decay=null")
     latest = run_dir / "checkpoints" / "latest"
     latest.write_text("step_0000099\n")
     refused(expect="names 'step_0000099', which does not exist")
