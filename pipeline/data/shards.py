@@ -464,15 +464,19 @@ def expand_shards(pattern: str) -> list[str]:
 
 
 def scan_shard(shard: str, label_key: str) -> tuple[int, list[int], int]:
-    """(samples with an image, their labels, samples without a usable label) of one shard."""
+    """(samples, labels of those with an image, samples without an image or a usable label) of one shard.
+
+    Every sample (key group) counts, image or not: the loaders number samples by position in the
+    tar, so an image-less one is a counted bad sample, not a shift of every later index."""
     n, labels, unlabelled = 0, [], 0
     try:
         for raw in tario.iter_raw_samples(shard):
+            n += 1
             try:
                 tario.image_member(raw)
             except tario.SampleError:
+                unlabelled += 1
                 continue
-            n += 1
             try:
                 labels.append(tario.parse_label(raw, label_key))
             except tario.SampleError:
@@ -515,7 +519,7 @@ def index_shards(splits: dict[str, str], out_dir: str | Path, label_key: str = "
         raise DataError(f"no sample in {', '.join(splits.values())} has an integer label at '{label_key}' "
                         f"(set --label-key, e.g. json:label)")
     if unlabelled_total:
-        log(f"warning: {unlabelled_total} samples have no integer label at '{label_key}'; "
+        log(f"warning: {unlabelled_total} samples have no image or no integer label at '{label_key}'; "
             f"the loader will skip and count them")
     num_classes = max_label + 1
     write_json_atomic(out / DATASET_JSON, {
