@@ -274,3 +274,7 @@ class TrainLoader:
     def bytes_read(self) -> int:
         """Bytes read from shard files by this rank's workers (tar headers and member data)."""
         return int(self._counters["bytes"])
+
+    def read_amplification(self) -> float:
+        """Bytes read from the shards per byte of the samples handed out (1.0: nothing read twice)."""
+        return self._counters["bytes"] / max(1, self._counters["sample_bytes"])

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import pickle
 import random
-import gzip
 import tarfile
 from pathlib import Path
 
