@@ -87,9 +87,9 @@ class TrainStream(IterableDataset):
         counters, bytes0 = new_counters(), BYTES_READ[0]
         items: list[Any] = [self._sample(p, sid, counters, restore=not in_worker) for p, sid in zip(positions, ids)]
         counters["read"] += len(items)
-        counters["bytes"] = BYTES_READ[0] - bytes0
         items = [x if x is not None else self._replacement(p, counters, not in_worker)
                  for p, x in zip(positions, items)]
+        counters["bytes"] = BYTES_READ[0] - bytes0
         targets = torch.tensor([label for _, label in items], dtype=torch.long)
         mix_seed = seed_for(MIXUP, self.seed, positions[0] // self.micro)
         if self.draw is not None:  # raw bytes + boxes; decoded and mixed up by TrainLoader.to_device
