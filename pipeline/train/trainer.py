@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.config import Config, deepspeed_config, save_config, to_dict
-from pipeline.data import DataError, build_eval_loader, build_train_loader, read_dataset_info
+from pipeline.config import Config, deepspeed_config, resolve_batch, save_config, to_dict
+from pipeline.data import DataError, build_eval_loader, build_train_loader, merge_counters, read_dataset_info
 from pipeline.dist import DistEnv, init_distributed
 from pipeline.model.vit import VisionTransformer, model_flops, model_kwargs_from_config
 from pipeline.tracking import start_tracking
@@ -96,8 +96,10 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
         engine.compile()
 
     img_size = model_kwargs["img_size"]
+    # The loader hands out micro batches; loader.accum of them (DeepSpeed's accumulation) make a step.
     train_loader = build_train_loader(cfg.data, img_size, cfg.train.micro_batch_size, seed=cfg.train.seed,
-                                      rank=env.rank, world_size=env.world_size, info=info)
+                                      rank=env.rank, world_size=env.world_size, info=info,
+                                      global_batch_size=resolve_batch(cfg.train, env.world_size)[0])
     eval_loader = build_eval_loader(cfg.data, img_size, cfg.train.eval_batch_size or cfg.train.micro_batch_size,
                                     rank=env.rank, world_size=env.world_size, info=info)
     tracker = start_tracking(cfg, run_dir, env.is_main, env.world_size, tags=tags)
@@ -123,13 +125,12 @@ def resume(s: Setup, cfg: Config) -> int:
         raise TrainError(f"{state_file.parent} was trained with a different model; refusing to resume: "
                          + "; ".join(diff) + ". Use a new run.dir or the matching config.")
     client = ckpt.load_checkpoint(s.engine, run_dir, tag)
+    s.train_loader.load_state_dict(client["data"])  # layout-free: continues the epoch on any world size
     if client["world_size"] == s.env.world_size:
-        s.train_loader.load_state_dict(client["data"][s.env.rank])
         ckpt.set_rng_state(client["rng"][s.env.rank])
     else:
-        log(s.env, f"warning: checkpoint was written by {client['world_size']} ranks, this job has "
-                   f"{s.env.world_size}: the data stream starts a fresh epoch (the run is not bit-exact)")
-        s.train_loader.load_state_dict(client["data"][0], strict=False)
+        log(s.env, f"note: checkpoint was written by {client['world_size']} ranks, this job has "
+                   f"{s.env.world_size}: the same samples follow, but dropout's random draws differ")
     log(s.env, f"resumed from {state_file.parent} at step {client['step']}")
     return int(client["step"])
 
@@ -139,12 +140,13 @@ def _norm(v: Any) -> Any:
 
 
 def save(s: Setup, cfg: Config, step: int) -> str:
-    """Collective checkpoint: DeepSpeed state + every rank's data position and RNG + what the run is."""
+    """Collective checkpoint: DeepSpeed state + the data state (once) + every rank's RNG + what the run is."""
+    counters = merge_counters(ckpt.gather_to_all(s.train_loader.counters()))  # bad data of all ranks
     client = {
         "version": ckpt.STATE_VERSION,
         "step": step,
         "world_size": s.env.world_size,
-        "data": ckpt.gather_to_all(s.train_loader.state_dict()),
+        "data": s.train_loader.state_dict(counters),
         "rng": ckpt.gather_to_all(ckpt.rng_state()),
         "mlflow_run_id": s.tracker.run_id,
     }
@@ -222,7 +224,8 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
     preemption = PreemptionHandler()
     meter = ThroughputMeter(s.flops_per_image, env.world_size, device_peak_flops(tc.peak_flops))
     log(env, f"{cfg.run.kind}: {cfg.model.variant} {s.model_kwargs['img_size']} | world size {env.world_size} | "
-             f"global batch {tc.micro_batch_size * tc.grad_accum_steps * env.world_size} | "
+             f"global batch {s.train_loader.global_batch} ({s.train_loader.accum} x {tc.micro_batch_size} x "
+             f"{env.world_size}) | "
              f"ZeRO-{cfg.deepspeed.zero_stage} | steps {step}->{tc.steps} | run dir {cfg.run.dir}")
     bar = _progress(env, step, tc.steps)
     data = iter(s.train_loader)
