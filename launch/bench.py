@@ -225,6 +225,7 @@ def bench_loader(args: argparse.Namespace) -> dict[str, Any]:
                                   ("single", _ceiling(blobs, transform)),
                                   ("single_same_path", _ceiling(blobs, same_path))):
                     best[name] = (max(best[name][0], fig[0]), min(best[name][1], fig[1]))
+            amplification = train.read_amplification()  # all batches since the start, warmup included
             train.close()
             del stream_it, folder_it, folder_loader
             stream, folder = best["stream"][0], best["folder"][0]
@@ -232,18 +233,20 @@ def bench_loader(args: argparse.Namespace) -> dict[str, Any]:
             ceiling_same = best["single_same_path"][0] * max(1, w)
             cpu = {k: v[1] for k, v in best.items()}
             rows.append([w, stream, folder, ceiling, ceiling_same, stream / ceiling, stream / ceiling_same,
-                         stream / folder, cpu["stream"], cpu["folder"], cpu["single"], cpu["single_same_path"]])
+                         stream / folder, amplification, cpu["stream"], cpu["folder"], cpu["single"],
+                         cpu["single_same_path"]])
             figures[f"w{w}"] = {
                 "stream_img_s": round(stream, 1), "imagefolder_img_s": round(folder, 1),
                 "ceiling_img_s": round(ceiling, 1), "ceiling_same_path_img_s": round(ceiling_same, 1),
                 "stream_vs_ceiling": round(stream / ceiling, 3),
                 "stream_vs_ceiling_same_path": round(stream / ceiling_same, 3),
                 "stream_vs_imagefolder": round(stream / folder, 3),
+                "read_amplification": round(amplification, 3),
                 "cpu_ms_per_img": {k: round(v, 3) for k, v in cpu.items()}}
     print_table(f"train stream, {args.size}px JPEG -> RandomResizedCrop {crop} + flip + normalise, "
                 f"batch {batch}, images/s (best of {args.rounds})",
                 ["workers", "stream", "ImageFolder", "ceiling", "ceiling*", "stream/ceiling", "stream/ceiling*",
-                 "stream/ImageFolder", "cpu ms/img: stream", "ImageFolder", "ceiling", "ceiling*"],
+                 "stream/ImageFolder", "read ampl.", "cpu ms/img: stream", "ImageFolder", "ceiling", "ceiling*"],
                 [[*r[:5], *(f"{x:.2f}" for x in r[5:])] for r in rows])
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     figures["load_avg_1min"] = round(load, 2)
@@ -251,7 +254,9 @@ def bench_loader(args: argparse.Namespace) -> dict[str, Any]:
           "loop in one process, x workers; ceiling*: the same with the stream's own per-image work (uint8 "
           "transform + fused normalisation); cpu ms/img: "
           "CPU time of all processes involved (workers + main) per image, which load from other "
-          f"processes does not inflate (1-min load average at the end: {load:.1f} on {os.cpu_count()} cores)")
+          f"processes does not inflate (1-min load average at the end: {load:.1f} on {os.cpu_count()} cores); "
+          "read ampl.: bytes the stream read from the shards (tar headers + member data) per byte of the "
+          "samples it handed out")
     figures["seconds"] = round(time.perf_counter() - t_start, 1)
     print(f"loader benchmark took {figures['seconds']:.0f} s")
     return figures

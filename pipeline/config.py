@@ -8,9 +8,9 @@ unknown key, a value of the wrong type or a missing file raises `ConfigError` wi
 line naming the file/key and what was expected. The launchers turn that into
 ``error: ...`` and exit code 2, never a traceback.
 
-What can be derived is never written twice: DeepSpeed's ``train_batch_size`` is
-``micro_batch_size x grad_accum_steps x world_size`` (see `deepspeed_config`), and the data
-resolution is the model's ``img_size``.
+What can be derived is never written twice: the accumulation steps are
+``global_batch_size / (micro_batch_size x world_size)`` (see `resolve_batch`), DeepSpeed's
+``train_batch_size`` is the global batch, and the data resolution is the model's ``img_size``.
 """
 
 from __future__ import annotations
@@ -80,7 +80,11 @@ class DataConfig:
     num_workers: int = 2
     """DataLoader worker processes per rank."""
     shuffle_buffer: int = 1000
-    """Samples each worker reads ahead (undecoded) and emits in a seeded random order; a resume re-reads at most this many."""
+    """Shuffle window: each epoch permutes the shard list, then each window of this many consecutive samples (the same on every layout; a window reads only the shards it overlaps)."""
+    cache_dir: str | None = None
+    """Where shards without random access (pipe:, http(s), .tar.gz) are copied, uncompressed, before reading; None: <system temp>/vit-pipeline-shards-<uid>."""
+    cache_limit_gb: float = 50.0
+    """Size bound of data.cache_dir; the least recently used copies are deleted beyond it (keep it above a few shuffle windows' shards per machine)."""
     scale: tuple[float, float] = (0.08, 1.0)
     """RandomResizedCrop area range."""
     ratio: tuple[float, float] = (0.75, 1.3333333333333333)
@@ -123,10 +127,12 @@ class DataConfig:
 class TrainConfig:
     steps: int = 1000
     """Optimizer steps to train for (training is measured in steps, not epochs)."""
+    global_batch_size: int | None = None
+    """Images per optimizer step over all ranks: the unit of training (the samples of step t depend on it, not on the layout). None: micro_batch_size x grad_accum_steps (or 1) x world size."""
     micro_batch_size: int = 64
     """Images per rank per forward/backward."""
-    grad_accum_steps: int = 1
-    """Micro batches accumulated per optimizer step; global batch = micro x accum x world size."""
+    grad_accum_steps: int | None = None
+    """Micro batches accumulated per optimizer step; derived as global_batch_size / (micro_batch_size x world size). Set it only without global_batch_size, or to the same value."""
     optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
     """Optimizer; 'adam' is Adam with decoupled weight decay as in the ViT paper's pretraining."""
     lr: float = 1e-3
@@ -428,7 +434,9 @@ def validate(cfg: Config, where: str = "config") -> None:
          "false with train.optimizer 'sgd' (ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam)"),
         ("train.steps", cfg.train.steps > 0, "> 0"),
         ("train.micro_batch_size", cfg.train.micro_batch_size > 0, "> 0"),
-        ("train.grad_accum_steps", cfg.train.grad_accum_steps > 0, "> 0"),
+        ("train.grad_accum_steps", cfg.train.grad_accum_steps is None or cfg.train.grad_accum_steps > 0, "> 0"),
+        ("train.global_batch_size", cfg.train.global_batch_size is None or cfg.train.global_batch_size > 0, "> 0"),
+        ("train.seed", cfg.train.seed >= 0, ">= 0"),
         ("train.lr", cfg.train.lr >= 0, ">= 0"),
         ("train.warmup_steps", cfg.train.warmup_steps >= 0, ">= 0"),
         ("train.log_every", cfg.train.log_every > 0, "> 0"),
@@ -484,8 +492,27 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def resolve_batch(train: TrainConfig, world_size: int) -> tuple[int, int]:
+    """(global batch, accumulation steps) on `world_size` ranks; ConfigError naming the numbers if the
+    layout cannot make the global batch."""
+    m = train.micro_batch_size
+    if train.global_batch_size is None:
+        accum = train.grad_accum_steps or 1
+        return m * accum * world_size, accum
+    g = train.global_batch_size
+    if g % (m * world_size):
+        raise ConfigError(f"train.global_batch_size={g} is not a multiple of train.micro_batch_size={m} x "
+                          f"world size {world_size} = {m * world_size}; pick a micro batch that divides "
+                          f"{g // world_size if g % world_size == 0 else g}")
+    accum = g // (m * world_size)
+    if train.grad_accum_steps is not None and train.grad_accum_steps != accum:
+        raise ConfigError(f"train.grad_accum_steps={train.grad_accum_steps} contradicts train.global_batch_size={g} "
+                          f"/ (micro_batch_size {m} x world size {world_size}) = {accum}; leave it unset")
+    return g, accum
+
+
 def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed JSON config, derived: train_batch_size = micro x accumulation x world size."""
+    """The DeepSpeed JSON config, derived: train_batch_size = the global batch (see `resolve_batch`)."""
     ds, train = cfg.deepspeed, cfg.train
     zero: dict[str, Any] = {"stage": ds.zero_stage}
     if ds.offload_optimizer:
@@ -494,8 +521,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         zero["offload_param"] = {"device": "cpu"}
     out = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
-        "gradient_accumulation_steps": train.grad_accum_steps,
-        "train_batch_size": train.micro_batch_size * train.grad_accum_steps * world_size,
+        "gradient_accumulation_steps": resolve_batch(train, world_size)[1],
+        "train_batch_size": resolve_batch(train, world_size)[0],
         "gradient_clipping": train.grad_clip,
         "bf16": {"enabled": ds.bf16},
         "zero_optimization": zero,

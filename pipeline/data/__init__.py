@@ -1,7 +1,7 @@
-"""Data: WebDataset shards (write, read), the resumable train stream and the exactly-once eval pass."""
+"""Data: WebDataset shards (write, read), the elastic resumable train stream and the exactly-once eval pass."""
 
 from .info import BadDataError, DataError, DatasetInfo, SplitInfo, read_dataset_info
-from .loader import EvalLoader, TrainLoader, build_eval_loader, build_train_loader
+from .loader import EvalLoader, TrainLoader, build_eval_loader, build_train_loader, merge_counters
 from .tario import BAD_KINDS
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "TrainLoader",
     "build_eval_loader",
     "build_train_loader",
+    "merge_counters",
     "read_dataset_info",
 ]

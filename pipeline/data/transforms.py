@@ -1,9 +1,9 @@
 """Train/eval transforms (timm's `create_transform`) and Mixup/CutMix (timm's `Mixup`), made reproducible.
 
 timm's transforms draw from Python's `random`, NumPy's global RNG and torch's global RNG. The
-loader seeds all three before each sample from (seed, epoch, rank, worker, position) via
-`seeded(sample_seed(...))`, so the augmentation of a sample depends only on where it is in the
-stream: a resumed run augments it exactly as the uninterrupted run would have.
+train stream seeds all three before each sample with `seeded(order.seed_for(AUGMENT, seed, epoch,
+index))`, so the augmentation of a sample depends only on its position in the global order: the
+same on any layout, and a resumed run augments it exactly as the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -17,20 +17,6 @@ import numpy as np
 import torch
 
 from pipeline.config import DataConfig
-
-_MASK64 = (1 << 64) - 1
-
-
-def sample_seed(*parts: int) -> int:
-    """Mix integers into one 63-bit seed (splitmix64 steps): nearby inputs give unrelated seeds."""
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x = (x ^ (int(p) & _MASK64)) & _MASK64
-        x = (x + 0x9E3779B97F4A7C15) & _MASK64
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-        x ^= x >> 31
-    return x >> 1
 
 
 @contextmanager

@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.config import Config, deepspeed_config, save_config, to_dict
-from pipeline.data import DataError, build_eval_loader, build_train_loader, read_dataset_info
+from pipeline.config import Config, deepspeed_config, resolve_batch, save_config, to_dict
+from pipeline.data import DataError, build_eval_loader, build_train_loader, merge_counters, read_dataset_info
 from pipeline.dist import DistEnv, init_distributed
 from pipeline.model.vit import VisionTransformer, model_flops, model_kwargs_from_config
 from pipeline.tracking import start_tracking
@@ -94,11 +94,6 @@ def build_model(cfg: Config, model_kwargs: dict[str, Any], ds_config: dict[str, 
     return model
 
 
-def micro_batches_per_step(cfg: Config, world_size: int) -> int:
-    """A, the micro batches each rank runs per optimizer step (the one place it is decided)."""
-    return cfg.train.grad_accum_steps
-
-
 def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> Setup:
     env = init_distributed()
     run_dir = Path(cfg.run.dir)
@@ -125,8 +120,10 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
         engine.compile()
 
     img_size = model_kwargs["img_size"]
+    # The loader hands out micro batches; loader.accum of them (DeepSpeed's accumulation) make a step.
     train_loader = build_train_loader(cfg.data, img_size, cfg.train.micro_batch_size, seed=cfg.train.seed,
-                                      rank=env.rank, world_size=env.world_size, info=info)
+                                      rank=env.rank, world_size=env.world_size, info=info,
+                                      global_batch_size=resolve_batch(cfg.train, env.world_size)[0])
     eval_loader = build_eval_loader(cfg.data, img_size, cfg.train.eval_batch_size or cfg.train.micro_batch_size,
                                     rank=env.rank, world_size=env.world_size, info=info)
     tracker = start_tracking(cfg, run_dir, env.is_main, env.world_size, tags=tags)
@@ -230,13 +227,12 @@ def resume(s: Setup, cfg: Config) -> int:
         apply_hparams(s.optimizer.param_groups, s.groups, s.engine.lr_scheduler, cfg.train, s.model_kwargs["depth"])
     if changed:
         log(s.env, "resume: overrides applied to the resumed optimizer and schedule: " + ", ".join(changed))
+    s.train_loader.load_state_dict(client["data"])  # layout-free: continues the epoch on any world size
     if plan.state.world_size == s.env.world_size:
-        s.train_loader.load_state_dict(client["data"][s.env.rank])
         ckpt.set_rng_state(client["rng"][s.env.rank])
     else:
-        log(s.env, f"warning: checkpoint was written by {plan.state.world_size} ranks, this job has "
-                   f"{s.env.world_size}: the data stream starts a fresh epoch (the run is not bit-exact)")
-        s.train_loader.load_state_dict(client["data"][0], strict=False)
+        log(s.env, f"note: checkpoint was written by {plan.state.world_size} ranks, this job has "
+                   f"{s.env.world_size}: the same samples follow, but dropout's random draws differ")
     log(s.env, f"resumed from {ckpt.checkpoint_dir(Path(cfg.run.dir)) / plan.tag} at step {plan.state.step}")
     return plan.state.step
 
@@ -255,9 +251,10 @@ def _first_line(e: BaseException) -> str:
 
 
 def save(s: Setup, cfg: Config, step: int) -> str:
-    """Collective checkpoint: DeepSpeed state + every rank's data position and RNG (client state) + what
-    the run is and where it stands (trainer_state.json, written by rank 0)."""
-    client = {"data": ckpt.gather_to_all(s.train_loader.state_dict()), "rng": ckpt.gather_to_all(ckpt.rng_state())}
+    """Collective checkpoint: DeepSpeed state + the data state (once, layout-free) and every rank's RNG
+    (client state) + what the run is and where it stands (trainer_state.json, written by rank 0)."""
+    counters = merge_counters(ckpt.gather_to_all(s.train_loader.counters()))  # bad data of all ranks
+    client = {"data": s.train_loader.state_dict(counters), "rng": ckpt.gather_to_all(ckpt.rng_state())}
     tag = ckpt.tag_for(step)
     if s.env.is_main:
         ckpt.TrainerState(step=step, world_size=s.env.world_size, zero_stage=cfg.deepspeed.zero_stage,
@@ -365,10 +362,11 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
                  f"to be requeued")
         s.tracker.finish(status=None)
         return PREEMPTED_EXIT_CODE
-    accum = micro_batches_per_step(cfg, env.world_size)
+    accum = s.train_loader.accum  # micro batches per rank per step: train.global_batch_size / layout
     meter = ThroughputMeter(s.flops_per_image, env.world_size, device_peak_flops(tc.peak_flops))
     log(env, f"{cfg.run.kind}: {cfg.model.variant} {s.model_kwargs['img_size']} | world size {env.world_size} | "
-             f"global batch {tc.micro_batch_size * accum * env.world_size} | "
+             f"global batch {s.train_loader.global_batch} ({s.train_loader.accum} x {tc.micro_batch_size} x "
+             f"{env.world_size}) | "
              f"ZeRO-{cfg.deepspeed.zero_stage} | steps {step}->{tc.steps} | run dir {cfg.run.dir}")
     bar = _progress(env, step, tc.steps)
     data = iter(s.train_loader)

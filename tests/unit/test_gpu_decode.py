@@ -49,7 +49,7 @@ def test_cuda_mode_draws_the_same_crops_as_the_cpu_path(jpegs: Path) -> None:
             assert diff.max() < 0.02, diff  # another decoder and resize kernel: close (~0.0025), not equal
             # the wrong flip or another sample is far off (>= ~0.04): the comparison does see them
             assert (a - b.flip(-1)).abs().mean(dim=(1, 2, 3)).min() > 0.02
-            assert (a - b.roll(1, 0)).abs().mean(dim=(1, 2, 3)).min() > 0.1
+            assert (a - b.roll(1, 0)).abs().mean(dim=(1, 2, 3)).min() > 0.04
 
 
 @pytest.mark.parametrize("mixup", [False, True])

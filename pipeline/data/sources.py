@@ -1,0 +1,218 @@
+"""Where samples to write come from: an image folder, scikit-learn's digits, or synthetic images.
+
+A `Source` lists `Item`s per split and knows how to encode one (image extension, bytes);
+`shards.write_dataset` writes them. See `launch/make_shards.py` for the command line.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from . import tario
+from .info import DataError
+
+FOLDER_IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm", ".tif", ".tiff", ".gif"}
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+@dataclass
+class Item:
+    """One sample to write: `ref` is what `encode` needs (a path, an index)."""
+    label: int
+    ref: Any
+
+
+@dataclass
+class Source:
+    name: str
+    class_names: list[str]
+    splits: dict[str, list[Item]]
+    encode: Callable[[Item], tuple[str, bytes]]
+    """Item -> (image extension, image bytes); runs in worker processes when --workers > 1."""
+    image_format: str
+
+
+def stratified_split(labels: Sequence[int], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Indices (train, val): per class, a seeded shuffle and round(val_fraction x n) to val."""
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    train, val = [], []
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        idx = idx[rng.permutation(len(idx))]
+        n_val = int(round(val_fraction * len(idx)))
+        val += idx[:n_val].tolist()
+        train += idx[n_val:].tolist()
+    return sorted(train), sorted(val)
+
+
+# digits ---------------------------------------------------------------------
+
+
+def _encode_png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", optimize=False, compress_level=6)
+    return buf.getvalue()
+
+
+def _digit_png(pixels: np.ndarray, size: int) -> bytes:
+    img = Image.fromarray(np.clip(pixels * (255.0 / 16.0), 0, 255).round().astype(np.uint8), "L")
+    img = img.resize((size, size), Image.BICUBIC).convert("RGB")
+    return _encode_png(img)
+
+
+class _DigitsEncoder:
+    def __init__(self, size: int):
+        self.size = size
+        self.images: np.ndarray | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"size": self.size, "images": None}  # workers load the (bundled) data themselves
+
+    def __call__(self, item: Item) -> tuple[str, bytes]:
+        if self.images is None:
+            from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
+            self.images = load_digits().images
+        return "png", _digit_png(self.images[item.ref], self.size)
+
+
+def digits_source(size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Source:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise DataError("--source digits needs scikit-learn: pip install 'vit-pipeline[demo]'") from None
+    digits = load_digits()
+    labels = [int(t) for t in digits.target]
+    train, val = stratified_split(labels, val_fraction, seed)
+    splits = {"train": [Item(labels[i], i) for i in train], "val": [Item(labels[i], i) for i in val]}
+    return Source("digits", [str(i) for i in range(10)], splits, _DigitsEncoder(size), "png")
+
+
+# synthetic ------------------------------------------------------------------
+
+
+def synthetic_image(index: int, label: int, num_classes: int, size: tuple[int, int], seed: int = 0) -> np.ndarray:
+    """A learnable RGB image: class -> hue and stripe orientation/frequency; per sample: phase, contrast, noise."""
+    h, w = size
+    rng = np.random.default_rng([seed, index, 0x5A17])
+    hue = label / num_classes
+    base = np.array([np.cos(2 * np.pi * (hue + k / 3)) for k in range(3)]) * 0.35 + 0.5
+    theta = np.pi * label / num_classes
+    freq = 2 + label % 3
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    phase = rng.uniform(0, 2 * np.pi)
+    stripes = np.sin(2 * np.pi * freq * (xx * np.cos(theta) + yy * np.sin(theta)) / max(h, w) + phase)
+    contrast = rng.uniform(0.2, 0.4)
+    img = base[None, None, :] * (1 + contrast * stripes[..., None])
+    img = img * 255 + rng.normal(0, 12, size=(h, w, 3))
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+class _SyntheticEncoder:
+    def __init__(self, num_classes: int, size: tuple[int, int], seed: int, quality: int):
+        self.num_classes, self.size, self.seed, self.quality = num_classes, size, seed, quality
+
+    def __call__(self, item: Item) -> tuple[str, bytes]:
+        pixels = synthetic_image(item.ref, item.label, self.num_classes, self.size, self.seed)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="JPEG", quality=self.quality)
+        return "jpg", buf.getvalue()
+
+
+def synthetic_source(num_samples: int = 1000, num_classes: int = 10, size: int | tuple[int, int] = 64,
+                     val_fraction: float = 0.2, seed: int = 0, quality: int = 90) -> Source:
+    if num_samples < 1 or num_classes < 1:
+        raise DataError("synthetic data needs num_samples >= 1 and num_classes >= 1")
+    hw = (size, size) if isinstance(size, int) else tuple(size)
+    labels = [i % num_classes for i in range(num_samples)]
+    train, val = stratified_split(labels, val_fraction, seed)
+    splits = {"train": [Item(labels[i], i) for i in train]}
+    if val:
+        splits["val"] = [Item(labels[i], i) for i in val]
+    return Source("synthetic", [f"class_{i}" for i in range(num_classes)], splits,
+                  _SyntheticEncoder(num_classes, hw, seed, quality), "jpg")  # type: ignore[arg-type]
+
+
+# image folder ---------------------------------------------------------------
+
+
+def _scan_class_folders(root: Path, class_names: list[str] | None = None) -> tuple[list[str], list[Item]]:
+    found = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    classes = class_names if class_names is not None else found
+    if not classes:
+        raise DataError(f"image folder '{root}' has no class sub-folders (expected {root}/CLASS/*.jpg)")
+    unknown = sorted(set(found) - set(classes))
+    if unknown:
+        raise DataError(f"'{root}' has class folders not in the training classes: {', '.join(unknown[:5])}")
+    items = []
+    for label, name in enumerate(classes):
+        folder = root / name
+        if not folder.is_dir():
+            continue
+        for dirpath, _, files in sorted(os.walk(folder, followlinks=True)):
+            for f in sorted(files):
+                if Path(f).suffix.lower() in FOLDER_IMAGE_EXTS and not f.startswith("."):
+                    items.append(Item(label, os.path.join(dirpath, f)))
+    return classes, items
+
+
+class _FolderEncoder:
+    """Keeps JPEG and PNG bytes as they are (no re-compression); re-encodes other formats or resized images."""
+
+    def __init__(self, resize: int | None, quality: int):
+        self.resize, self.quality = resize, quality
+
+    def __call__(self, item: Item) -> tuple[str, bytes]:
+        data = Path(item.ref).read_bytes()
+        ext = Path(item.ref).suffix.lower().lstrip(".")
+        ext = "jpg" if ext == "jpeg" else ext
+        try:
+            img = Image.open(io.BytesIO(data))
+            fmt = img.format
+            if self.resize is None and ext in ("jpg", "png") and fmt in ("JPEG", "PNG"):
+                img.verify()  # cheap structural check; full decode happens at training time
+                return ("jpg" if fmt == "JPEG" else "png"), data
+            img = img.convert("RGB")
+            if self.resize is not None and min(img.size) > self.resize:
+                scale = self.resize / min(img.size)
+                img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))),
+                                 Image.BICUBIC)
+            buf = io.BytesIO()
+            if fmt == "PNG" and self.resize is None:
+                img.save(buf, format="PNG")
+                return "png", buf.getvalue()
+            img.save(buf, format="JPEG", quality=self.quality)
+            return "jpg", buf.getvalue()
+        except Exception as e:
+            raise tario.SampleError(tario.CORRUPT_IMAGE, f"{item.ref}: {e}") from None
+
+
+def folder_source(path: str, val_fraction: float = 0.1, seed: int = 0, resize: int | None = None,
+                  quality: int = 95) -> Source:
+    root = Path(path)
+    if not root.is_dir():
+        raise DataError(f"image folder '{root}' does not exist")
+    if (root / "train").is_dir():
+        classes, train_items = _scan_class_folders(root / "train")
+        splits = {"train": train_items}
+        if (root / "val").is_dir():
+            _, splits["val"] = _scan_class_folders(root / "val", classes)
+    else:
+        classes, items = _scan_class_folders(root)
+        train, val = stratified_split([it.label for it in items], val_fraction, seed)
+        splits = {"train": [items[i] for i in train]}
+        if val:
+            splits["val"] = [items[i] for i in val]
+    if not splits["train"]:
+        raise DataError(f"image folder '{root}' holds no images ({', '.join(sorted(FOLDER_IMAGE_EXTS))})")
+    return Source(f"folder:{root}", classes, splits, _FolderEncoder(resize, quality), "jpg")

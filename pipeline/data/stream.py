@@ -1,0 +1,280 @@
+"""The train stream: elastic, deterministic, resumable on any layout.
+
+Rank r's j-th micro batch holds the samples at global positions
+`order.micro_batch_positions(j, r, W, m, A)` (step j // A), whatever the number of DataLoader
+workers: worker k of nw builds micro batches j = j0 + k, j0 + k + nw, ..., which is the order
+in which the DataLoader hands batches back (round robin), so the main process gets
+j0, j0 + 1, ... Workers keep no position of their own: a micro batch is a pure function of
+(seed, data set, shuffle window, j, layout), its samples and augmentation of their positions.
+
+- Augmentation of the sample at position p: seeded from (seed, epoch, index in epoch) =
+  (seed, p // N, p % N), the same on any layout and worker.
+- Mixup/CutMix of a micro batch: seeded from (seed, p0 // m), p0 its first position: the same
+  draws whenever the micro batch size is the same.
+- A bad sample (corrupt image, missing label or image, duplicate member, truncated or
+  unreadable shard) is counted by kind and replaced by the first good sample after it in the
+  global order, augmented with the bad position's seed: positions never shift, batch shapes
+  stay static, and the replacement is the same on every layout.
+
+State (`TrainLoader.state_dict`): the global position (samples consumed, a multiple of the
+global batch), bad-data counts, and the fingerprint of what the order depends on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from itertools import count
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from pipeline.config import DataConfig
+
+from . import tario
+from .bad import bad_fraction_message, count_bad, decode, load_raw, merge_counters, new_counters
+from .gpu_decode import CropDraw, GpuBatchDecoder, open_lazy, pack_batch, replace_bad
+from .index import BYTES_READ, Indexes
+from .info import BadDataError, DataError, SplitInfo
+from .order import AUGMENT, MIXUP, GlobalOrder, micro_batch_positions, seed_for
+from .transforms import BatchNormalizer, build_mixup, empty_batch, seeded, train_transform
+
+STATE_VERSION = 2
+MAX_REPLACEMENT_SEARCH = 100_000
+
+
+class TrainStream(IterableDataset):
+    """Runs in each DataLoader worker (or the main process): yields this rank's micro batches."""
+
+    def __init__(self, split: SplitInfo, cfg: DataConfig, img_size: tuple[int, int], micro: int, accum: int,
+                 seed: int, rank: int, world_size: int, num_classes: int, label_key: str, ids_only: bool = False):
+        super().__init__()
+        self.shards, self.counts = list(split.shards), list(split.shard_counts)
+        self.order = GlobalOrder(self.counts, seed, cfg.shuffle_buffer)
+        self.cfg, self.img_size, self.seed = cfg, img_size, seed
+        self.micro, self.accum, self.rank, self.world_size = micro, accum, rank, world_size
+        self.num_classes, self.label_key, self.ids_only = num_classes, label_key, ids_only
+        self.transform = train_transform(cfg, img_size)
+        self.normalize = BatchNormalizer(cfg.mean, cfg.std)
+        self.mixup = build_mixup(cfg, num_classes, micro)
+        self.gpu_decode = cfg.decode_device == "cuda"  # workers draw crops; TrainLoader.to_device decodes
+        self.draw = CropDraw(self.transform) if self.gpu_decode else None
+        self.start = 0  # first micro batch (of this rank) to build; set by TrainLoader before each start
+        self._indexes: Indexes | None = None
+
+    def positions(self, j: int) -> range:
+        return micro_batch_positions(j, self.rank, self.world_size, self.micro, self.accum)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        k, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        for j in count(self.start + k, nw):
+            try:
+                yield self.micro_batch(j, in_worker=info is not None)
+            except BadDataError as e:
+                yield {"error": str(e), "j": j}
+                return
+
+    def micro_batch(self, j: int, in_worker: bool) -> dict[str, Any]:
+        positions = self.positions(j)
+        ids = [self.order.sample_id(p) for p in positions]
+        out: dict[str, Any] = {"j": j, "ids": torch.tensor(ids, dtype=torch.long)}
+        if self.ids_only:
+            return out
+        if self._indexes is None:
+            self._indexes = Indexes(self.cfg.cache_dir, self.cfg.cache_limit_gb)
+        counters, bytes0 = new_counters(), BYTES_READ[0]
+        items: list[Any] = [self._sample(p, sid, counters, restore=not in_worker) for p, sid in zip(positions, ids)]
+        counters["read"] += len(items)
+        items = [x if x is not None else self._replacement(p, counters, not in_worker)
+                 for p, x in zip(positions, items)]
+        counters["bytes"] = BYTES_READ[0] - bytes0
+        targets = torch.tensor([label for _, label in items], dtype=torch.long)
+        mix_seed = seed_for(MIXUP, self.seed, positions[0] // self.micro)
+        if self.draw is not None:  # raw bytes + boxes; decoded and mixed up by TrainLoader.to_device
+            return {**out, "images": pack_batch([t for t, _ in items], mix_seed), "targets": targets,
+                    "counters": counters}
+        images = empty_batch((len(items), 3, *self.img_size), shared=in_worker)
+        for i, (tensor, _) in enumerate(items):
+            self.normalize(tensor, out=images[i])  # uint8 -> normalised float32
+        if self.mixup is not None:
+            with seeded(mix_seed, restore=not in_worker):
+                images, targets = self.mixup(images, targets)
+        return {**out, "images": images, "targets": targets, "counters": counters}
+
+    def _replacement(self, position: int, counters: dict[str, Any], restore: bool) -> Any:
+        """The first good sample after a bad `position` in the global order, augmented as `position`'s
+        would have been: a function of the position only, so the same on every layout."""
+        scratch = new_counters()  # those bad samples are counted at their own positions
+        for q in range(position + 1, position + 1 + MAX_REPLACEMENT_SEARCH):
+            item = self._sample(q, self.order.sample_id(q), scratch, restore, seed_position=position)
+            if item is not None:
+                return item
+        shard = max(counters["bad_shards"].items(), key=lambda kv: kv[1])[0]
+        raise BadDataError(f"no good sample in the {MAX_REPLACEMENT_SEARCH} positions after bad position {position} "
+                           f"(shard '{shard}': {counters['causes'].get(shard, '')})")
+
+    def _sample(self, position: int, sid: int, counters: dict[str, Any], restore: bool,
+                seed_position: int | None = None) -> Any:
+        """(augmented uint8 tensor, label) of one position, or None (counted) if it is bad."""
+        shard_no, local = self.order.locate(sid)
+        shard = self.shards[shard_no]
+        try:
+            raw = load_raw(self._indexes, shard, local)
+            counters["sample_bytes"] += sum(len(b) for b in raw.members.values())
+            if self.draw is not None:
+                _, data = tario.image_member(raw)
+                label = tario.parse_label(raw, self.label_key, self.num_classes)
+                img = open_lazy(data)
+            else:
+                img, label = decode(raw, self.label_key, self.num_classes)
+        except tario.SampleError as e:
+            count_bad(counters, e.kind, shard, str(e))
+            return None
+        epoch, index = divmod(position if seed_position is None else seed_position, self.order.n)
+        with seeded(seed_for(AUGMENT, self.seed, epoch, index), restore):
+            if self.draw is not None:  # same RNG calls as self.transform: the same box and flip
+                box, flip = self.draw(img)
+                return (data, box, flip, shard_no), label
+            return self.transform(img), label
+
+
+class TrainLoader:
+    """Infinite iterator of this rank's micro batches (images [m, 3, H, W] float32, targets).
+
+    `accum` micro batches make one optimizer step; `state_dict()` / `load_state_dict()` hold the
+    layout-free position (see the module docstring).
+    """
+
+    def __init__(self, stream: TrainStream, cfg: DataConfig, global_batch: int, pin_memory: bool | None = None):
+        self.stream, self.cfg = stream, cfg
+        self.global_batch = global_batch
+        self.accum = stream.accum
+        self.num_workers = cfg.num_workers
+        self.soft_targets = stream.mixup is not None
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._j = 0  # micro batches handed out by this rank since position 0
+        self._it: Iterator[dict[str, Any]] | None = None
+        self._counters = new_counters()  # this rank's, plus (rank 0) the counts restored from a checkpoint
+        self.last_ids: torch.Tensor | None = None
+        self.decoder = (GpuBatchDecoder(stream.img_size, cfg.mean, cfg.std, cfg.interpolation)
+                        if stream.gpu_decode else None)
+
+    def _start(self) -> None:
+        self.stream.start = self._j
+        loader = DataLoader(
+            self.stream, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
+            prefetch_factor=self.cfg.prefetch_factor if self.num_workers > 0 else None,
+            generator=torch.Generator().manual_seed(self.stream.seed),  # leave the global torch RNG alone
+        )
+        self._it = iter(loader)
+
+    def __iter__(self) -> TrainLoader:
+        return self
+
+    def __next__(self) -> tuple[Any, torch.Tensor]:
+        if self._it is None:
+            self._start()
+        assert self._it is not None
+        item = next(self._it)
+        if "error" in item:
+            self.close()
+            raise BadDataError(item["error"])
+        if item["j"] != self._j:  # the DataLoader's round robin is what makes the order exact
+            raise RuntimeError(f"micro batch {item['j']} arrived, expected {self._j}")
+        self._j += 1
+        self.last_ids = item["ids"]
+        if self.stream.ids_only:
+            return item["ids"], item["ids"]
+        self._add(item["counters"])
+        return item["images"], item["targets"]
+
+    def _add(self, counters: dict[str, Any]) -> None:
+        self._counters = merge_counters([self._counters, counters])
+        msg = bad_fraction_message(self._counters, self.cfg.max_bad_fraction, f"rank {self.stream.rank}")
+        if msg is not None:
+            self.close()
+            raise BadDataError(msg)
+
+    def to_device(self, images: Any, targets: torch.Tensor, device: torch.device | str,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch from `next()` on `device`: a copy, or with decode_device=cuda the decode, crop,
+        resize, flip, normalisation (and Mixup/CutMix) of the raw JPEG batch there."""
+        if self.decoder is None:
+            return images.to(device, dtype, non_blocking=True), targets.to(device, non_blocking=True)
+        out, bad = self.decoder(images, device)
+        targets = targets.to(device, non_blocking=True)
+        if bad:
+            extra = new_counters()
+            shards = images["shards"].tolist()
+            for k in bad:
+                count_bad(extra, tario.CORRUPT_IMAGE, self.stream.shards[shards[k]], "decode failed on the device")
+            replace_bad(out, targets, bad)
+            self._add(extra)
+        if self.stream.mixup is not None:
+            with seeded(int(images["mixup_seed"]), restore=True):
+                out, targets = self.stream.mixup(out, targets)
+        return out.to(dtype), targets
+
+    def close(self) -> None:
+        """Stop the worker processes (they restart on the next batch)."""
+        self._it = None
+
+    # position and counts --------------------------------------------------------------------
+
+    @property
+    def position(self) -> int:
+        """Global samples consumed at the last step boundary handed out."""
+        return self._j // self.accum * self.global_batch
+
+    def fingerprint(self) -> dict[str, Any]:
+        s = self.stream
+        # Names and counts, not full paths: the same shards mounted elsewhere still resume.
+        names = [(sh.rsplit("/", 1)[-1], n) for sh, n in zip(s.shards, s.counts)]
+        return {"seed": s.seed, "global_batch_size": self.global_batch, "shuffle_buffer": s.order.window,
+                "num_samples": s.order.n, "shards": hashlib.sha256(repr(names).encode()).hexdigest()[:16]}
+
+    def counters(self) -> dict[str, Any]:
+        """This rank's bad-data counters (sum them across ranks with `merge_counters` for the state)."""
+        return merge_counters([self._counters])
+
+    def state_dict(self, counters: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The layout-free state at the last step boundary; `counters`: all ranks' counts, summed."""
+        p, n = self.position, self.stream.order.n
+        counters = dict(counters if counters is not None else self.counters())
+        for k in ("bytes", "sample_bytes"):  # this process's I/O figures, not part of the run's state
+            counters.pop(k, None)
+        return {"version": STATE_VERSION, "position": p, "epoch": p // n, "sample_in_epoch": p % n,
+                "counters": counters, **self.fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at `state`'s position, on any layout that makes the same global batch."""
+        version = state.get("version") if isinstance(state, dict) else 1  # version 1: a list, one per rank
+        if version != STATE_VERSION:
+            raise DataError(f"data loader state has version {version}, expected {STATE_VERSION} "
+                            f"(a checkpoint from before the elastic loader cannot continue its epoch)")
+        diff = {k: (state.get(k), v) for k, v in self.fingerprint().items() if state.get(k) != v}
+        if diff:
+            what = ", ".join(f"{k}: {a} (checkpoint) vs {b}" for k, (a, b) in diff.items())
+            raise DataError(f"cannot continue the data stream: the order depends on what changed ({what}); "
+                            f"use a new run.dir or the checkpoint's settings")
+        self.close()
+        self._j = int(state["position"]) // self.global_batch * self.accum
+        # Counts are global: rank 0 carries them on, so that their sum over ranks stays right.
+        self._counters = merge_counters([state["counters"]]) if self.stream.rank == 0 else new_counters()
+
+    def bad_counts(self) -> dict[str, int]:
+        """Samples replaced, by kind, cumulative for this rank (rank 0: plus those restored)."""
+        return dict(sorted(self._counters["bad"].items()))
+
+    def samples_read(self) -> int:
+        return int(self._counters["read"])
+
+    def bytes_read(self) -> int:
+        """Bytes read from shard files by this rank's workers (tar headers and member data)."""
+        return int(self._counters["bytes"])
+
+    def read_amplification(self) -> float:
+        """Bytes read from the shards per byte of the samples handed out (1.0: nothing read twice)."""
+        return self._counters["bytes"] / max(1, self._counters["sample_bytes"])

@@ -1,0 +1,59 @@
+"""Elastic data end to end: the same run on 1 or 2 ranks, 1 or 3 workers, and resumed on another world size."""
+
+import shutil
+
+import pytest
+
+from tests.integration.runs import TINY, assert_same_weights, make_synthetic_shards, run, weights
+
+pytestmark = pytest.mark.dist
+CONFIG = "configs/pretrain/demo.yaml"
+FP32_NOISE = 1e-4  # 1 rank sums its 2 micro batches, 2 ranks all-reduce theirs: another rounding order
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return make_synthetic_shards(tmp_path_factory.mktemp("data") / "synthetic")
+
+
+def overrides(shards, run_dir, steps=6, workers=1, zero=1):
+    return [*TINY, f"data.path={shards}", f"run.dir={run_dir}", f"train.steps={steps}", "train.global_batch_size=16",
+            "train.micro_batch_size=8", "deepspeed.bf16=false", f"deepspeed.zero_stage={zero}",
+            f"data.num_workers={workers}", "train.eval_every=0", "train.ckpt_every=0"]
+
+
+def max_diff(a, b) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_one_or_two_ranks_and_one_or_three_workers_train_the_same_model(shards, tmp_path):
+    out = {}
+    for name, ranks, workers in (("r1w1", 1, 1), ("r2w1", 2, 1), ("r1w3", 1, 3)):
+        res = run("pretrain.py", CONFIG, overrides(shards, tmp_path / name, workers=workers), ranks=ranks)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        out[name] = weights(tmp_path / name)
+    assert_same_weights(out["r1w1"], out["r1w3"])  # workers change nothing, bit for bit
+    diff = max_diff(out["r1w1"], out["r2w1"])
+    print(f"max |w(1 rank) - w(2 ranks)| = {diff:.3g}")
+    assert diff < FP32_NOISE
+
+
+def test_resume_on_another_world_size_continues_the_epoch(shards, tmp_path):
+    ref_dir = tmp_path / "ref"
+    ref = run("pretrain.py", CONFIG, [*overrides(shards, ref_dir, steps=8, zero=0), "train.ckpt_every=4",
+                                      "train.keep_last=5"], ranks=2)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    # The same run, stopped after step 4 (its checkpoint) and continued on 1 rank.
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(ref_dir, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_0000008")
+    (run_dir / "checkpoints" / "latest").write_text("step_0000004\n")
+    (run_dir / "model.safetensors").unlink()
+    resumed = run("pretrain.py", CONFIG, [*overrides(shards, run_dir, steps=8, zero=0), "train.ckpt_every=4",
+                                          "train.keep_last=5"], ranks=1)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "at step 4" in resumed.stdout and "fresh epoch" not in resumed.stdout + resumed.stderr
+    diff = max_diff(weights(ref_dir), weights(run_dir))
+    print(f"max |w(2 ranks) - w(2 ranks, then 1)| = {diff:.3g}")
+    assert diff < FP32_NOISE
