@@ -2,8 +2,8 @@
 
     RUN_DIR/checkpoints/step_0000400/   DeepSpeed's files (every rank writes its shards), with
         trainer_state.json              what the run is and where it stands (`TrainerState`, JSON, read
-                                        before DeepSpeed starts); the per-rank data position and RNG
-                                        go into DeepSpeed's client state
+                                        before DeepSpeed starts); the data state (once, layout-free)
+                                        and every rank's RNG go into DeepSpeed's client state
     RUN_DIR/checkpoints/latest          one line, "step_0000400"; replaced (rename) only after every
                                         rank has finished writing that tag
     RUN_DIR/universal/step_0000400/     a tag converted to DeepSpeed's universal format, made on a resume
