@@ -50,8 +50,3 @@ def test_finetune_from_an_unexported_run_at_twice_the_resolution_with_zero3(tmp_
 def test_bad_res_is_a_clear_error(tmp_path):
     out = run("finetune.py", "configs/finetune/demo.yaml", [], ranks=1, extra=["--from", str(tmp_path), "--res", "big"])
     assert out.returncode == 2 and "--res 'big': expected a size like 384 or 384x512" in out.stderr
-
-
-def test_finetune_without_from_is_a_config_error(tmp_path):
-    out = run("finetune.py", "configs/finetune/demo.yaml", [f"run.dir={tmp_path}"], ranks=1)
-    assert out.returncode == 2 and "fine-tuning needs a source: --from" in out.stderr
