@@ -17,6 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# First thing: SIGUSR1/SIGTERM during setup (imports, DeepSpeed init, checkpoint load) must only raise the
+# preemption flag; the trainer then exits 75 at its first safe point and Slurm requeues the job.
+from pipeline.train.preemption import install_signal_handlers  # noqa: E402
+
+install_signal_handlers()
+
 from pipeline.launch import parse_args, run  # noqa: E402
 
 if __name__ == "__main__":

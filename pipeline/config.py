@@ -162,7 +162,7 @@ class TrainConfig:
     ckpt_every: int = 0
     """Save a checkpoint every N steps (0: only at the end and on preemption)."""
     keep_last: int = 2
-    """Keep the newest K checkpoints."""
+    """Keep the newest K checkpoints (a universal conversion made on resume, RUN_DIR/universal/, is removed at the next checkpoint)."""
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of M (0: none)."""
     max_nonfinite_steps: int = 5
@@ -184,7 +184,7 @@ class DeepSpeedConfig:
     bf16: bool = True
     """Train in bfloat16 with fp32 master weights."""
     offload_optimizer: bool = False
-    """ZeRO-Offload: keep optimizer states on CPU (stage >= 1)."""
+    """ZeRO-Offload: keep optimizer states on CPU and step them there with DeepSpeed's CPU Adam (stage >= 1; adam/adamw only; built on first use)."""
     offload_params: bool = False
     """ZeRO-Infinity: keep parameters on CPU (stage 3 only)."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -430,6 +430,8 @@ def validate(cfg: Config, where: str = "config") -> None:
          "false unless deepspeed.zero_stage is 3"),
         ("deepspeed.offload_optimizer", not cfg.deepspeed.offload_optimizer or cfg.deepspeed.zero_stage >= 1,
          "false unless deepspeed.zero_stage >= 1"),
+        ("deepspeed.offload_optimizer", not cfg.deepspeed.offload_optimizer or cfg.train.optimizer != "sgd",
+         "false with train.optimizer 'sgd' (ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam)"),
         ("train.steps", cfg.train.steps > 0, "> 0"),
         ("train.micro_batch_size", cfg.train.micro_batch_size > 0, "> 0"),
         ("train.grad_accum_steps", cfg.train.grad_accum_steps is None or cfg.train.grad_accum_steps > 0, "> 0"),

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.config import ConfigError, load_or_exit
+from pipeline.train.preemption import install_signal_handlers
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PRETRAIN_CONFIG = "configs/pretrain/demo.yaml"
@@ -155,6 +156,7 @@ def check_data(path: str, config: str) -> None:
 
 
 def run(kind: str, args: argparse.Namespace) -> int:
+    install_signal_handlers()  # before anything slow (the launch scripts already did; idempotent)
     defaults: list[str] = []
     config = args.config
     if kind == "finetune":

@@ -1,8 +1,14 @@
 """DeepSpeed checkpoints with trainer state, an atomic `latest` pointer, retention and weight export.
 
-    RUN_DIR/checkpoints/step_0000400/   DeepSpeed's files (every rank writes its shards)
+    RUN_DIR/checkpoints/step_0000400/   DeepSpeed's files (every rank writes its shards), with
+        trainer_state.json              what the run is and where it stands (`TrainerState`, JSON, read
+                                        before DeepSpeed starts); the data state (once, layout-free)
+                                        and every rank's RNG go into DeepSpeed's client state
     RUN_DIR/checkpoints/latest          one line, "step_0000400"; replaced (rename) only after every
                                         rank has finished writing that tag
+    RUN_DIR/universal/step_0000400/     a tag converted to DeepSpeed's universal format, made on a resume
+                                        with another world size or ZeRO stage (outside checkpoints/:
+                                        retention and `latest` never see it; safe to delete)
     RUN_DIR/model.safetensors           consolidated fp32 weights (timm key names), + RUN_DIR/config.yaml
 
 A process killed while saving leaves `latest` on the previous complete checkpoint; the half-written
@@ -11,9 +17,12 @@ tag is ignored on resume and removed by retention later.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import random
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +32,46 @@ import torch.distributed as dist
 
 from pipeline.model.weights import save_weights
 
-STATE_VERSION = 1  # of the client state stored with each checkpoint
+STATE_VERSION = 2  # of trainer_state.json; 1 had no zero_stage (read from its config) and duplicated fields
+STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class TrainerState:
+    """The checkpoint's own state, in one place: RUN_DIR/checkpoints/<tag>/trainer_state.json."""
+
+    step: int
+    world_size: int
+    zero_stage: int
+    model: dict[str, Any]  # the model's shape keys: a checkpoint of another model is refused before loading
+    config: dict[str, Any]  # the resolved config the checkpoint was written with
+    mlflow_run_id: str | None = None
+    version: int = STATE_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def write(self, tag_dir: Path) -> None:
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        (tag_dir / STATE_FILE).write_text(json.dumps(dataclasses.asdict(self), indent=1))
+
+    @classmethod
+    def read(cls, tag_dir: Path) -> TrainerState:
+        path = tag_dir / STATE_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: {tag_dir} was not written by this trainer")
+        d = json.loads(path.read_text())
+        if d.get("version", 1) == 1:  # older layout: the stage was only in the saved config
+            d["zero_stage"] = d.get("config", {}).get("deepspeed", {}).get("zero_stage", 1)
+            d["version"] = STATE_VERSION
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def universal_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "universal"
 
 
 def tag_for(step: int) -> str:
@@ -41,7 +85,8 @@ def latest_tag(run_dir: Path) -> str | None:
         return None
     tag = pointer.read_text().strip()
     if not (checkpoint_dir(run_dir) / tag).is_dir():
-        raise FileNotFoundError(f"{pointer} names '{tag}', which does not exist in {checkpoint_dir(run_dir)}")
+        raise FileNotFoundError(f"{pointer} names '{tag}', which does not exist in {checkpoint_dir(run_dir)}: "
+                                f"point it at a tag that exists there, or use a new run.dir")
     return tag
 
 
@@ -109,15 +154,96 @@ def prune(root: Path, keep_last: int, keep_every: int, current: str) -> None:
     for t in tags:
         if t not in keep:
             shutil.rmtree(root / t, ignore_errors=True)
+    # Universal conversions are only read by the resume that made them; a newer checkpoint supersedes them.
+    for p in universal_dir(root.parent).glob("step_*"):
+        if p.name < current:
+            shutil.rmtree(p, ignore_errors=True)
 
 
-def load_checkpoint(engine, run_dir: Path, tag: str) -> dict[str, Any]:
-    """Restore model, optimizer and schedule into `engine`; return the client state."""
-    path, client = engine.load_checkpoint(str(checkpoint_dir(run_dir)), tag=tag, load_module_strict=True,
+def load_checkpoint(engine, root: Path, tag: str) -> dict[str, Any]:
+    """Restore model, optimizer and schedule into `engine` from root/tag (a checkpoints/ or universal/
+    folder; the engine was configured for which); return the client state."""
+    path, client = engine.load_checkpoint(str(root), tag=tag, load_module_strict=True,
                                           load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
-        raise FileNotFoundError(f"DeepSpeed could not load checkpoint '{tag}' from {checkpoint_dir(run_dir)}")
+        raise FileNotFoundError(f"DeepSpeed could not load checkpoint '{tag}' from {root}")
+    if engine.load_universal_checkpoint() and engine.zero_optimization_partition_weights():
+        # DeepSpeed 0.19's ZeRO-3 universal load fills the fp32 master partitions but not the parameters
+        # the forward uses (ZeRO-1/2 get update_lp_params()); without this the first step after the
+        # resume runs on the initial weights.
+        for i in range(len(engine.optimizer.fp32_partitioned_groups_flat)):
+            engine.optimizer._reassign_or_swap_out_partitioned_parameters(i)
+        # It also gives every group's state the same `step` tensor, which torch's Adam increments in place:
+        # with G groups each optimizer step would count G steps (and get Adam's bias correction wrong).
+        for state in engine.optimizer.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
     return client
+
+
+def convert_to_universal(run_dir: Path, tag: str) -> Path:
+    """RUN_DIR/checkpoints/<tag> -> RUN_DIR/universal/<tag> with DeepSpeed's ds_to_universal (one process,
+    CPU; reads every rank's shards). Reused when a complete conversion is already there."""
+    from types import SimpleNamespace
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    out = universal_dir(run_dir) / tag
+    done = out / "converted"
+    if done.is_file():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # inject_missing_state: our checkpoints carry no Megatron-style tensor-parallel info (there is none).
+    args = SimpleNamespace(input_folder=str(checkpoint_dir(run_dir) / tag), output_folder=str(out),
+                           num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                           inject_missing_state=True)
+    ds_to_universal(args)
+    # An engine looks for its own stage's file name (ZeRO-3: zero_pp_rank_0_mp_rank_00_model_states.pt,
+    # else mp_rank_00_model_states.pt); universal loading reads only metadata from it, so either serves.
+    z3, z12 = out / "zero_pp_rank_0_mp_rank_00_model_states.pt", out / "mp_rank_00_model_states.pt"
+    if z3.is_file() and not z12.is_file():
+        shutil.copy2(z3, z12)
+    elif z12.is_file() and not z3.is_file():
+        shutil.copy2(z12, z3)
+    _bridge_zero_stages(out / "zero")
+    shutil.copy2(checkpoint_dir(run_dir) / tag / STATE_FILE, out / STATE_FILE)
+    _write_atomic(done, tag + "\n")
+    return out
+
+
+def _bridge_zero_stages(zero: Path) -> None:
+    """ds_to_universal writes the optimizer's step (and version) where the source stage's loader reads
+    them; put them where the other stages' loaders read them too, so that ZeRO-1/2 <-> ZeRO-3 works
+    (DeepSpeed 0.19: ZeRO-3 reads optimizer_state.pt's optimizer_state_dict.state[0].step, ZeRO-1/2
+    reads PARAM/step.pt and asserts on optimizer_state.pt's ds_version)."""
+    params = sorted(p for p in zero.iterdir() if p.is_dir())
+    global_state = zero / "optimizer_state.pt"
+    sd = torch.load(global_state, map_location="cpu", weights_only=False)
+    if "optimizer_state_dict" not in sd:  # from ZeRO-1/2
+        step = torch.load(params[0] / "step.pt", map_location="cpu", weights_only=False)
+        sd["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": sd["param_groups"]}
+        torch.save(sd, global_state)
+        return
+    step = sd["optimizer_state_dict"]["state"][0]["step"]  # from ZeRO-3
+    step = step if torch.is_tensor(step) else torch.tensor(float(step))
+    # ZeRO-3 writes each state as a flat tensor; ZeRO-1/2 read {"param": tensor of the real shape}.
+    model_states = torch.load(zero.parent / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu",
+                              weights_only=False)
+    shapes = {name: shape for group in model_states["param_shapes"] for name, shape in group.items()}
+    for p in params:
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            value = torch.load(p / f"{key}.pt", map_location="cpu", weights_only=False)
+            if torch.is_tensor(value):
+                torch.save({"param": value.view(shapes[p.name])}, p / f"{key}.pt")
+    if "ds_version" not in sd:  # ZeRO-1/2's loader asserts on it; ZeRO-3 keeps it elsewhere
+        import deepspeed
+
+        sd["ds_version"] = deepspeed.__version__
+        torch.save(sd, global_state)
+    for p in params:
+        if not (p / "step.pt").is_file():
+            torch.save(step, p / "step.pt")
 
 
 def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:

@@ -10,10 +10,20 @@ from torch import nn
 
 from pipeline.config import TrainConfig
 
+# Hyperparameters a resumed run takes from its config, not from the checkpoint (see `apply_hparams`).
+RESUMABLE_HPARAMS = ("lr", "min_lr", "weight_decay", "layer_decay", "betas", "momentum", "warmup_steps",
+                     "schedule", "steps")
+
+
+def real_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's full shape. Under deepspeed.zero.Init (ZeRO-3) `param` is a 1-D partition
+    placeholder and the real shape is in `ds_shape`."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
 
 def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     """Norm weights, biases (1-D), the position embedding and the class token are not decayed."""
-    return param.ndim <= 1 or name.endswith(("pos_embed", "cls_token")) or name.endswith(".bias")
+    return len(real_shape(param)) <= 1 or name.endswith(("pos_embed", "cls_token")) or name.endswith(".bias")
 
 
 def layer_id(name: str, depth: int) -> int:
@@ -25,9 +35,14 @@ def layer_id(name: str, depth: int) -> int:
     return depth + 1
 
 
+def lr_scale(cfg: TrainConfig, layer: int, depth: int) -> float:
+    return cfg.layer_decay ** (depth + 1 - layer) if cfg.layer_decay is not None else 1.0
+
+
 def param_groups(model: nn.Module, cfg: TrainConfig, depth: int) -> list[dict[str, Any]]:
     """Groups keyed by (decay?, layer): weight decay where it belongs, and with `layer_decay` a learning
-    rate scale of decay ** (depth + 1 - layer) so that early layers move less (BEiT/DeiT fine-tuning)."""
+    rate scale of decay ** (depth + 1 - layer) so that early layers move less (BEiT/DeiT fine-tuning).
+    Each group carries `decay` and `layer` so that a resumed run can re-derive its hyperparameters."""
     groups: dict[tuple[bool, int], dict[str, Any]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -36,18 +51,26 @@ def param_groups(model: nn.Module, cfg: TrainConfig, depth: int) -> list[dict[st
         layer = layer_id(name, depth) if cfg.layer_decay is not None else 0
         key = (decay, layer)
         if key not in groups:
-            scale = cfg.layer_decay ** (depth + 1 - layer) if cfg.layer_decay is not None else 1.0
+            scale = lr_scale(cfg, layer, depth)
             groups[key] = {"params": [], "weight_decay": cfg.weight_decay if decay else 0.0, "lr_scale": scale,
-                           "lr": cfg.lr * scale, "name": f"{'decay' if decay else 'no_decay'}_layer{layer}"}
+                           "lr": cfg.lr * scale, "decay": decay, "layer": layer,
+                           "name": f"{'decay' if decay else 'no_decay'}_layer{layer}"}
         groups[key]["params"].append(param)
     return [groups[k] for k in sorted(groups)]
 
 
-def build_optimizer(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(groups: list[dict[str, Any]], cfg: TrainConfig, offload: bool = False) -> torch.optim.Optimizer:
     """AdamW/Adam (decoupled weight decay: the paper's 'Adam with weight decay 0.1') or SGD with momentum.
-    On a GPU the fused kernels are used: one launch for all parameters instead of one per tensor."""
-    fused = torch.cuda.is_available()
+    On a GPU the fused kernels are used: one launch for all parameters instead of one per tensor.
+    With ZeRO-Offload (`offload`) the optimizer step runs on the CPU, and DeepSpeed accepts only its own
+    vectorised CPU Adam there (DeepSpeedCPUAdam, built on first use); it is the same AdamW update."""
     opt_groups = [{k: v for k, v in g.items() if k != "name"} for g in groups]
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(opt_groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                adamw_mode=True)
+    fused = torch.cuda.is_available()
     if cfg.optimizer in ("adamw", "adam"):
         return torch.optim.AdamW(opt_groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
     return torch.optim.SGD(opt_groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
@@ -70,3 +93,33 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch
     """A LambdaLR (its state is saved with DeepSpeed checkpoints). Each group keeps its layer-decay scale
     because LambdaLR multiplies each group's initial lr, which already carries the scale."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+
+
+def peak_group_lr(groups: list[dict[str, Any]]) -> float:
+    """The current lr of a group with scale 1 (the head under layer decay): the schedule's own value.
+    Group 0 is the most-decayed group under layer decay (0.65 ** 13 of the peak for B/16)."""
+    peak = [g["lr"] for g in groups if g.get("lr_scale", 1.0) == 1.0]
+    return peak[0] if peak else max(g["lr"] for g in groups)
+
+
+def apply_hparams(groups: list[dict[str, Any]], built: list[dict[str, Any]], scheduler: Any, cfg: TrainConfig,
+                  depth: int) -> None:
+    """Make a resumed optimizer and schedule follow `cfg`: a checkpoint restores every group's lr, weight
+    decay and betas and the schedule's base lrs as they were saved (DeepSpeed's ZeRO-3 universal load even
+    gives every group group 0's values); an override on resume must win. `built` are the groups as
+    `param_groups` made them (same order), which say what each group is. The schedule's position
+    (last_epoch) is kept; the current lr is recomputed from it."""
+    base_lrs = []
+    for g, b in zip(groups, built, strict=True):
+        g.update(decay=b["decay"], layer=b["layer"], lr_scale=lr_scale(cfg, b["layer"], depth))
+        g["weight_decay"] = cfg.weight_decay if b["decay"] else 0.0
+        if "betas" in g:
+            g["betas"] = tuple(cfg.betas)
+        if "momentum" in g:
+            g["momentum"] = cfg.momentum
+        g["initial_lr"] = cfg.lr * g["lr_scale"]
+        base_lrs.append(g["initial_lr"])
+    scheduler.base_lrs = base_lrs
+    factor = lr_factor(scheduler.last_epoch, cfg)
+    for g, base in zip(groups, base_lrs):
+        g["lr"] = base * factor

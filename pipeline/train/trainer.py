@@ -7,7 +7,6 @@ preemption (requeue me), 3 stopped on non-finite losses; config errors exit 2 be
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -28,10 +27,19 @@ from pipeline.model.vit import VisionTransformer, model_flops, model_kwargs_from
 from pipeline.tracking import start_tracking
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.metrics import ThroughputMeter, device_peak_flops, topk_correct
-from pipeline.train.optim import build_optimizer, build_scheduler, param_groups
-from pipeline.train.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
+from pipeline.train.optim import (
+    RESUMABLE_HPARAMS,
+    apply_hparams,
+    build_optimizer,
+    build_scheduler,
+    param_groups,
+    peak_group_lr,
+)
+from pipeline.train.preemption import PREEMPTED_EXIT_CODE, Preemption
 
 NONFINITE_EXIT_CODE = 3
+# Agree on preemption every N optimizer steps (an all-reduce of one int; see the README for its cost).
+PREEMPTION_CHECK_EVERY = 1
 SHAPE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
               "num_classes", "representation_size")
 
@@ -41,15 +49,28 @@ class TrainError(RuntimeError):
 
 
 @dataclass
+class ResumePlan:
+    """What a restart loads: a tag of RUN_DIR/checkpoints, or its universal conversion (other layout)."""
+
+    tag: str
+    state: ckpt.TrainerState
+    root: Path  # RUN_DIR/checkpoints, or RUN_DIR/universal when the layout changed
+    universal: bool
+
+
+@dataclass
 class Setup:
     env: DistEnv
     engine: Any
+    optimizer: torch.optim.Optimizer  # the client optimizer: its param_groups are the ones DeepSpeed steps
+    groups: list[dict[str, Any]]  # what each of its groups is (decay? layer?), as param_groups built them
     model_kwargs: dict[str, Any]
     train_loader: Any
     eval_loader: Any
     tracker: Any
     dtype: torch.dtype
     flops_per_image: float
+    plan: ResumePlan | None
 
 
 def log(env: DistEnv, msg: str) -> None:
@@ -81,15 +102,18 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
     if model_kwargs["num_classes"] != info.num_classes:
         raise DataError(f"model.num_classes={model_kwargs['num_classes']} but {cfg.data.path}/dataset.json has "
                         f"{info.num_classes} classes")
+    plan = plan_resume(cfg, env, model_kwargs)  # refuses a wrong checkpoint before DeepSpeed touches it
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     ds_config = deepspeed_config(cfg, env.world_size)
+    if plan is not None and plan.universal:
+        ds_config["checkpoint"] = {"load_universal": True}
 
     model = build_model(cfg, model_kwargs, ds_config)
     tags = prepare_model(model) if prepare_model is not None else {}
     groups = param_groups(model, cfg.train, model_kwargs["depth"])
-    optimizer = build_optimizer(groups, cfg.train)
+    optimizer = build_optimizer(groups, cfg.train, offload=cfg.deepspeed.offload_optimizer)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=build_scheduler(optimizer, cfg.train), config=ds_config)
     if cfg.train.compile:
@@ -104,65 +128,140 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
                                     rank=env.rank, world_size=env.world_size, info=info)
     tracker = start_tracking(cfg, run_dir, env.is_main, env.world_size, tags=tags)
     dtype = torch.bfloat16 if cfg.deepspeed.bf16 else torch.float32
-    return Setup(env, engine, model_kwargs, train_loader, eval_loader, tracker, dtype,
-                 model_flops(model_kwargs))
+    return Setup(env, engine, optimizer, groups, model_kwargs, train_loader, eval_loader, tracker, dtype,
+                 model_flops(model_kwargs), plan)
 
 
 # ----------------------------------------------------------------------------- resume
 
 
-def resume(s: Setup, cfg: Config) -> int:
-    """Load RUN_DIR's latest checkpoint if there is one; return the step to continue from."""
+def plan_resume(cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> ResumePlan | None:
+    """Read RUN_DIR's latest checkpoint state (before DeepSpeed starts) and decide how to load it: as it
+    is on the same layout (bit-exact), through a universal conversion on another world size or ZeRO
+    stage. Refuses, with what to do, what cannot be resumed."""
     run_dir = Path(cfg.run.dir)
     tag = ckpt.latest_tag(run_dir)
     if tag is None:
-        return 0
-    state_file = ckpt.checkpoint_dir(run_dir) / tag / "trainer_state.json"
-    saved = json.loads(state_file.read_text())
-    diff = [f"{k}: {saved['model'].get(k)} (checkpoint) vs {s.model_kwargs.get(k)} (config)"
-            for k in SHAPE_KEYS if _norm(saved["model"].get(k)) != _norm(s.model_kwargs.get(k))]
+        return None
+    tag_dir = ckpt.checkpoint_dir(run_dir) / tag
+    state = ckpt.TrainerState.read(tag_dir)
+    diff = [f"{k}: {state.model.get(k)} (checkpoint) vs {_norm(model_kwargs.get(k))} (config)"
+            for k in SHAPE_KEYS if _norm(state.model.get(k)) != _norm(model_kwargs.get(k))]
     if diff:
-        raise TrainError(f"{state_file.parent} was trained with a different model; refusing to resume: "
-                         + "; ".join(diff) + ". Use a new run.dir or the matching config.")
-    client = ckpt.load_checkpoint(s.engine, run_dir, tag)
+        raise TrainError(f"{tag_dir} was trained with a different model; refusing to resume: " + "; ".join(diff)
+                         + ". Use a new run.dir or the matching config.")
+    check_resumable_hparams(state, cfg, tag_dir)
+    stage = cfg.deepspeed.zero_stage
+    if state.world_size == env.world_size and state.zero_stage == stage:
+        return ResumePlan(tag, state, ckpt.checkpoint_dir(run_dir), universal=False)
+    if state.zero_stage == 0 and stage == 0:
+        # Without ZeRO every rank holds the whole optimizer state: DeepSpeed loads it on any world size.
+        return ResumePlan(tag, state, ckpt.checkpoint_dir(run_dir), universal=False)
+    if 0 in (state.zero_stage, stage):
+        raise TrainError(f"{tag_dir} was written at ZeRO-{state.zero_stage} on {state.world_size} ranks; this job "
+                         f"runs ZeRO-{stage} on {env.world_size}. DeepSpeed converts between layouts only for ZeRO "
+                         f"1-3: resume with deepspeed.zero_stage={state.zero_stage}, or start a new run.dir.")
+    why = "; ".join(x for x in (
+        f"world size {state.world_size} -> {env.world_size}" if state.world_size != env.world_size else "",
+        f"ZeRO-{state.zero_stage} -> ZeRO-{stage}" if state.zero_stage != stage else "") if x)
+    convert_on_rank0(env, run_dir, tag, state, why)
+    return ResumePlan(tag, state, ckpt.universal_dir(run_dir), universal=True)
+
+
+def convert_on_rank0(env: DistEnv, run_dir: Path, tag: str, state: ckpt.TrainerState, why: str) -> None:
+    """Rank 0 converts the tag to a universal checkpoint; every rank waits and learns whether it worked."""
+    error = None
+    if env.is_main:
+        t0 = time.perf_counter()
+        try:
+            out = ckpt.convert_to_universal(run_dir, tag)
+            log(env, f"resume: layout changed ({why}): converted {ckpt.checkpoint_dir(run_dir) / tag} to a universal "
+                     f"checkpoint in {out} ({time.perf_counter() - t0:.1f} s); model and optimizer state are "
+                     f"re-partitioned from it")
+        except Exception as e:  # DeepSpeed's converter asserts; the user needs one line and a way out
+            error = (f"{ckpt.checkpoint_dir(run_dir) / tag}: could not convert to DeepSpeed's universal format for "
+                     f"the new layout ({why}): {_first_line(e)}. Resume with {state.world_size} ranks and "
+                     f"deepspeed.zero_stage={state.zero_stage}, or start a new run.dir.")
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise TrainError(error)
+
+
+def check_resumable_hparams(state: ckpt.TrainerState, cfg: Config, tag_dir: Path) -> None:
+    """What a resumed optimizer cannot follow is refused: another optimizer, or layer decay switched on
+    or off (the parameter groups, and so the saved optimizer state, differ)."""
+    saved = state.config.get("train", {})
+    if saved.get("optimizer", cfg.train.optimizer) != cfg.train.optimizer:
+        raise TrainError(f"{tag_dir} was trained with train.optimizer={saved['optimizer']}, the config says "
+                         f"{cfg.train.optimizer}: its optimizer state cannot be carried over. Resume with "
+                         f"train.optimizer={saved['optimizer']} or start a new run.dir.")
+    if (saved.get("layer_decay") is None) != (cfg.train.layer_decay is None):
+        raise TrainError(f"{tag_dir} was trained with train.layer_decay={_yaml(saved.get('layer_decay'))}, the "
+                         f"config says {_yaml(cfg.train.layer_decay)}: switching layer decay on or off changes the parameter "
+                         f"groups of the saved optimizer. Resume with train.layer_decay="
+                         f"{_yaml(saved.get('layer_decay'))} or start a new run.dir.")
+
+
+def changed_hparams(state: ckpt.TrainerState, cfg: Config) -> list[str]:
+    saved, now = state.config.get("train", {}), to_dict(cfg)["train"]
+    return [f"train.{k} {saved.get(k)} -> {now[k]}" for k in RESUMABLE_HPARAMS if _norm(saved.get(k)) != now[k]]
+
+
+def resume(s: Setup, cfg: Config) -> int:
+    """Load the planned checkpoint; return the step to continue from."""
+    plan = s.plan
+    if plan is None:
+        return 0
+    try:
+        client = ckpt.load_checkpoint(s.engine, plan.root, plan.tag)
+    except (RuntimeError, ValueError, LookupError, AssertionError) as e:  # DeepSpeed's, on files it cannot use
+        raise TrainError(f"{plan.root / plan.tag}: DeepSpeed could not load this checkpoint: {_first_line(e)}. "
+                         f"Resume with the layout it was written with ({plan.state.world_size} ranks, ZeRO-"
+                         f"{plan.state.zero_stage}) or start a new run.dir.") from None
+    changed = changed_hparams(plan.state, cfg)
+    if changed or plan.universal:
+        # The checkpoint restored its own lr, weight decay and schedule; the config's values win.
+        apply_hparams(s.optimizer.param_groups, s.groups, s.engine.lr_scheduler, cfg.train, s.model_kwargs["depth"])
+    if changed:
+        log(s.env, "resume: overrides applied to the resumed optimizer and schedule: " + ", ".join(changed))
     s.train_loader.load_state_dict(client["data"])  # layout-free: continues the epoch on any world size
-    if client["world_size"] == s.env.world_size:
+    if plan.state.world_size == s.env.world_size:
         ckpt.set_rng_state(client["rng"][s.env.rank])
     else:
-        log(s.env, f"note: checkpoint was written by {client['world_size']} ranks, this job has "
+        log(s.env, f"note: checkpoint was written by {plan.state.world_size} ranks, this job has "
                    f"{s.env.world_size}: the same samples follow, but dropout's random draws differ")
-    log(s.env, f"resumed from {state_file.parent} at step {client['step']}")
-    return int(client["step"])
+    log(s.env, f"resumed from {ckpt.checkpoint_dir(Path(cfg.run.dir)) / plan.tag} at step {plan.state.step}")
+    return plan.state.step
 
 
 def _norm(v: Any) -> Any:
     return list(v) if isinstance(v, (tuple, list)) else v
 
 
+def _yaml(v: Any) -> str:
+    return "null" if v is None else str(v)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def save(s: Setup, cfg: Config, step: int) -> str:
-    """Collective checkpoint: DeepSpeed state + the data state (once) + every rank's RNG + what the run is."""
+    """Collective checkpoint: DeepSpeed state + the data state (once, layout-free) and every rank's RNG
+    (client state) + what the run is and where it stands (trainer_state.json, written by rank 0)."""
     counters = merge_counters(ckpt.gather_to_all(s.train_loader.counters()))  # bad data of all ranks
-    client = {
-        "version": ckpt.STATE_VERSION,
-        "step": step,
-        "world_size": s.env.world_size,
-        "data": s.train_loader.state_dict(counters),
-        "rng": ckpt.gather_to_all(ckpt.rng_state()),
-        "mlflow_run_id": s.tracker.run_id,
-    }
+    client = {"data": s.train_loader.state_dict(counters), "rng": ckpt.gather_to_all(ckpt.rng_state())}
     tag = ckpt.tag_for(step)
-    if s.env.is_main:  # human-readable and checked before DeepSpeed touches a mismatched model
-        state_dir = ckpt.checkpoint_dir(Path(cfg.run.dir)) / tag
-        state_dir.mkdir(parents=True, exist_ok=True)
-        (state_dir / "trainer_state.json").write_text(json.dumps(
-            {"step": step, "world_size": s.env.world_size, "model": _jsonable(s.model_kwargs),
-             "config": to_dict(cfg), "mlflow_run_id": s.tracker.run_id}, indent=1))
+    if s.env.is_main:
+        ckpt.TrainerState(step=step, world_size=s.env.world_size, zero_stage=cfg.deepspeed.zero_stage,
+                          model={k: _norm(v) for k, v in s.model_kwargs.items()}, config=to_dict(cfg),
+                          mlflow_run_id=s.tracker.run_id).write(ckpt.checkpoint_dir(Path(cfg.run.dir)) / tag)
     return ckpt.save_checkpoint(s.engine, Path(cfg.run.dir), step, client, cfg.train.keep_last,
                                 cfg.train.keep_every)
-
-
-def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: _norm(v) for k, v in d.items()}
 
 
 # ----------------------------------------------------------------------------- step and eval
@@ -217,11 +316,53 @@ def _format(step: int, total: int, m: dict[str, float]) -> str:
 # ----------------------------------------------------------------------------- the loop
 
 
+class NonFiniteLosses(Exception):
+    """Too many non-finite losses in a row: stop without saving (exit 3)."""
+
+
+@dataclass
+class NonFiniteGuard:
+    """Skips micro batches whose loss is not finite on some rank, and stops a diverged run."""
+
+    limit: int
+    in_a_row: int = 0
+    total: int = 0
+
+    def finite(self, env: DistEnv, loss: torch.Tensor, step: int) -> bool:
+        if all_finite(loss):
+            return True
+        self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
+        log(env, f"warning: non-finite loss at step {step}: micro batch skipped ({self.in_a_row} in a row)")
+        if self.in_a_row >= self.limit:
+            raise NonFiniteLosses(f"{self.in_a_row} non-finite losses in a row at step {step}")
+        return False
+
+
+def micro_batch_loss(s: Setup, cfg: Config, data, meter: ThroughputMeter, guard: NonFiniteGuard | None,
+                     step: int) -> torch.Tensor:
+    """The loss of the next micro batch with a finite loss on every rank (forward only)."""
+    while True:
+        t0 = time.perf_counter()
+        images, targets = next(data)
+        wait = time.perf_counter() - t0
+        images, targets = s.train_loader.to_device(images, targets, s.engine.device, s.dtype)  # data.decode_device
+        loss = loss_fn(s.engine(images).float(), targets, cfg.data.label_smoothing)
+        meter.add(images.shape[0], wait)
+        if guard is None or guard.finite(s.env, loss, step):
+            return loss
+
+
 def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> int:
     s = setup(cfg, prepare_model)
     env, engine, tc = s.env, s.engine, cfg.train
     step = resume(s, cfg)
-    preemption = PreemptionHandler()
+    preemption = Preemption(every=PREEMPTION_CHECK_EVERY)
+    if preemption.should_stop():  # first safe point: a signal arrived during setup or the checkpoint load
+        log(env, f"preempted during setup: nothing new to save (step {step}); exiting with {PREEMPTED_EXIT_CODE} "
+                 f"to be requeued")
+        s.tracker.finish(status=None)
+        return PREEMPTED_EXIT_CODE
+    accum = s.train_loader.accum  # micro batches per rank per step: train.global_batch_size / layout
     meter = ThroughputMeter(s.flops_per_image, env.world_size, device_peak_flops(tc.peak_flops))
     log(env, f"{cfg.run.kind}: {cfg.model.variant} {s.model_kwargs['img_size']} | world size {env.world_size} | "
              f"global batch {s.train_loader.global_batch} ({s.train_loader.accum} x {tc.micro_batch_size} x "
@@ -229,42 +370,33 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
              f"ZeRO-{cfg.deepspeed.zero_stage} | steps {step}->{tc.steps} | run dir {cfg.run.dir}")
     bar = _progress(env, step, tc.steps)
     data = iter(s.train_loader)
+    guard = NonFiniteGuard(tc.max_nonfinite_steps) if tc.check_finite else None
     loss_sum = torch.zeros((), device=engine.device)  # summed on device; read only at log steps (no sync)
-    micro_count, nonfinite_in_a_row, nonfinite_total = 0, 0, 0
+    micro_count = 0
     last_saved = step if step > 0 else -1  # a resumed run's checkpoint is the one at `step`
 
-    while step < tc.steps:
-        t0 = time.perf_counter()
-        images, targets = next(data)
-        wait = time.perf_counter() - t0
-        images, targets = s.train_loader.to_device(images, targets, engine.device, s.dtype)  # data.decode_device
-        loss = loss_fn(engine(images).float(), targets, cfg.data.label_smoothing)
-        meter.add(images.shape[0], wait)
-        if tc.check_finite and not all_finite(loss):
-            nonfinite_in_a_row, nonfinite_total = nonfinite_in_a_row + 1, nonfinite_total + 1
-            log(env, f"warning: non-finite loss at step {step}: micro batch skipped ({nonfinite_in_a_row} in a row)")
-            if nonfinite_in_a_row >= tc.max_nonfinite_steps:
-                good = ckpt.latest_tag(Path(cfg.run.dir))
-                print(f"error: {nonfinite_in_a_row} non-finite losses in a row at step {step}; stopping without "
-                      f"saving. Last good checkpoint: {good or 'none'} in {ckpt.checkpoint_dir(Path(cfg.run.dir))}",
-                      file=sys.stderr, flush=True)
-                s.tracker.finish("FAILED")
-                return NONFINITE_EXIT_CODE
-            continue
-        boundary = engine.is_gradient_accumulation_boundary()
-        engine.backward(loss)
-        engine.step()  # optimizer + schedule step only at the accumulation boundary
-        loss_sum += loss.detach()
-        micro_count += 1
-        if not boundary:
-            continue
+    while step < tc.steps:  # one optimizer step per iteration
+        try:
+            for _ in range(accum):  # the micro batches of this step; DeepSpeed steps at the last one
+                loss = micro_batch_loss(s, cfg, data, meter, guard, step)
+                engine.backward(loss)
+                engine.step()
+                loss_sum += loss.detach()
+                micro_count += 1
+        except NonFiniteLosses as e:
+            good = ckpt.latest_tag(Path(cfg.run.dir))
+            print(f"error: {e}; stopping without saving. Last good checkpoint: {good or 'none'} in "
+                  f"{ckpt.checkpoint_dir(Path(cfg.run.dir))}", file=sys.stderr, flush=True)
+            s.tracker.finish("FAILED")
+            return NONFINITE_EXIT_CODE
         step += 1
-        nonfinite_in_a_row = 0
+        if guard is not None:
+            guard.in_a_row = 0
         if bar is not None:
             bar.update(1)
 
         if step % tc.log_every == 0 or step == tc.steps:
-            metrics = window_metrics(s, loss_sum, micro_count, meter, nonfinite_total)
+            metrics = window_metrics(s, loss_sum, micro_count, meter, guard.total if guard else 0)
             loss_sum.zero_()
             micro_count = 0
             s.tracker.log_metrics(metrics, step)
@@ -279,7 +411,7 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
             save(s, cfg, step)
             last_saved = step
             meter.reset()
-        if step < tc.steps and preemption.should_stop():
+        if step < tc.steps and preemption.should_stop(step):
             if last_saved != step:
                 save(s, cfg, step)
             log(env, f"preempted: checkpoint at step {step} saved; exiting with {PREEMPTED_EXIT_CODE} to be requeued")
@@ -302,7 +434,7 @@ def window_metrics(s: Setup, loss_sum: torch.Tensor, micro_count: int, meter: Th
         dist.all_reduce(window)
     # Grouped by prefix: MLflow's chart view groups and sorts by it (data/, eval/, perf/, train/).
     metrics = {"train/loss": window.item() / max(micro_count * s.env.world_size, 1),
-               "train/lr": s.engine.get_lr()[0], "train/nonfinite_skipped": float(nonfinite_total),
+               "train/lr": peak_group_lr(s.optimizer.param_groups), "train/nonfinite_skipped": float(nonfinite_total),
                **{f"perf/{k}": v for k, v in meter.read().items()},
                "data/bad_samples": float(sum(s.train_loader.bad_counts().values()))}
     grad_norm = s.engine.get_global_grad_norm()

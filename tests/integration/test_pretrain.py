@@ -124,3 +124,127 @@ def test_zero3_init_builds_the_same_model_as_stage0(shards, tmp_path):
         results[zero] = weights(run_dir), metrics(run_dir)[0]["metrics"]["train/loss"]
     assert_same_weights(results[0][0], results[3][0])
     assert results[3][1] == pytest.approx(results[0][1], rel=1e-2)  # first-step loss, bf16 tolerance
+
+
+SIGNAL_IN_SETUP = """
+import os, runpy, signal, sys
+import deepspeed
+real_initialize = deepspeed.initialize
+def initialize(*args, **kwargs):  # SIGUSR1 to rank 1 while DeepSpeed sets up, as Slurm may send it
+    if os.environ.get("LOCAL_RANK") == "1":
+        os.kill(os.getpid(), signal.SIGUSR1)
+    return real_initialize(*args, **kwargs)
+deepspeed.initialize = initialize
+sys.argv = [os.environ["WRAPPED_SCRIPT"], *sys.argv[1:]]  # the launcher put --local_rank first
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_signal_during_setup_exits_75_before_the_first_step(shards, tmp_path):
+    from tests.integration.runs import DEEPSPEED, ROOT, env, free_port
+
+    wrapper = tmp_path / "signal_in_setup.py"
+    wrapper.write_text(SIGNAL_IN_SETUP)
+    run_dir = tmp_path / "run"
+    argv = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(wrapper),
+            "--config", CONFIG, *base(shards, run_dir, 1)]
+    import subprocess
+
+    out = subprocess.run(argv, cwd=ROOT, env={**env(), "WRAPPED_SCRIPT": str(ROOT / "launch/pretrain.py")},
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 75, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "preempted during setup" in out.stdout
+    assert "step 2/" not in out.stdout  # stopped before training
+    assert not (run_dir / "checkpoints" / "latest").exists()  # nothing new to save
+
+
+def fp32(shards, run_dir, zero, *extra):
+    return [*base(shards, run_dir, zero, steps=12), "deepspeed.bf16=false", "train.ckpt_every=4", *extra]
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def preempted_zero1(shards, tmp_path_factory):
+    """An uninterrupted 2-rank ZeRO-1 fp32 run, and the same run preempted by SIGUSR1 mid-way."""
+    ref_dir = tmp_path_factory.mktemp("ref")
+    ref = run("pretrain.py", CONFIG, fp32(shards, ref_dir, 1))
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    run_dir = tmp_path_factory.mktemp("preempted")
+    code, out = run_and_signal("pretrain.py", CONFIG, fp32(shards, run_dir, 1), when="step 4/12")
+    assert code == 75, out[-3000:]
+    return weights(ref_dir), run_dir
+
+
+def resume_copy(src, dst, overrides, ranks):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return run("pretrain.py", CONFIG, overrides, ranks=ranks)
+
+
+def test_resume_on_2_ranks_at_zero3_converts_and_matches(shards, tmp_path, preempted_zero1):
+    ref, preempted = preempted_zero1
+    run_dir = tmp_path / "zero3"
+    out = resume_copy(preempted, run_dir, fp32(shards, run_dir, 3), ranks=2)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "layout changed (ZeRO-1 -> ZeRO-3): converted" in out.stdout
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000012"
+    assert not (run_dir / "universal" / "step_0000004").exists()  # superseded by the newer checkpoints
+    diff = max_diff(ref, weights(run_dir))
+    print(f"ZeRO-1 x2 -> ZeRO-3 x2: max |diff| to the uninterrupted run {diff:.3e}")
+    assert diff < 1e-5
+
+    # And back: the ZeRO-3 checkpoint at step 8, resumed at ZeRO-2.
+    back = tmp_path / "zero2"
+    import shutil
+
+    shutil.copytree(run_dir, back)
+    (back / "model.safetensors").unlink()
+    (back / "checkpoints" / "latest").write_text("step_0000008\n")
+    out = run("pretrain.py", CONFIG, fp32(shards, back, 2))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "layout changed (ZeRO-3 -> ZeRO-2): converted" in out.stdout
+    diff = max_diff(ref, weights(back))
+    print(f"... -> ZeRO-2 x2 from step 8: max |diff| to the uninterrupted run {diff:.3e}")
+    assert diff < 1e-5
+
+
+def test_resume_on_1_rank_converts_and_matches(shards, tmp_path, preempted_zero1):
+    ref, preempted = preempted_zero1
+    run_dir = tmp_path / "one_rank"
+    # train.global_batch_size=16 (TINY): two micro batches of 8 per step here, one on each of two ranks before.
+    out = resume_copy(preempted, run_dir, fp32(shards, run_dir, 1), ranks=1)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "layout changed (world size 2 -> 1): converted" in out.stdout
+    diff = max_diff(ref, weights(run_dir))
+    print(f"ZeRO-1 x2 -> ZeRO-1 x1: max |diff| to the uninterrupted run {diff:.3e}")
+    assert diff < 1e-5
+
+
+def test_resume_errors_are_one_line_and_overrides_are_applied(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    first = run("pretrain.py", CONFIG, base(shards, run_dir, 1, steps=2), ranks=1)
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    def refused(*overrides, expect):
+        out = run("pretrain.py", CONFIG, [*base(shards, run_dir, 1, steps=4), *overrides], ranks=1)
+        assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+        assert "Traceback" not in out.stderr and str(run_dir) in out.stderr and expect in out.stderr, out.stderr
+
+    refused("deepspeed.zero_stage=0", expect="resume with deepspeed.zero_stage=1")
+    refused("train.layer_decay=0.7", expect="Resume with train.layer_decay=null")
+    latest = run_dir / "checkpoints" / "latest"
+    latest.write_text("step_0000099\n")
+    refused(expect="names 'step_0000099', which does not exist")
+    latest.write_text("step_0000002\n")
+
+    changed = run("pretrain.py", CONFIG, [*base(shards, run_dir, 1, steps=4), "train.lr=1e-3"], ranks=1)
+    assert changed.returncode == 0, changed.stdout[-3000:] + changed.stderr[-3000:]
+    assert "overrides applied to the resumed optimizer and schedule: train.lr 0.003 -> 0.001" in changed.stdout
+    assert "train.steps 2 -> 4" in changed.stdout
+    lrs = [m["metrics"]["train/lr"] for m in metrics(run_dir) if m["step"] == 4 and "train/lr" in m["metrics"]]
+    assert lrs and lrs[-1] < 1e-3  # the new peak's schedule, not the checkpoint's 3e-3
