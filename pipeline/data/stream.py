@@ -221,6 +221,15 @@ class TrainLoader:
         """Stop the worker processes (they restart on the next batch)."""
         self._it = None
 
+    def seek_step(self, step: int) -> None:
+        """Continue at the first micro batch of optimizer step `step`. A no-op when already there; after
+        the trainer took an extra micro batch (one skipped for a non-finite loss) it restarts the workers,
+        so that step `step` still gets its own samples and the saved position is `step x global batch`."""
+        j = step * self.accum
+        if j != self._j:
+            self.close()
+            self._j = j
+
     # position and counts --------------------------------------------------------------------
 
     @property

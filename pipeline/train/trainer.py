@@ -390,6 +390,9 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
             s.tracker.finish("FAILED")
             return NONFINITE_EXIT_CODE
         step += 1
+        # A micro batch skipped for a non-finite loss was replaced by the next one: realign the stream
+        # so that every step keeps its own samples and the checkpoint's data position is exact.
+        s.train_loader.seek_step(step)
         if guard is not None:
             guard.in_a_row = 0
         if bar is not None:

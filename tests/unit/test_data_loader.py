@@ -223,6 +223,22 @@ def test_interrupted_run_resumed_on_2_then_3_then_1_ranks_sees_the_epoch_once(tm
     assert sorted(seen) == sorted(ids)  # the uninterrupted run's first 72 samples
 
 
+def test_seek_step_realigns_after_an_extra_micro_batch(synth: Path) -> None:
+    # The trainer replaces a micro batch skipped for a non-finite loss by the next one, then seeks to the
+    # next step: that step gets its own samples again and the state says exactly where the run is.
+    def loader():
+        return build_train_loader(cfg_for(synth, num_workers=1), IMG, 4, seed=3, global_batch_size=8, ids_only=True)
+
+    ref = ids_of(loader(), 8)
+    perturbed = loader()
+    first = ids_of(perturbed, 3)  # step 0 plus one extra micro batch (step 1's first)
+    perturbed.seek_step(1)
+    assert perturbed.state_dict()["position"] == 8
+    assert first == ref[:12] and ids_of(perturbed, 4) == ref[8:24]
+    perturbed.seek_step(3)  # already there: nothing restarts
+    assert perturbed._it is not None and ids_of(perturbed, 2) == ref[24:32]
+
+
 def test_resume_reads_and_decodes_only_the_samples_handed_out(synth: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = cfg_for(synth, shuffle_buffer=5)
     loader = build_train_loader(cfg, IMG, 4, seed=0)
