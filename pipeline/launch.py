@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.config import ConfigError, load_or_exit
+from pipeline.config import ConfigError, flatten, load_or_exit
 from pipeline.train.preemption import install_signal_handlers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,17 +127,7 @@ def resolve_finetune_defaults(args: argparse.Namespace) -> list[str]:
     _say(f"no --config: the paper's fine-tuning recipe (train section of {FINETUNE_RECIPE}) with the "
          f"architecture and data of {source_cfg} (data.path={tree.get('data', {}).get('path')}), "
          f"run dir {tree['run']['dir']}")
-    return [f"{k}={json.dumps(v)}" for k, v in _flatten(tree).items()]
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
+    return [f"{k}={json.dumps(v)}" for k, v in flatten(tree).items()]
 
 
 # ----------------------------------------------------------------------------- data check
