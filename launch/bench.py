@@ -114,20 +114,6 @@ def _write_bench_data(folder: Path, images: int, size: int, classes: int) -> tup
     return shards, files
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    """CPU time (user + system) of this process and of the given (worker) processes."""
-    t = os.times()
-    total = t.user + t.system
-    tick = os.sysconf("SC_CLK_TCK")
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
-
-
 def _worker_pids(dl_iter: Any) -> list[int]:
     return [w.pid for w in getattr(dl_iter, "_workers", [])]  # torch's multi-process iterator
 
@@ -138,13 +124,15 @@ def _rate(it: Any, n_batches: int, pids: list[int], ready: int) -> tuple[float, 
     Workers fill their prefetch queue (`ready` batches) while another loader is being timed;
     those are taken first, untimed, so that timing starts when the workers start afresh.
     """
+    from pipeline.bench.common import cpu_seconds
+
     for _ in range(ready):
         next(it)
-    c0, t0 = _cpu_seconds(pids), time.perf_counter()
+    c0, t0 = cpu_seconds(pids), time.perf_counter()
     n = 0
     for _ in range(n_batches):
         n += len(next(it)[0])
-    wall, cpu = time.perf_counter() - t0, _cpu_seconds(pids) - c0
+    wall, cpu = time.perf_counter() - t0, cpu_seconds(pids) - c0
     return n / wall, 1e3 * cpu / n
 
 

@@ -34,6 +34,8 @@ import torch
 from pipeline.bench.common import (
     BenchSpec,
     bench_device,
+    child_pids,
+    cpu_seconds,
     median,
     synchronize,
     synthetic_batch,
@@ -187,30 +189,15 @@ def profile_arm(spec: BenchSpec, arm: Arm, overrides: list[str], steps: int = 5,
                     for e in events[:top]]}
 
 
-def _children_cpu_s() -> float:
-    """CPU seconds (user + system) of this process's live child processes (the DataLoader workers)."""
-    tick, me, total = os.sysconf("SC_CLK_TCK"), os.getpid(), 0.0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me:  # ppid
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
-
-
 def end_to_end(spec: BenchSpec, decode_device: str, workers: int, images: int, overrides: list[str],
                peak: float | None, tmp: str | None, log: Any) -> dict[str, Any]:
     """pipeline.bench.e2e plus the CPU it took: cores needed to feed the synthetic step's rate."""
     from pipeline.bench import e2e
 
-    c0, p0 = _children_cpu_s(), time.process_time()
+    c0 = cpu_seconds(child_pids())
     f = e2e.run(spec, workers=workers, images=images, zero_stage=1, tmp=tmp, peak=peak, overrides=overrides,
                 log=log, decode_device=decode_device)
-    cpu_s = _children_cpu_s() - c0 + time.process_time() - p0
+    cpu_s = cpu_seconds(child_pids()) - c0
     # Every image the loader decoded in the run (warm-up, drained and timed batches); an upper bound
     # on CPU per image because shard writing and the main process's own work are in cpu_s too.
     consumed = spec.batch * (spec.warmup + spec.windows * (spec.steps + max(1, workers) * 2))

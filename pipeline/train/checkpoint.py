@@ -120,7 +120,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def gather_to_all(obj: Any) -> list[Any]:
-    """Every rank's object, on every rank (per-rank data-loader and RNG states go into one checkpoint)."""
+    """Every rank's object, on every rank (per-rank RNG states and bad-data counts go into one checkpoint)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()

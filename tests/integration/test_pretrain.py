@@ -1,6 +1,8 @@
 """Multi-process pretraining on CPU (gloo): loss goes down, checkpoints, exact resume, preemption, failures."""
 
+import shutil
 import signal
+import subprocess
 
 import pytest
 
@@ -73,8 +75,6 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def test_killed_while_saving_keeps_latest_on_the_previous_checkpoint(shards, tmp_path):
-    import subprocess
-
     from tests.integration.runs import PYTHON, ROOT, env
 
     run_dir = tmp_path / "run"
@@ -148,8 +148,6 @@ def test_signal_during_setup_exits_75_before_the_first_step(shards, tmp_path):
     run_dir = tmp_path / "run"
     argv = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(wrapper),
             "--config", CONFIG, *base(shards, run_dir, 1)]
-    import subprocess
-
     out = subprocess.run(argv, cwd=ROOT, env={**env(), "WRAPPED_SCRIPT": str(ROOT / "launch/pretrain.py")},
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 75, out.stdout[-3000:] + out.stderr[-3000:]
@@ -179,36 +177,31 @@ def preempted_zero1(shards, tmp_path_factory):
     return weights(ref_dir), run_dir
 
 
-def resume_copy(src, dst, overrides, ranks):
-    import shutil
-
-    shutil.copytree(src, dst)
-    return run("pretrain.py", CONFIG, overrides, ranks=ranks)
+def resumed_diff(ref, run_dir, overrides, converted, ranks=2):
+    """Resume run_dir with `overrides`; check it converted (`converted` says from what to what); return the
+    largest weight difference to the uninterrupted run `ref`."""
+    out = run("pretrain.py", CONFIG, overrides, ranks=ranks)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"layout changed ({converted}): converted" in out.stdout
+    return max_diff(ref, weights(run_dir))
 
 
 def test_resume_on_2_ranks_at_zero3_converts_and_matches(shards, tmp_path, preempted_zero1):
     ref, preempted = preempted_zero1
     run_dir = tmp_path / "zero3"
-    out = resume_copy(preempted, run_dir, fp32(shards, run_dir, 3), ranks=2)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "layout changed (ZeRO-1 -> ZeRO-3): converted" in out.stdout
+    shutil.copytree(preempted, run_dir)
+    diff = resumed_diff(ref, run_dir, fp32(shards, run_dir, 3), "ZeRO-1 -> ZeRO-3")
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000012"
     assert not (run_dir / "universal" / "step_0000004").exists()  # superseded by the newer checkpoints
-    diff = max_diff(ref, weights(run_dir))
     print(f"ZeRO-1 x2 -> ZeRO-3 x2: max |diff| to the uninterrupted run {diff:.3e}")
     assert diff < 1e-5
 
     # And back: the ZeRO-3 checkpoint at step 8, resumed at ZeRO-2.
     back = tmp_path / "zero2"
-    import shutil
-
     shutil.copytree(run_dir, back)
     (back / "model.safetensors").unlink()
     (back / "checkpoints" / "latest").write_text("step_0000008\n")
-    out = run("pretrain.py", CONFIG, fp32(shards, back, 2))
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "layout changed (ZeRO-3 -> ZeRO-2): converted" in out.stdout
-    diff = max_diff(ref, weights(back))
+    diff = resumed_diff(ref, back, fp32(shards, back, 2), "ZeRO-3 -> ZeRO-2")
     print(f"... -> ZeRO-2 x2 from step 8: max |diff| to the uninterrupted run {diff:.3e}")
     assert diff < 1e-5
 
@@ -217,10 +210,8 @@ def test_resume_on_1_rank_converts_and_matches(shards, tmp_path, preempted_zero1
     ref, preempted = preempted_zero1
     run_dir = tmp_path / "one_rank"
     # train.global_batch_size=16 (TINY): two micro batches of 8 per step here, one on each of two ranks before.
-    out = resume_copy(preempted, run_dir, fp32(shards, run_dir, 1), ranks=1)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "layout changed (world size 2 -> 1): converted" in out.stdout
-    diff = max_diff(ref, weights(run_dir))
+    shutil.copytree(preempted, run_dir)
+    diff = resumed_diff(ref, run_dir, fp32(shards, run_dir, 1), "world size 2 -> 1", ranks=1)
     print(f"ZeRO-1 x2 -> ZeRO-1 x1: max |diff| to the uninterrupted run {diff:.3e}")
     assert diff < 1e-5
 
