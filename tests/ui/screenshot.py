@@ -119,7 +119,9 @@ def shoot(url: str, png: Path, size: tuple[int, int] = (1400, 1000), wait_for: l
     chromium = chromium or find_chromium()
     if chromium is None:
         raise FileNotFoundError("no Chromium on PATH (bash tests/ui/install_chromium.sh installs it)")
-    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+    # ignore_cleanup_errors: Chromium's helper processes can still be writing the profile as the browser
+    # exits ("Directory not empty: 'Default'", seen once in CI); a leftover temp folder must not fail a test.
+    with tempfile.TemporaryDirectory(prefix="chromium-", ignore_cleanup_errors=True) as profile:
         browser = Browser(chromium, Path(profile), size, host_map or {})
         try:
             browser.attach()
