@@ -234,5 +234,32 @@ def init_distributed(timeout_s: float = 600) -> DistEnv:
         timeout=timedelta(seconds=timeout_s),
         verbose=False,
     )
+    if not use_cuda:
+        _unlink_cpu_allreduce_buffer(env)
     _initialised_env = env
     return env
+
+
+def cpu_allreduce_buffer(env: DistEnv) -> str:
+    """The /dev/shm file DeepSpeed's CPU all-reduce (deepspeed_shm_comm) creates for this rank.
+
+    Named as in DeepSpeed's csrc/cpu/comm/shm.cpp: prefix, uid, master address, port, global rank.
+    """
+    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.master_addr}_{env.master_port}_{env.rank}"
+
+
+def _unlink_cpu_allreduce_buffer(env: DistEnv) -> None:
+    """Unlink this rank's 69 MB shared-memory all-reduce buffer as soon as every rank has mapped it.
+
+    DeepSpeed (0.19) never unlinks it, so each CPU run left 69 MB per rank in /dev/shm (RAM) until reboot:
+    a few hundred test runs filled a 24 GiB machine. After the barrier all ranks hold their mappings
+    (shm_initialize maps every peer before returning), so the name can go; the memory itself is freed
+    when the last rank exits, however it exits (SIGKILL included).
+    """
+    import torch.distributed as torch_dist
+
+    torch_dist.barrier()
+    try:
+        os.unlink(cpu_allreduce_buffer(env))
+    except FileNotFoundError:
+        pass  # shm all-reduce is only used when all ranks share one node (LOCAL_SIZE == WORLD_SIZE)

@@ -59,6 +59,11 @@ def env() -> dict[str, str]:
     return e
 
 
+def shm_buffers() -> set[str]:
+    """DeepSpeed's CPU all-reduce buffers in /dev/shm (see pipeline.dist.cpu_allreduce_buffer)."""
+    return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
+
+
 def run(entry: str, config: str, overrides: list[str], ranks: int = 2, extra: list[str] = (),
         timeout: float = 900, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run an entry point to the end. On a timeout the whole process group is killed and the test

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from tests.integration.runs import TINY, assert_same_weights, make_synthetic_shards, run, weights
+from tests.integration.runs import TINY, assert_same_weights, make_synthetic_shards, run, shm_buffers, weights
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/demo.yaml"
@@ -30,8 +30,11 @@ def max_diff(a, b) -> float:
 def test_one_or_two_ranks_and_one_or_three_workers_train_the_same_model(shards, tmp_path):
     out = {}
     for name, ranks, workers in (("r1w1", 1, 1), ("r2w1", 2, 1), ("r1w3", 1, 3)):
+        before = shm_buffers()
         res = run("pretrain.py", CONFIG, overrides(shards, tmp_path / name, workers=workers), ranks=ranks)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        # DeepSpeed's CPU all-reduce buffers (69 MB of RAM per rank) must not outlive the run.
+        assert shm_buffers() - before == set()
         out[name] = weights(tmp_path / name)
     assert_same_weights(out["r1w1"], out["r1w3"])  # workers change nothing, bit for bit
     diff = max_diff(out["r1w1"], out["r2w1"])

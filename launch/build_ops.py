@@ -1,0 +1,29 @@
+"""Build DeepSpeed's C++ ops for this machine ahead of the first run: `python launch/build_ops.py`.
+
+DeepSpeed JIT-builds them on first use into TORCH_EXTENSIONS_DIR (the Makefile points it into
+.venv): CPU Adam for ZeRO-Offload (about 2 minutes on 2 cores) and, on a CPU-only machine, the
+shared-memory all-reduce. `make venv` runs this once, so a compiler problem shows at install time
+and no training or test run pays for (or is killed in the middle of) a build, which would leave a
+lock file that every later run waits on. Equivalent to DeepSpeed's `DS_BUILD_CPU_ADAM=1 pip install`.
+"""
+
+import time
+
+from deepspeed.accelerator import get_accelerator
+
+
+def main() -> None:
+    accel = get_accelerator()
+    names = ["CPUAdamBuilder"] + (["ShareMemCommBuilder"] if accel.device_name() == "cpu" else [])
+    for name in names:
+        t0 = time.perf_counter()
+        builder = accel.create_op_builder(name)
+        if builder is None:
+            print(f"build_ops: {name}: not available for accelerator {accel.device_name()!r}, skipped")
+            continue
+        builder.load(verbose=False)
+        print(f"build_ops: {builder.NAME} ready ({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
