@@ -34,6 +34,9 @@ def seed_for(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> 1)
 
 
+AUGMENT_BLOCK = 1024  # augmentation seeds are drawn for this many consecutive indices at once
+
+
 def _rng(*parts: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(p) for p in parts]))
 
@@ -51,6 +54,7 @@ class GlobalOrder:
         self.window = max(1, int(window))
         self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._augment: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(shard order, where each shard starts in the epoch's concatenated sequence)."""
@@ -78,6 +82,20 @@ class GlobalOrder:
         j = int(np.searchsorted(cstarts, concat, side="right")) - 1
         shard = int(perm[j])
         return int(self.starts[shard]) + concat - int(cstarts[j])
+
+    def augment_seed(self, position: int) -> int:
+        """The seed of the augmentation of the sample at `position`: a function of (seed, epoch, index in
+        epoch) only. Word `index % AUGMENT_BLOCK` of SeedSequence(AUGMENT, seed, epoch, block) - the same
+        scheme as `seed_for`, drawn a block at a time (0.2 us a seed instead of 14)."""
+        epoch, index = divmod(int(position), self.n)
+        block, k = divmod(index, AUGMENT_BLOCK)
+        key = (epoch, block)
+        if key not in self._augment:
+            words = np.random.SeedSequence([AUGMENT, self.seed, epoch, block]).generate_state(AUGMENT_BLOCK, np.uint64)
+            self._augment[key] = words >> np.uint64(1)  # 63 bits, as seed_for
+            if len(self._augment) > 8:
+                self._augment.popitem(last=False)
+        return int(self._augment[key][k])
 
     def locate(self, sample_id: int) -> tuple[int, int]:
         """Global id -> (shard number, index in the shard)."""

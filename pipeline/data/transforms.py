@@ -1,8 +1,8 @@
 """Train/eval transforms (timm's `create_transform`) and Mixup/CutMix (timm's `Mixup`), made reproducible.
 
 timm's transforms draw from Python's `random`, NumPy's global RNG and torch's global RNG. The
-train stream seeds all three before each sample with `seeded(order.seed_for(AUGMENT, seed, epoch,
-index))`, so the augmentation of a sample depends only on its position in the global order: the
+train stream seeds all three before each sample with `seeded(order.augment_seed(position))` (from (seed, epoch,
+index in epoch)), so the augmentation of a sample depends only on its position in the global order: the
 same on any layout, and a resumed run augments it exactly as the uninterrupted run would have.
 """
 

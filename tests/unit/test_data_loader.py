@@ -523,3 +523,19 @@ def test_duplicate_member_name_is_a_counted_bad_sample_not_an_overwrite(tmp_path
     assert loader.bad_counts() == {"duplicate_member": 1} and targets.tolist() == [0] * 8
     ev = build_eval_loader(cfg_for(tmp_path, max_bad_fraction=0.5), IMG, 8)
     assert sum(int(v.sum()) for _, _, v in ev) == 7 and ev.bad_counts() == {"duplicate_member": 1}
+
+
+def test_augment_seed_is_a_function_of_seed_epoch_and_index_only() -> None:
+    from pipeline.data.order import AUGMENT, AUGMENT_BLOCK, GlobalOrder
+
+    n = 3000
+    a, b = GlobalOrder([1000, 2000], seed=5, window=100), GlobalOrder([1000, 2000], seed=5, window=100)
+    positions = [0, 1, AUGMENT_BLOCK - 1, AUGMENT_BLOCK, n - 1, n, n + 1, 5 * n + 17]
+    # Another visiting order (and so another cache history) gives the same seeds.
+    assert [a.augment_seed(p) for p in positions] == [b.augment_seed(p) for p in reversed(positions)][::-1]
+    # Block k of epoch e is SeedSequence(AUGMENT, seed, e, k): the same scheme as seed_for.
+    words = np.random.SeedSequence([AUGMENT, 5, 1, 0]).generate_state(AUGMENT_BLOCK, np.uint64) >> np.uint64(1)
+    assert a.augment_seed(n + 1) == int(words[1]) and a.augment_seed(n) != a.augment_seed(0)
+    assert len({a.augment_seed(p) for p in range(2 * n)}) == 2 * n  # no repeats within or across epochs
+    assert GlobalOrder([1000, 2000], seed=6, window=100).augment_seed(7) != a.augment_seed(7)
+    assert 0 <= a.augment_seed(7) < 2**63
