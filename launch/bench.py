@@ -4,6 +4,7 @@
     python launch/bench.py loader          # train stream vs ImageFolder vs the decode+transform ceiling
     python launch/bench.py {model,engine,e2e}
     python launch/bench.py gpu             # the GPU figures (B/16, L/16, B/16@384; e2e; checks); needs a GPU
+    python launch/bench.py preemption      # the per-step preemption agreement (2 ranks, one all-reduce)
     python launch/bench.py all             # every benchmark (gpu only where there is a GPU)
 
 The CSV has the columns date, hardware, torch, deepspeed, command, bench, figures (a JSON
@@ -271,6 +272,30 @@ def add_loader_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tmp", default=None, help="folder for the temporary data (default: system temp)")
 
 
+# ----------------------------------------------------------------------------- preemption
+
+
+def bench_preemption(args: argparse.Namespace) -> dict[str, Any]:
+    """The per-step preemption agreement (one all-reduce of a flag over a CPU group), in microseconds."""
+    import subprocess
+
+    deepspeed = Path(sys.executable).with_name("deepspeed")
+    cmd = [str(deepspeed), "--num_gpus", str(args.ranks), "pipeline/train/preemption.py"]
+    print(" ".join(cmd))
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("FIGURES ")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {out.returncode}:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+    figures = json.loads(lines[-1].removeprefix("FIGURES "))
+    print_table(f"preemption agreement over {figures['ranks']} ranks ({figures['calls']} calls, each after a barrier)",
+                ["median us", "mean us", "p90 us"], [[figures["median_us"], figures["mean_us"], figures["p90_us"]]])
+    return figures
+
+
+def add_preemption_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, default=2, help="processes (GPUs on a GPU machine) to agree over (default 2)")
+
+
 # ----------------------------------------------------------------------------- other benchmarks
 # model, engine and e2e live in pipeline/bench (flags, presets and tables in pipeline/bench/cli.py);
 # each `bench_<name>(args) -> dict` returns the figures and `main` appends the row.
@@ -308,8 +333,10 @@ def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
 
 BENCHES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "loader": bench_loader, "model": bench_model, "engine": bench_engine, "e2e": bench_e2e, "gpu": bench_gpu,
+    "preemption": bench_preemption,
 }
-ARGS: dict[str, Callable[[argparse.ArgumentParser], None]] = {"loader": add_loader_args}
+ARGS: dict[str, Callable[[argparse.ArgumentParser], None]] = {"loader": add_loader_args,
+                                                              "preemption": add_preemption_args}
 
 
 def _bench_args(name: str) -> Callable[[argparse.ArgumentParser], None]:

@@ -69,8 +69,10 @@ class Preemption:
 
 
 def measure_agreement(calls: int = 2000) -> None:
-    """What one agreement costs (the README's figure): `deepspeed --num_gpus 2 pipeline/train/preemption.py`.
-    Times `should_stop()` on every rank after a barrier, so only the all-reduce itself is counted."""
+    """What one agreement costs (the README's figure): `python launch/bench.py preemption`, which runs
+    `deepspeed --num_gpus 2 pipeline/train/preemption.py`. Times `should_stop()` on every rank after a
+    barrier, so only the all-reduce itself is counted."""
+    import json
     import statistics
     import time
 
@@ -90,8 +92,11 @@ def measure_agreement(calls: int = 2000) -> None:
         times.append(time.perf_counter() - t0)
     if env.is_main:
         times.sort()
-        print(f"preemption agreement over {env.world_size} ranks: median {1e6 * statistics.median(times):.0f} us, "
-              f"mean {1e6 * statistics.mean(times):.0f} us, p90 {1e6 * times[int(0.9 * calls)]:.0f} us", flush=True)
+        figures = {"ranks": env.world_size, "calls": calls, "median_us": round(1e6 * statistics.median(times), 1),
+                   "mean_us": round(1e6 * statistics.mean(times), 1), "p90_us": round(1e6 * times[int(0.9 * calls)], 1)}
+        print(f"preemption agreement over {env.world_size} ranks: median {figures['median_us']:.0f} us, "
+              f"mean {figures['mean_us']:.0f} us, p90 {figures['p90_us']:.0f} us", flush=True)
+        print("FIGURES " + json.dumps(figures), flush=True)  # read by `python launch/bench.py preemption`
     dist.destroy_process_group()
 
 
