@@ -279,8 +279,12 @@ def bench_preemption(args: argparse.Namespace) -> dict[str, Any]:
     """The per-step preemption agreement (one all-reduce of a flag over a CPU group), in microseconds."""
     import subprocess
 
+    from pipeline.dist import free_port
+
     deepspeed = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(deepspeed), "--num_gpus", str(args.ranks), "pipeline/train/preemption.py"]
+    # A free port, not the launcher's default 29500: a training job on this machine may hold that one.
+    cmd = [str(deepspeed), "--num_gpus", str(args.ranks), "--master_port", str(free_port()),
+           "pipeline/train/preemption.py"]
     print(" ".join(cmd))
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = [line for line in out.stdout.splitlines() if line.startswith("FIGURES ")]

@@ -240,12 +240,15 @@ def init_distributed(timeout_s: float = 600) -> DistEnv:
     return env
 
 
+CPU_ALLREDUCE_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"  # every job's (a glob), for cleanup and tests
+
+
 def cpu_allreduce_buffer(env: DistEnv) -> str:
     """The /dev/shm file DeepSpeed's CPU all-reduce (deepspeed_shm_comm) creates for this rank.
 
     Named as in DeepSpeed's csrc/cpu/comm/shm.cpp: prefix, uid, master address, port, global rank.
     """
-    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.master_addr}_{env.master_port}_{env.rank}"
+    return CPU_ALLREDUCE_BUFFERS.replace("*", f"{os.getuid()}_{env.master_addr}_{env.master_port}_{env.rank}")
 
 
 def _unlink_cpu_allreduce_buffer(env: DistEnv) -> None:

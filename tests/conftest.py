@@ -11,9 +11,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # DeepSpeed JIT-builds CPU Adam (ZeRO-Offload) into this cache: one per checkout, as the Makefile sets it.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions"))
 
-SHM = Path("/dev/shm")
-
-
 @pytest.fixture(autouse=True)
 def _no_leftover_shm_buffers():
     """Remove DeepSpeed CPU all-reduce buffers a test's runs left behind (69 MB of RAM per rank each).
@@ -21,7 +18,9 @@ def _no_leftover_shm_buffers():
     pipeline.dist unlinks them once every rank has mapped them; a rank killed before that point
     (a timeout, a signal during startup) leaves its file, and a few hundred of those fill the machine.
     """
-    before = set(SHM.glob("deepspeed_allreduce_buffer_*"))
+    from tests.integration.runs import shm_buffers
+
+    before = shm_buffers()
     yield
-    for path in set(SHM.glob("deepspeed_allreduce_buffer_*")) - before:
-        path.unlink(missing_ok=True)
+    for path in shm_buffers() - before:
+        Path(path).unlink(missing_ok=True)

@@ -82,30 +82,28 @@ def use_cpu_accelerator() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def _proc_stat(pid: int | str) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (state, ppid, ...), or None if it is gone."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def cpu_seconds(pids: Sequence[int] = ()) -> float:
     """CPU time (user + system) of this process and of the given other processes (loader workers)."""
     t = os.times()
-    total = t.user + t.system
-    tick = os.sysconf("SC_CLK_TCK")
-    for pid in pids:
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        except (OSError, IndexError, ValueError):
-            pass
+    total, tick = t.user + t.system, os.sysconf("SC_CLK_TCK")
+    for fields in filter(None, map(_proc_stat, pids)):
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return total
 
 
 def child_pids() -> list[int]:
     """This process's live children (DataLoader workers, whatever loader started them)."""
-    me, out = os.getpid(), []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == me:  # ppid
-                out.append(int(pid))
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
+    me = os.getpid()
+    return [int(pid) for pid in filter(str.isdigit, os.listdir("/proc"))
+            if (fields := _proc_stat(pid)) is not None and int(fields[1]) == me]  # ppid
 
 
 def synchronize(device: torch.device) -> None:

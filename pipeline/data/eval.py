@@ -23,7 +23,7 @@ from . import tario
 from .bad import bad_fraction_message, count_bad, decode, load_raw, merge_counters, new_counters
 from .index import Indexes
 from .info import BadDataError, SplitInfo
-from .transforms import BatchNormalizer, empty_batch, eval_transform
+from .transforms import BatchNormalizer, as_is, empty_batch, eval_transform
 
 
 class EvalStream(IterableDataset):
@@ -72,8 +72,8 @@ class EvalStream(IterableDataset):
                         images[j].zero_()  # padding and bad samples, masked out by `valid`
                     targets.append(label)
                     valid.append(tensor is not None)
-                yield {"images": images, "targets": torch.tensor(targets, dtype=torch.long),
-                       "valid": torch.tensor(valid, dtype=torch.bool), "counters": copy.deepcopy(counters),
+                yield {"images": images, "targets": np.asarray(targets, dtype=np.int64),  # arrays: see as_is
+                       "valid": np.asarray(valid, dtype=bool), "counters": copy.deepcopy(counters),
                        "worker": worker}
         finally:
             indexes.close()
@@ -100,7 +100,7 @@ class EvalLoader:
         self._worker_counters = {}
         if self.stream.num_batches == 0:
             return
-        loader = DataLoader(self.stream, batch_size=None, num_workers=self.num_workers,
+        loader = DataLoader(self.stream, batch_size=None, collate_fn=as_is, num_workers=self.num_workers,
                             pin_memory=self.pin_memory,
                             prefetch_factor=self.cfg.prefetch_factor if self.num_workers > 0 else None,
                             generator=torch.Generator().manual_seed(0))
@@ -110,7 +110,7 @@ class EvalLoader:
                                        self.cfg.max_bad_fraction, f"rank {self.rank} (eval)")
             if msg is not None:
                 raise BadDataError(msg)
-            yield item["images"], item["targets"], item["valid"]
+            yield item["images"], torch.from_numpy(item["targets"]), torch.from_numpy(item["valid"])
 
     def bad_counts(self) -> dict[str, int]:
         """Bad samples by kind in the current (or last) pass."""

@@ -22,6 +22,8 @@ All seeds go through numpy's SeedSequence: `seed_for(*parts)`.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +43,15 @@ def _rng(*parts: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(p) for p in parts]))
 
 
+def _cached(cache: OrderedDict, key: Any, size: int, make: Callable[[], Any]) -> Any:
+    """cache[key], made on a miss; the least recently made entries beyond `size` are dropped."""
+    if key not in cache:
+        cache[key] = make()
+        if len(cache) > size:
+            cache.popitem(last=False)
+    return cache[key]
+
+
 class GlobalOrder:
     """position -> global sample id, for shards with `counts` samples each."""
 
@@ -58,21 +69,14 @@ class GlobalOrder:
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(shard order, where each shard starts in the epoch's concatenated sequence)."""
-        if epoch not in self._epochs:
+        def make() -> tuple[np.ndarray, np.ndarray]:
             perm = _rng(SHARDS, self.seed, epoch).permutation(len(self.counts))
-            self._epochs[epoch] = (perm, np.concatenate([[0], np.cumsum(self.counts[perm])]))
-            if len(self._epochs) > 2:
-                self._epochs.popitem(last=False)
-        return self._epochs[epoch]
+            return perm, np.concatenate([[0], np.cumsum(self.counts[perm])])
+        return _cached(self._epochs, epoch, 2, make)
 
     def _window(self, epoch: int, w: int) -> np.ndarray:
-        key = (epoch, w)
-        if key not in self._windows:
-            size = min(self.window, self.n - w * self.window)
-            self._windows[key] = _rng(WINDOW, self.seed, epoch, w).permutation(size)
-            if len(self._windows) > 8:
-                self._windows.popitem(last=False)
-        return self._windows[key]
+        size = min(self.window, self.n - w * self.window)
+        return _cached(self._windows, (epoch, w), 8, lambda: _rng(WINDOW, self.seed, epoch, w).permutation(size))
 
     def sample_id(self, position: int) -> int:
         epoch, index = divmod(int(position), self.n)
@@ -86,16 +90,12 @@ class GlobalOrder:
     def augment_seed(self, position: int) -> int:
         """The seed of the augmentation of the sample at `position`: a function of (seed, epoch, index in
         epoch) only. Word `index % AUGMENT_BLOCK` of SeedSequence(AUGMENT, seed, epoch, block) - the same
-        scheme as `seed_for`, drawn a block at a time (0.2 us a seed instead of 14)."""
+        scheme as `seed_for`, drawn a block at a time (one SeedSequence per block, not per sample)."""
         epoch, index = divmod(int(position), self.n)
         block, k = divmod(index, AUGMENT_BLOCK)
-        key = (epoch, block)
-        if key not in self._augment:
-            words = np.random.SeedSequence([AUGMENT, self.seed, epoch, block]).generate_state(AUGMENT_BLOCK, np.uint64)
-            self._augment[key] = words >> np.uint64(1)  # 63 bits, as seed_for
-            if len(self._augment) > 8:
-                self._augment.popitem(last=False)
-        return int(self._augment[key][k])
+        words = _cached(self._augment, (epoch, block), 8, lambda: np.random.SeedSequence(
+            [AUGMENT, self.seed, epoch, block]).generate_state(AUGMENT_BLOCK, np.uint64) >> np.uint64(1))  # 63 bits
+        return int(words[k])
 
     def locate(self, sample_id: int) -> tuple[int, int]:
         """Global id -> (shard number, index in the shard)."""

@@ -39,7 +39,7 @@ from .gpu_decode import CropDraw, GpuBatchDecoder, open_lazy, pack_batch, replac
 from .index import BYTES_READ, Indexes
 from .info import BadDataError, DataError, SplitInfo
 from .order import MIXUP, GlobalOrder, micro_batch_positions, seed_for
-from .transforms import BatchNormalizer, build_mixup, empty_batch, seeded, train_transform
+from .transforms import BatchNormalizer, as_is, build_mixup, empty_batch, seeded, train_transform
 
 STATE_VERSION = 2
 MAX_REPLACEMENT_SEARCH = 100_000
@@ -80,8 +80,7 @@ class TrainStream(IterableDataset):
     def micro_batch(self, j: int, in_worker: bool) -> dict[str, Any]:
         positions = self.positions(j)
         ids = [self.order.sample_id(p) for p in positions]
-        # ids and targets travel as numpy arrays, pickled inline: a tensor from a worker costs a shared-memory
-        # segment and a file-descriptor handshake (~1 ms per batch each on 2 cores); only the images need one.
+        # ids and targets travel as NumPy arrays, only the images as a (shared-memory) tensor: see as_is.
         out: dict[str, Any] = {"j": j, "ids": np.asarray(ids, dtype=np.int64)}
         if self.ids_only:
             return out
@@ -142,10 +141,6 @@ class TrainStream(IterableDataset):
             return self.transform(img), label
 
 
-def _as_is(item: Any) -> Any:
-    return item
-
-
 class TrainLoader:
     """Infinite iterator of this rank's micro batches (images [m, 3, H, W] float32, targets).
 
@@ -170,7 +165,7 @@ class TrainLoader:
     def _start(self) -> None:
         self.stream.start = self._j
         loader = DataLoader(
-            self.stream, batch_size=None, collate_fn=_as_is,  # default_convert would make the arrays tensors
+            self.stream, batch_size=None, collate_fn=as_is,  # arrays stay arrays (see as_is)
             num_workers=self.num_workers, pin_memory=self.pin_memory,
             prefetch_factor=self.cfg.prefetch_factor if self.num_workers > 0 else None,
             generator=torch.Generator().manual_seed(self.stream.seed),  # leave the global torch RNG alone

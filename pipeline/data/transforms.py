@@ -98,6 +98,17 @@ def empty_batch(shape: tuple[int, ...], shared: bool) -> torch.Tensor:
         return torch.empty(shape).share_memory_()
 
 
+def as_is(item: Any) -> Any:
+    """DataLoader `collate_fn` for streams that yield whole batches: hand them over unchanged.
+
+    The default (`default_convert`) turns NumPy arrays into tensors inside the worker, and every tensor a
+    worker hands back costs a shared-memory segment and a file-descriptor handshake. So only the image
+    batch (`empty_batch`) travels as a tensor; small per-sample arrays (ids, targets, masks) travel as
+    NumPy arrays, pickled inline, and become tensors with `torch.from_numpy` on arrival (no copy).
+    """
+    return item
+
+
 def build_mixup(cfg: DataConfig, num_classes: int, batch_size: int) -> Any:
     """timm Mixup/CutMix producing soft targets [B, K] (label smoothing folded in); None when off."""
     if cfg.mixup <= 0 and cfg.cutmix <= 0:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import torch
 from safetensors.torch import load_file
+
+from pipeline.dist import CPU_ALLREDUCE_BUFFERS, free_port  # noqa: F401 (free_port: for the tests)
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -37,12 +39,6 @@ def make_synthetic_shards(out: Path, size: int = 16, samples: int = 320, classes
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def command(entry: str, config: str, overrides: list[str], ranks: int, extra: list[str] = ()) -> list[str]:
     script = str(ROOT / "launch" / entry)
     if ranks == 1:
@@ -61,7 +57,7 @@ def env() -> dict[str, str]:
 
 def shm_buffers() -> set[str]:
     """DeepSpeed's CPU all-reduce buffers in /dev/shm (see pipeline.dist.cpu_allreduce_buffer)."""
-    return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
+    return set(glob.glob(CPU_ALLREDUCE_BUFFERS))
 
 
 def run(entry: str, config: str, overrides: list[str], ranks: int = 2, extra: list[str] = (),
