@@ -17,10 +17,13 @@ def _no_leftover_shm_buffers():
 
     pipeline.dist unlinks them once every rank has mapped them; a rank killed before that point
     (a timeout, a signal during startup) leaves its file, and a few hundred of those fill the machine.
+    Only files no live process maps are removed: a new file may belong to another job on this machine
+    that is still starting (its peers wait for the file; deleting it would hang them).
     """
-    from tests.integration.runs import shm_buffers
+    from tests.integration.runs import leaked_shm_buffers, shm_buffers
 
     before = shm_buffers()
     yield
-    for path in shm_buffers() - before:
+    for path in leaked_shm_buffers(before):
         Path(path).unlink(missing_ok=True)
+

@@ -60,6 +60,25 @@ def shm_buffers() -> set[str]:
     return set(glob.glob(CPU_ALLREDUCE_BUFFERS))
 
 
+def leaked_shm_buffers(before: set[str]) -> set[str]:
+    """Buffers created since `before` that no live process maps: left by ranks that have ended. (A new
+    file that is mapped belongs to a job still running, perhaps another one on this machine.)"""
+    new = shm_buffers() - before
+    return new - _mapped_files() if new else set()
+
+
+def _mapped_files() -> set[str]:
+    """Paths of the files some live process has mapped (from /proc/<pid>/maps)."""
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split(None, 5)[5].strip() for line in maps.read_text().splitlines()
+                          if line.count(" ") >= 5 and "/dev/shm/" in line)
+        except (OSError, IndexError):
+            pass  # the process ended, or is not ours to read
+    return mapped
+
+
 def run(entry: str, config: str, overrides: list[str], ranks: int = 2, extra: list[str] = (),
         timeout: float = 900, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run an entry point to the end. On a timeout the whole process group is killed and the test

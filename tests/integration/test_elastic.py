@@ -4,7 +4,15 @@ import shutil
 
 import pytest
 
-from tests.integration.runs import TINY, assert_same_weights, make_synthetic_shards, run, shm_buffers, weights
+from tests.integration.runs import (
+    TINY,
+    assert_same_weights,
+    leaked_shm_buffers,
+    make_synthetic_shards,
+    run,
+    shm_buffers,
+    weights,
+)
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/demo.yaml"
@@ -36,7 +44,7 @@ def test_one_or_two_ranks_and_one_or_three_workers_train_bit_identical_models(sh
                   ranks=ranks)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         # DeepSpeed's CPU all-reduce buffers (69 MB of RAM per rank) must not outlive the run.
-        assert shm_buffers() - before == set()
+        assert leaked_shm_buffers(before) == set()
         out[name] = weights(tmp_path / name)
     assert_same_weights(out["r1w1"], out["r1w3"])  # workers change nothing, bit for bit
     assert_same_weights(out["r1w1"], out["r2w1"])  # nor do ranks: 2 micro batches summed = 2 ranks all-reduced
