@@ -192,7 +192,7 @@ def bench_loader(args: argparse.Namespace) -> dict[str, Any]:
         rows, figures = [], {"images": args.images, "size": args.size, "crop": crop, "batch": batch,
                              "measured_images": n_batches * batch, "rounds": args.rounds}
         for w in workers:
-            cfg = DataConfig(path=str(shards), num_workers=w, shuffle_buffer=args.shuffle_buffer,
+            cfg = DataConfig(path=str(shards), num_workers=w, shuffle_span=args.shuffle_span,
                              prefetch_factor=args.prefetch)
             train = build_train_loader(cfg, crop, batch, seed=0)
             folder_loader = torch.utils.data.DataLoader(
@@ -267,7 +267,7 @@ def add_loader_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurements; the best counts (default 3)")
     p.add_argument("--warmup", type=int, default=2, help="batches before timing starts")
     p.add_argument("--ceiling-images", type=int, default=256, help="images per ceiling measurement")
-    p.add_argument("--shuffle-buffer", type=int, default=1000)
+    p.add_argument("--shuffle-span", type=int, default=1000, help="data.shuffle_span (default 1000)")
     p.add_argument("--prefetch", type=int, default=2, help="DataLoader prefetch_factor of both loaders")
     p.add_argument("--tmp", default=None, help="folder for the temporary data (default: system temp)")
 

@@ -79,12 +79,14 @@ class DataConfig:
     """Split name in dataset.json to evaluate on."""
     num_workers: int = 2
     """DataLoader worker processes per rank."""
-    shuffle_buffer: int = 1000
-    """Shuffle window: each epoch permutes the shard list, then each window of this many consecutive samples (the same on every layout; a window reads only the shards it overlaps)."""
+    partitions: int | None = None
+    """Partitions of the train split (Streaming's canonical nodes): sets of whole shards fixed for the run; every step takes global batch / partitions samples from each, and with N nodes, N dividing the partitions, a node reads only its partitions' shards. Must divide train.global_batch_size. None: the largest power of two up to 64 that divides the global batch and keeps the partitions' sample counts within 2% of each other (docs/data.md)."""
+    shuffle_span: int = 262144
+    """Shuffle span in samples, per partition: each pass over a partition permutes its shards and spreads every shard's samples over this many (the whole partition when it is smaller). A node's cache holds about span / shard size shards of each of its partitions (docs/data.md)."""
     cache_dir: str | None = None
-    """Where shards without random access (pipe:, http(s), .tar.gz) are copied, uncompressed, before reading; None: <system temp>/vit-pipeline-shards-<uid>."""
+    """Where shards without random access (pipe:, http(s), .tar.gz) are copied, uncompressed, and where the sample index of shards without one is built, once per machine; None: <system temp>/vit-pipeline-shards-<uid>."""
     cache_limit_gb: float = 50.0
-    """Size bound of data.cache_dir; the least recently used copies are deleted beyond it (keep it above a few shuffle windows' shards per machine)."""
+    """Size bound of data.cache_dir; the least recently used copies are deleted beyond it. Too small for what this node's partitions need at once (their shuffle span) is an error before training that names the size needed."""
     scale: tuple[float, float] = (0.08, 1.0)
     """RandomResizedCrop area range."""
     ratio: tuple[float, float] = (0.75, 1.3333333333333333)
@@ -444,6 +446,8 @@ def validate(cfg: Config, where: str = "config") -> None:
         ("train.max_nonfinite_steps", cfg.train.max_nonfinite_steps > 0, "> 0"),
         ("data.max_bad_fraction", 0 <= cfg.data.max_bad_fraction <= 1, "between 0 and 1"),
         ("data.num_workers", cfg.data.num_workers >= 0, ">= 0"),
+        ("data.partitions", cfg.data.partitions is None or cfg.data.partitions > 0, "> 0 or null"),
+        ("data.shuffle_span", cfg.data.shuffle_span > 0, "> 0"),
         ("data.decode_device", cfg.data.decode_device == "cpu" or (
             cfg.data.auto_augment is None and cfg.data.color_jitter is None),
          "'cpu' when data.auto_augment or data.color_jitter is set (the GPU decode does crop, flip and "

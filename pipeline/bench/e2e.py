@@ -81,7 +81,7 @@ def run(spec: BenchSpec, workers: int = 1, images: int = 512, image_size: int | 
         shards = write_shards(Path(folder) / "shards", images, image_size, classes=10)
         shard_s = time.perf_counter() - t0
         log(f"e2e: wrote {images} {image_size}px JPEGs as shards in {shard_s:.1f} s")
-        data_cfg = DataConfig(path=str(shards), num_workers=workers, shuffle_buffer=min(1000, images),
+        data_cfg = DataConfig(path=str(shards), num_workers=workers, shuffle_span=min(1000, images),
                               decode_device=decode_device)
         loader = build_train_loader(data_cfg, spec.res, spec.batch, seed=0)
         engine = build_engine(spec, zero_stage, overrides)

@@ -5,16 +5,18 @@ Rank r's j-th micro batch holds the samples at global positions
 workers: worker k of nw builds micro batches j = j0 + k, j0 + k + nw, ..., which is the order
 in which the DataLoader hands batches back (round robin), so the main process gets
 j0, j0 + 1, ... Workers keep no position of their own: a micro batch is a pure function of
-(seed, data set, shuffle window, j, layout), its samples and augmentation of their positions.
+(seed, data set, global batch, partitions, shuffle span, j, layout), its samples and augmentation
+of their positions (order.py: which sample a position holds).
 
-- Augmentation of the sample at position p: seeded from (seed, epoch, index in epoch) =
-  (seed, p // N, p % N) (`GlobalOrder.augment_seed`), the same on any layout and worker.
+- Augmentation of the sample at position p: seeded from (seed, p) (`GlobalOrder.augment_seed`),
+  the same on any layout and worker.
 - Mixup/CutMix of a micro batch: seeded from (seed, p0 // m), p0 its first position: the same
   draws whenever the micro batch size is the same.
 - A bad sample (corrupt image, missing label or image, duplicate member, truncated or
-  unreadable shard) is counted by kind and replaced by the first good sample after it in the
-  global order, augmented with the bad position's seed: positions never shift, batch shapes
-  stay static, and the replacement is the same on every layout.
+  unreadable shard) is counted by kind and replaced by the first good sample among the next
+  draws of its partition, augmented with the bad position's seed: positions never shift, batch
+  shapes stay static, the replacement is the same on every layout and comes from the shards of
+  the node that reads the bad one.
 
 State (`TrainLoader.state_dict`): the global position (samples consumed, a multiple of the
 global batch), bad-data counts, and the fingerprint of what the order depends on.
@@ -41,7 +43,7 @@ from .info import BadDataError, DataError, SplitInfo
 from .order import MIXUP, GlobalOrder, micro_batch_positions, seed_for
 from .transforms import BatchNormalizer, as_is, build_mixup, empty_batch, seeded, train_transform
 
-STATE_VERSION = 2
+STATE_VERSION = 3  # 2: the shuffle-window order before partitions
 MAX_REPLACEMENT_SEARCH = 100_000
 
 
@@ -52,7 +54,7 @@ class TrainStream(IterableDataset):
                  seed: int, rank: int, world_size: int, num_classes: int, label_key: str, ids_only: bool = False):
         super().__init__()
         self.shards, self.counts = list(split.shards), list(split.shard_counts)
-        self.order = GlobalOrder(self.counts, seed, cfg.shuffle_buffer)
+        self.order = GlobalOrder(self.counts, seed, micro * accum * world_size, cfg.partitions, cfg.shuffle_span)
         self.cfg, self.img_size, self.seed = cfg, img_size, seed
         self.micro, self.accum, self.rank, self.world_size = micro, accum, rank, world_size
         self.num_classes, self.label_key, self.ids_only = num_classes, label_key, ids_only
@@ -79,7 +81,7 @@ class TrainStream(IterableDataset):
 
     def micro_batch(self, j: int, in_worker: bool) -> dict[str, Any]:
         positions = self.positions(j)
-        ids = [self.order.sample_id(p) for p in positions]
+        ids = self.order.sample_ids(positions).tolist()
         # ids and targets travel as NumPy arrays, only the images as a (shared-memory) tensor: see as_is.
         out: dict[str, Any] = {"j": j, "ids": np.asarray(ids, dtype=np.int64)}
         if self.ids_only:
@@ -106,19 +108,21 @@ class TrainStream(IterableDataset):
         return {**out, "images": images, "targets": targets.numpy(), "counters": counters}
 
     def _replacement(self, position: int, counters: dict[str, Any], restore: bool) -> Any:
-        """The first good sample after a bad `position` in the global order, augmented as `position`'s
-        would have been: a function of the position only, so the same on every layout."""
+        """The first good sample after a bad `position` among its partition's next draws, augmented as
+        `position`'s would have been: a function of the position only, so the same on every layout, and
+        read from the same partition, so from the same node's shards."""
         scratch = new_counters()  # those bad samples are counted at their own positions
-        for q in range(position + 1, position + 1 + MAX_REPLACEMENT_SEARCH):
-            item = self._sample(q, self.order.sample_id(q), scratch, restore, seed_position=position)
+        p, d = (int(x[0]) for x in self.order.draws(np.asarray([position])))
+        for q in range(d + 1, d + 1 + MAX_REPLACEMENT_SEARCH):
+            sid = int(self.order.draw_ids(np.asarray([p]), np.asarray([q]))[0])
+            item = self._sample(position, sid, scratch, restore)
             if item is not None:
                 return item
         shard = max(counters["bad_shards"].items(), key=lambda kv: kv[1])[0]
-        raise BadDataError(f"no good sample in the {MAX_REPLACEMENT_SEARCH} positions after bad position {position} "
-                           f"(shard '{shard}': {counters['causes'].get(shard, '')})")
+        raise BadDataError(f"no good sample in the {MAX_REPLACEMENT_SEARCH} draws of partition {p} after bad "
+                           f"position {position} (shard '{shard}': {counters['causes'].get(shard, '')})")
 
-    def _sample(self, position: int, sid: int, counters: dict[str, Any], restore: bool,
-                seed_position: int | None = None) -> Any:
+    def _sample(self, position: int, sid: int, counters: dict[str, Any], restore: bool) -> Any:
         """(augmented uint8 tensor, label) of one position, or None (counted) if it is bad."""
         shard_no, local = self.order.locate(sid)
         shard = self.shards[shard_no]
@@ -134,7 +138,7 @@ class TrainStream(IterableDataset):
         except tario.SampleError as e:
             count_bad(counters, e.kind, shard, str(e))
             return None
-        with seeded(self.order.augment_seed(position if seed_position is None else seed_position), restore):
+        with seeded(self.order.augment_seed(position), restore):
             if self.draw is not None:  # same RNG calls as self.transform: the same box and flip
                 box, flip = self.draw(img)
                 return (data, box, flip, shard_no), label
@@ -243,8 +247,9 @@ class TrainLoader:
         s = self.stream
         # Names and counts, not full paths: the same shards mounted elsewhere still resume.
         names = [(sh.rsplit("/", 1)[-1], n) for sh, n in zip(s.shards, s.counts)]
-        return {"seed": s.seed, "global_batch_size": self.global_batch, "shuffle_buffer": s.order.window,
-                "num_samples": s.order.n, "shards": hashlib.sha256(repr(names).encode()).hexdigest()[:16]}
+        return {"seed": s.seed, "global_batch_size": self.global_batch, "partitions": s.order.partitions,
+                "shuffle_span": s.order.span, "num_samples": s.order.n,
+                "shards": hashlib.sha256(repr(names).encode()).hexdigest()[:16]}
 
     def counters(self) -> dict[str, Any]:
         """This rank's bad-data counters (sum them across ranks with `merge_counters` for the state)."""
@@ -263,8 +268,10 @@ class TrainLoader:
         """Continue at `state`'s position, on any layout that makes the same global batch."""
         version = state.get("version") if isinstance(state, dict) else 1  # version 1: a list, one per rank
         if version != STATE_VERSION:
-            raise DataError(f"data loader state has version {version}, expected {STATE_VERSION} "
-                            f"(a checkpoint from before the elastic loader cannot continue its epoch)")
+            why = ("the sample order changed to partitions of shards" if version == 2 else
+                   "a checkpoint from before the elastic loader")
+            raise DataError(f"data loader state has version {version}, expected {STATE_VERSION} ({why}: the "
+                            f"checkpoint's position means other samples now); use a new run.dir")
         diff = {k: (state.get(k), v) for k, v in self.fingerprint().items() if state.get(k) != v}
         if diff:
             what = ", ".join(f"{k}: {a} (checkpoint) vs {b}" for k, (a, b) in diff.items())

@@ -26,7 +26,7 @@ DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
 TINY = [
     "model.variant=vit_ti16", "model.img_size=16", "model.patch_size=4", "model.embed_dim=32",
     "model.depth=2", "model.num_heads=2", "model.grad_checkpointing=true",
-    "data.num_workers=1", "data.scale=[0.5, 1.0]", "data.hflip=0.0", "data.shuffle_buffer=64",
+    "data.num_workers=1", "data.scale=[0.5, 1.0]", "data.hflip=0.0", "data.shuffle_span=64",
     "train.global_batch_size=16", "train.micro_batch_size=8", "train.lr=3e-3", "train.warmup_steps=3", "train.weight_decay=0.01",
     "train.log_every=2", "deepspeed.bf16=true", "tracking.enabled=false",
 ]

@@ -68,7 +68,7 @@ def id_dataset(folder: Path, sizes: list[int], split: str = "train") -> int:
 
 
 def cfg_for(path: Path, **kw) -> DataConfig:
-    base = dict(path=str(path), num_workers=0, shuffle_buffer=8, hflip=0.5, scale=(0.5, 1.0),
+    base = dict(path=str(path), num_workers=0, shuffle_span=8, hflip=0.5, scale=(0.5, 1.0),
                 cache_dir=str(path / "cache"))
     if "cache_dir" not in DataConfig.__dataclass_fields__:  # lets this file run against the old loader
         del base["cache_dir"]
@@ -136,7 +136,7 @@ def test_same_arguments_same_stream_and_different_seed_or_rank_differs(synth: Pa
 def test_step_sample_sets_are_the_same_on_every_layout(tmp_path: Path) -> None:
     """World sizes 1-4 x accumulation 1-4 (every one that makes G = 24), 0-3 workers: same ids per step."""
     n = id_dataset(tmp_path, [13, 0, 29, 7, 31])
-    cfg = cfg_for(tmp_path, shuffle_buffer=10)
+    cfg = cfg_for(tmp_path, shuffle_span=10)
     steps, G = 7, 24  # 168 positions: the stream crosses into the second epoch (n = 80)
     reference = step_sets(cfg, 1, G, steps, G, ids_only=True)
     assert all(len(s) == G for s in reference[:3])  # within the first epoch: G distinct samples
@@ -144,7 +144,7 @@ def test_step_sample_sets_are_the_same_on_every_layout(tmp_path: Path) -> None:
     assert len(layouts) == 14
     for w, a in layouts:
         workers = (w + a) % 4  # every worker count 0-3 occurs
-        got = step_sets(cfg_for(tmp_path, shuffle_buffer=10, num_workers=workers), w, G // (w * a), steps, G,
+        got = step_sets(cfg_for(tmp_path, shuffle_span=10, num_workers=workers), w, G // (w * a), steps, G,
                         ids_only=True)
         assert got == reference, (w, a, workers)
     # an epoch is a permutation: its first 80 positions hold every sample once
@@ -185,7 +185,7 @@ def test_layout_that_cannot_make_the_global_batch_is_a_one_line_error(synth: Pat
 
 @pytest.mark.parametrize("mixup", [False, True])
 def test_resume_yields_exactly_the_uninterrupted_batches_with_two_workers(synth: Path, mixup: bool) -> None:
-    cfg = cfg_for(synth, num_workers=2, shuffle_buffer=7, mixup=0.8 if mixup else 0.0,
+    cfg = cfg_for(synth, num_workers=2, shuffle_span=7, mixup=0.8 if mixup else 0.0,
                   cutmix=1.0 if mixup else 0.0, auto_augment="rand-m9-mstd0.5" if mixup else None)
     loader = build_train_loader(cfg, IMG, 6, seed=3)
     take(loader, 10)
@@ -204,14 +204,15 @@ def test_resume_yields_exactly_the_uninterrupted_batches_with_two_workers(synth:
     assert restored.state_dict() == loader.state_dict()
 
 
-def test_interrupted_run_resumed_on_2_then_3_then_1_ranks_sees_the_epoch_once(tmp_path: Path) -> None:
+def test_interrupted_run_resumed_on_2_then_3_then_1_nodes_sees_the_epoch_once(tmp_path: Path) -> None:
+    """2 partitions (of 36 samples each); one rank per node: 3 nodes do not divide them."""
     n = id_dataset(tmp_path, [17, 11, 25, 19])  # labels are global ids: what was read, not just planned
     G, seen, state = 12, [], None
     for phase, (world, micro, steps) in enumerate(((2, 3, 2), (3, 2, 2), (1, 6, 2))):
         per_rank = []
         for rank in range(world):
-            loader = build_train_loader(cfg_for(tmp_path, num_workers=rank % 3, shuffle_buffer=9), IMG, micro,
-                                        seed=7, rank=rank, world_size=world, global_batch_size=G)
+            loader = build_train_loader(cfg_for(tmp_path, num_workers=rank % 3, shuffle_span=9, partitions=2), IMG,
+                                        micro, seed=7, rank=rank, world_size=world, global_batch_size=G)
             if state is not None:
                 loader.load_state_dict(state)
             per_rank.append(loader)
@@ -219,7 +220,9 @@ def test_interrupted_run_resumed_on_2_then_3_then_1_ranks_sees_the_epoch_once(tm
         state = pickle.loads(pickle.dumps(per_rank[0].state_dict()))
         assert state["position"] == G * steps * (phase + 1) == len(seen)
     assert len(seen) == 72 and len(set(seen)) == 72 and set(seen) <= set(range(n))
-    ids = ids_of(build_train_loader(cfg_for(tmp_path, shuffle_buffer=9), IMG, 12, seed=7, ids_only=True), 6)
+    assert per_rank[0].stream.order.partitions == 2 and state["partitions"] == 2
+    ids = ids_of(build_train_loader(cfg_for(tmp_path, shuffle_span=9, partitions=2), IMG, 12, seed=7,
+                                    ids_only=True), 6)
     assert sorted(seen) == sorted(ids)  # the uninterrupted run's first 72 samples
 
 
@@ -240,7 +243,7 @@ def test_seek_step_realigns_after_an_extra_micro_batch(synth: Path) -> None:
 
 
 def test_resume_reads_and_decodes_only_the_samples_handed_out(synth: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = cfg_for(synth, shuffle_buffer=5)
+    cfg = cfg_for(synth, shuffle_span=5)
     loader = build_train_loader(cfg, IMG, 4, seed=0)
     take(loader, 25)  # 100 samples in: several windows and shards
     state = loader.state_dict()
@@ -266,7 +269,7 @@ def test_pipe_shards_are_cached_locally_once_and_resume_exactly(tmp_path: Path) 
     (piped / "dataset.json").write_text(json.dumps(data))
     results = []
     for folder in (tmp_path, piped):
-        cfg = cfg_for(folder, num_workers=2, shuffle_buffer=3)
+        cfg = cfg_for(folder, num_workers=2, shuffle_span=3)
         loader = build_train_loader(cfg, IMG, 3, seed=1, rank=1, world_size=2)
         take(loader, 7)
         state = loader.state_dict()
@@ -303,6 +306,10 @@ def test_state_of_another_seed_global_batch_or_data_set_is_refused(synth: Path) 
         build_train_loader(cfg, IMG, 8, seed=1, global_batch_size=8).load_state_dict(state)
     with pytest.raises(DataError, match="version 1"):
         build_train_loader(cfg, IMG, 8, seed=0).load_state_dict([{"version": 1}])
+    with pytest.raises(DataError, match=r"version 2, expected 3 \(the sample order changed to partitions"):
+        build_train_loader(cfg, IMG, 8, seed=0, global_batch_size=8).load_state_dict({**state, "version": 2})
+    with pytest.raises(DataError, match="partitions: 1 .checkpoint. vs 2"):
+        build_train_loader(cfg_for(synth, partitions=2), IMG, 8, seed=0, global_batch_size=8).load_state_dict(state)
 
 
 # ----------------------------------------------------------------------------- eval
@@ -444,7 +451,7 @@ def test_resume_over_tar_gz_shards_continues_exactly(tmp_path: Path) -> None:
         gz.write_bytes(gzip.compress(tar.read_bytes()))
         entry["name"], entry["bytes"] = gz.name, gz.stat().st_size
     (tmp_path / "dataset.json").write_text(json.dumps(data))
-    cfg = cfg_for(tmp_path, shuffle_buffer=16)
+    cfg = cfg_for(tmp_path, shuffle_span=16)
     reference = [int(v) for _, t in take(build_train_loader(cfg, IMG, 4, seed=2), 20) for v in t]
     assert sorted(reference) == list(range(n))
     loader = build_train_loader(cfg, IMG, 4, seed=2)
@@ -480,7 +487,7 @@ def test_eval_numbers_an_image_less_sample_as_invalid_without_shifting(tmp_path:
 
 def test_empty_shards_in_the_train_split_with_two_workers_over_many_epochs(tmp_path: Path) -> None:
     n = id_dataset(tmp_path, [0, 6, 0, 5, 0])
-    loader = build_train_loader(cfg_for(tmp_path, num_workers=2, shuffle_buffer=4), IMG, 2, seed=0)
+    loader = build_train_loader(cfg_for(tmp_path, num_workers=2, shuffle_span=4), IMG, 2, seed=0)
     labels = [int(v) for _, t in take(loader, 11 * 5) for v in t]  # ten epochs
     for e in range(10):
         assert sorted(labels[e * n:(e + 1) * n]) == list(range(n)), e
@@ -525,17 +532,17 @@ def test_duplicate_member_name_is_a_counted_bad_sample_not_an_overwrite(tmp_path
     assert sum(int(v.sum()) for _, _, v in ev) == 7 and ev.bad_counts() == {"duplicate_member": 1}
 
 
-def test_augment_seed_is_a_function_of_seed_epoch_and_index_only() -> None:
+def test_augment_seed_is_a_function_of_seed_and_position_only() -> None:
     from pipeline.data.order import AUGMENT, AUGMENT_BLOCK, GlobalOrder
 
     n = 3000
-    a, b = GlobalOrder([1000, 2000], seed=5, window=100), GlobalOrder([1000, 2000], seed=5, window=100)
+    a, b = GlobalOrder([1000, 2000], seed=5, global_batch=8), GlobalOrder([1000, 2000], seed=5, global_batch=8)
     positions = [0, 1, AUGMENT_BLOCK - 1, AUGMENT_BLOCK, n - 1, n, n + 1, 5 * n + 17]
     # Another visiting order (and so another cache history) gives the same seeds.
     assert [a.augment_seed(p) for p in positions] == [b.augment_seed(p) for p in reversed(positions)][::-1]
-    # Block k of epoch e is SeedSequence(AUGMENT, seed, e, k): the same scheme as seed_for.
-    words = np.random.SeedSequence([AUGMENT, 5, 1, 0]).generate_state(AUGMENT_BLOCK, np.uint64) >> np.uint64(1)
-    assert a.augment_seed(n + 1) == int(words[1]) and a.augment_seed(n) != a.augment_seed(0)
+    # Block k is SeedSequence(AUGMENT, seed, k): the same scheme as seed_for.
+    words = np.random.SeedSequence([AUGMENT, 5, 1]).generate_state(AUGMENT_BLOCK, np.uint64) >> np.uint64(1)
+    assert a.augment_seed(AUGMENT_BLOCK + 1) == int(words[1]) and a.augment_seed(n) != a.augment_seed(0)
     assert len({a.augment_seed(p) for p in range(2 * n)}) == 2 * n  # no repeats within or across epochs
-    assert GlobalOrder([1000, 2000], seed=6, window=100).augment_seed(7) != a.augment_seed(7)
+    assert GlobalOrder([1000, 2000], seed=6, global_batch=8).augment_seed(7) != a.augment_seed(7)
     assert 0 <= a.augment_seed(7) < 2**63

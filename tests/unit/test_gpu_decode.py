@@ -19,7 +19,7 @@ IMG = 32
 
 
 def cfg_for(path: Path, **kw) -> DataConfig:
-    base = dict(path=str(path), num_workers=0, shuffle_buffer=8, hflip=0.5, scale=(0.3, 1.0))
+    base = dict(path=str(path), num_workers=0, shuffle_span=8, hflip=0.5, scale=(0.3, 1.0))
     base.update(kw)
     return DataConfig(**base)
 
@@ -120,7 +120,7 @@ def test_corrupt_jpeg_bodies_are_counted_at_decode_time_not_a_crash(tmp_path: Pa
         "num_classes": 30, "class_names": [str(i) for i in range(30)],
         "splits": {"train": {"num_samples": 30, "shards": shards}}}))
 
-    cfg = cfg_for(tmp_path, decode_device="cuda", max_bad_fraction=0.5, shuffle_buffer=30)
+    cfg = cfg_for(tmp_path, decode_device="cuda", max_bad_fraction=0.5, shuffle_span=30)
     loader = build_train_loader(cfg, 16, 5, seed=0)
     it = iter(loader)
     seen: list[int] = []
