@@ -1,4 +1,4 @@
-"""Bad data: reading one sample by global id, and counting what could not be read, by kind.
+"""Bad data: counting what could not be read, by kind, and the stop rule (`data.max_bad_fraction`).
 
 Counters are plain dicts (picklable, JSON-able) so that DataLoader workers can send them back
 with each batch and the trainer can sum them across ranks into the checkpoint.
@@ -8,14 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import tario
-from .index import Indexes, read_sample
-
 MIN_SAMPLES_FOR_BAD_CHECK = 100
 
 
 def new_counters() -> dict[str, Any]:
-    return {"bad": {}, "bad_shards": {}, "causes": {}, "read": 0, "bad_samples": 0, "bytes": 0, "sample_bytes": 0}
+    return {"bad": {}, "bad_shards": {}, "causes": {}, "read": 0, "bad_samples": 0, "bytes": 0, "index_bytes": 0,
+            "sample_bytes": 0}
 
 
 def count_bad(counters: dict[str, Any], kind: str, shard: str, cause: str = "") -> None:
@@ -34,7 +32,7 @@ def merge_counters(parts: list[dict[str, Any]]) -> dict[str, Any]:
                 total[name][k] = total[name].get(k, 0) + v
         for k, v in c.get("causes", {}).items():
             total["causes"].setdefault(k, v)
-        for name in ("read", "bad_samples", "bytes", "sample_bytes"):
+        for name in ("read", "bad_samples", "bytes", "index_bytes", "sample_bytes"):
             total[name] += c.get(name, 0)
     return total
 
@@ -50,25 +48,3 @@ def bad_fraction_message(counters: dict[str, Any], max_fraction: float, who: str
     return (f"{bad} of {read} samples read by {who} were bad ({100 * bad / read:.1f}% > "
             f"data.max_bad_fraction={max_fraction}); most in shard '{shard}' ({n} bad samples"
             + (f"; {cause}" if cause else "") + f"); by kind: {kinds}")
-
-
-def load_raw(indexes: Indexes, shard: str, local: int) -> tario.RawSample:
-    """Sample `local` of `shard`; SampleError(kind) when it cannot be had (the shard's error included)."""
-    try:
-        index = indexes.get(shard)
-    except tario.ShardError as e:
-        raise tario.SampleError(e.kind, str(e)) from None
-    if local >= len(index.samples):
-        raise tario.SampleError(tario.TRUNCATED_TAR, f"'{shard}' has {len(index.samples)} samples, dataset.json "
-                                f"more" + (f"; {index.truncated}" if index.truncated else ""))
-    try:
-        return read_sample(index, local)
-    except OSError as e:
-        raise tario.SampleError(tario.UNREADABLE_SHARD, f"'{shard}': {e}") from None
-
-
-def decode(raw: tario.RawSample, label_key: str, num_classes: int | None) -> tuple[Any, int]:
-    """(PIL image, label) or SampleError; the label is checked before the (costly) decode."""
-    _, data = tario.image_member(raw)
-    label = tario.parse_label(raw, label_key, num_classes)
-    return tario.decode_image(data), label

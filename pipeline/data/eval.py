@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.config import DataConfig
 
 from . import tario
-from .bad import bad_fraction_message, count_bad, decode, load_raw, merge_counters, new_counters
+from .bad import bad_fraction_message, count_bad, merge_counters, new_counters
 from .index import Indexes
 from .info import BadDataError, SplitInfo
 from .transforms import BatchNormalizer, as_is, empty_batch, eval_transform
@@ -44,7 +44,7 @@ class EvalStream(IterableDataset):
         s = int(np.searchsorted(self.starts, i, side="right")) - 1
         shard = self.shards[s]
         try:
-            img, label = decode(load_raw(indexes, shard, i - int(self.starts[s])), self.label_key, self.num_classes)
+            img, label = tario.decode(indexes.load(shard, i - int(self.starts[s])), self.label_key, self.num_classes)
         except tario.SampleError as e:
             count_bad(counters, e.kind, shard, str(e))
             counters["read"] += 1

@@ -1,17 +1,26 @@
-"""Random access to the samples of a WebDataset tar shard.
+"""Random access to the samples of a WebDataset tar shard, through a per-shard index file.
 
-A shard is scanned once per process: its tar headers are read and each member's data is
-skipped with a seek, which gives every sample (the run of consecutive members sharing a key,
-as in webdataset's `base_plus_ext`) as {extension: (data offset, size)}. A sample is then read
-as exactly its members' bytes (`os.pread`), so the bytes read per byte of sample consumed
-("read amplification") are the sample bytes plus 512 per member header, once per process.
+A sample is the run of consecutive tar members sharing a key (webdataset's `base_plus_ext`).
+Its members' data offsets and sizes come from the shard's **index** (`NAME.tar.idx`), never
+from scanning tar headers in every process:
 
-Shards without random access (`pipe:` commands, http(s) URLs, gzip-compressed tars) are first
-copied whole into a local cache folder (`data.cache_dir`), decompressed, written atomically
-(temporary file + rename, under a lock so that two workers on one machine fetch a shard once)
-and evicted least recently used beyond `data.cache_limit_gb`.
+- `make_shards.py` writes the index beside each shard it writes (`ShardWriter`);
+- a shard without one (written by others) gets it built once per machine, in `data.cache_dir`,
+  by the first process that needs it (under a file lock; written to a temporary name, then
+  renamed), and every other process on the machine reads that file;
+- a shard without random access (`pipe:` commands, http(s) URLs, `.tar.gz`) is first copied
+  whole into `data.cache_dir`, decompressed, and its index built next to the copy, under the
+  same lock (`local_copy`).
 
-Counters: `BYTES_READ[0]` is what this process has read from shard files (headers and data).
+An index file: `MAGIC`, the header's length (8 bytes, little endian), the header (JSON: shard
+size, sample count, member extensions, why the archive ends early if it does), zero padding to
+8 bytes, then one record per sample of int64s: a flag (1 + the column of a member that occurs
+twice, or 0), then (data offset, size) per extension column, offset -1 where the sample has no
+such member. A process reads a shard's header once (the first time it reads from the shard) and
+then one record per sample: `INDEX_RECORD` x 8 bytes, tens of bytes per sample of ~100 KB.
+
+Reading a sample is one `os.pread` from its first member's data to its last member's end (the
+tar headers in between come along: 512 bytes per extra member).
 """
 
 from __future__ import annotations
@@ -19,67 +28,78 @@ from __future__ import annotations
 import fcntl
 import gzip
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import tarfile
 import tempfile
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from webdataset.tariterators import base_plus_ext
 
 from . import tario
 from .info import is_remote
 
-BYTES_READ = [0]  # this process; a list so that importers see the same cell
-MAX_OPEN = 64
+MAGIC = b"VITIDX01"
+INDEX_SUFFIX = ".idx"
+INDEX_FORMAT = 1
+MAX_OPEN = 256  # shards whose files a process keeps open (an LRU): the span of its partitions, roughly
+
+
+# ----------------------------------------------------------------------------- the index file
 
 
 @dataclass
-class IndexedSample:
+class SampleMembers:
+    """One sample while an index is built: {extension: (data offset, size)}."""
     key: str
-    members: dict[str, tuple[int, int]] = field(default_factory=dict)
+    members: dict[str, tuple[int, int]]
     duplicate: str | None = None
-    """An extension that occurs twice in this sample (the sample is bad: which one is meant?)."""
 
 
-@dataclass
-class ShardIndex:
-    path: str
-    samples: list[IndexedSample]
-    truncated: str | None = None
-    """Why the archive ends early (its samples after that are missing), or None."""
-    fd: int = -1
+def encode_index(samples: list[SampleMembers], shard_bytes: int, truncated: str | None = None) -> bytes:
+    """The bytes of an index file for `samples` of a shard of `shard_bytes` bytes."""
+    exts = sorted({e for s in samples for e in s.members})
+    col = {e: i for i, e in enumerate(exts)}
+    records = np.full((len(samples), 1 + 2 * len(exts)), -1, dtype="<i8")
+    records[:, 0] = 0
+    for i, s in enumerate(samples):
+        for ext, (offset, size) in s.members.items():
+            records[i, 1 + 2 * col[ext]:3 + 2 * col[ext]] = (offset, size)
+        if s.duplicate is not None:
+            records[i, 0] = 1 + col[s.duplicate]
+    header = json.dumps({"format": INDEX_FORMAT, "shard_bytes": shard_bytes, "samples": len(samples),
+                         "exts": exts, "truncated": truncated}).encode()
+    header += b" " * (-(len(MAGIC) + 8 + len(header)) % 8)  # records start 8-byte aligned
+    return MAGIC + len(header).to_bytes(8, "little") + header + records.tobytes()
 
 
-class _Counting:
-    """A raw file that counts the bytes read through it (tarfile reads headers only, then seeks)."""
-
-    def __init__(self, f):
-        self.f = f
-
-    def read(self, n: int = -1) -> bytes:
-        b = self.f.read(n)
-        BYTES_READ[0] += len(b)
-        return b
-
-    def seek(self, *a):
-        return self.f.seek(*a)
-
-    def tell(self) -> int:
-        return self.f.tell()
+def write_index(path: str | Path, data: bytes) -> None:
+    """Write atomically (temporary name, then rename): a reader sees the whole index or none."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def scan(path: str, shard: str) -> ShardIndex:
-    """Index of the local tar file `path` (`shard` names it in messages)."""
+def scan(path: str, shard: str) -> tuple[list[SampleMembers], str | None]:
+    """Samples of the local tar file `path` from its headers (`shard` names it in messages), and why
+    the archive ends early (or None). ShardError(unreadable_shard) if it is not a tar at all."""
     size = os.path.getsize(path)
-    samples: list[IndexedSample] = []
+    samples: list[SampleMembers] = []
     truncated = None
-    with open(path, "rb", buffering=0) as raw:
+    with open(path, "rb") as raw:
         try:
-            tar = tarfile.open(fileobj=_Counting(raw), mode="r:")  # seekable: member data is skipped
+            tar = tarfile.open(fileobj=raw, mode="r:")  # seekable: member data is skipped, not read
             for info in tar:
                 tar.members = []  # not kept: the index is ours
                 if not info.isreg():
@@ -91,7 +111,7 @@ def scan(path: str, shard: str) -> ShardIndex:
                     truncated = f"member '{info.name}' ends at byte {info.offset_data + info.size} of {size}"
                     break
                 if not samples or samples[-1].key != key:
-                    samples.append(IndexedSample(key))
+                    samples.append(SampleMembers(key, {}))
                 s, ext = samples[-1], ext.lower()
                 if ext in s.members:
                     s.duplicate = s.duplicate or ext
@@ -100,34 +120,66 @@ def scan(path: str, shard: str) -> ShardIndex:
             if not samples:
                 raise tario.ShardError(tario.UNREADABLE_SHARD, shard, f"not a tar archive ({e})") from None
             truncated = str(e)
-    return ShardIndex(path, samples, truncated)
+    return samples, truncated
 
 
-def read_sample(index: ShardIndex, i: int) -> tario.RawSample:
-    """Sample i with its members' bytes; SampleError(duplicate_member) for an ambiguous one."""
-    s = index.samples[i]
-    if s.duplicate:
-        raise tario.SampleError(tario.DUPLICATE_MEMBER, f"sample '{s.key}' has two '.{s.duplicate}' members")
-    if index.fd < 0:
-        index.fd = os.open(index.path, os.O_RDONLY)
-    members = {}
-    for ext, (offset, size) in s.members.items():
-        members[ext] = os.pread(index.fd, size, offset)
-        BYTES_READ[0] += len(members[ext])
-    return tario.RawSample(s.key, i, 0, 0, members)
+def build_index(path: str, shard: str) -> bytes:
+    samples, truncated = scan(path, shard)
+    return encode_index(samples, os.path.getsize(path), truncated)
 
 
-# ----------------------------------------------------------------------------- per-process cache
+# ----------------------------------------------------------------------------- reading
+
+
+@dataclass
+class ShardIndex:
+    """What a process knows of one shard: where to read it and its index's header."""
+    path: str
+    """The tar file read (the shard, or its local copy)."""
+    index_path: str
+    samples: int
+    exts: list[str]
+    truncated: str | None
+    body: int
+    """Byte offset of the first record in the index file."""
+    fd: int = -1
+    index_fd: int = -1
+
+    @property
+    def record_bytes(self) -> int:
+        return 8 * (1 + 2 * len(self.exts))
+
+    def close(self) -> None:
+        for fd in (self.fd, self.index_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.index_fd = -1
+
+
+def read_header(index_path: str) -> tuple[dict[str, Any], int]:
+    """(header, byte offset of the records); ValueError when the file is not an index of ours."""
+    with open(index_path, "rb") as f:
+        head = f.read(len(MAGIC) + 8)
+        if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
+            raise ValueError(f"'{index_path}' is not a shard index")
+        length = int.from_bytes(head[len(MAGIC):], "little")
+        header = json.loads(f.read(length))
+    if header.get("format") != INDEX_FORMAT:
+        raise ValueError(f"'{index_path}' has index format {header.get('format')}, expected {INDEX_FORMAT}")
+    return header, len(MAGIC) + 8 + length
 
 
 class Indexes:
-    """Shard location -> ShardIndex (scanned on first use; an LRU of open files)."""
+    """Shard location -> ShardIndex (index found or built on first use; an LRU of open files), and the
+    bytes this process read: `bytes_read` from shard files, `index_bytes_read` from index files."""
 
     def __init__(self, cache_dir: str | None, cache_limit_gb: float):
         self.cache_dir = cache_dir
         self.limit = int(cache_limit_gb * 2**30)
         self._open: OrderedDict[str, ShardIndex] = OrderedDict()
         self.errors: dict[str, tario.ShardError] = {}
+        self.bytes_read = 0
+        self.index_bytes_read = 0
 
     def get(self, shard: str) -> ShardIndex:
         """The index, or ShardError (unreadable_shard, with the cause) raised again on every call."""
@@ -138,25 +190,93 @@ class Indexes:
             return self._open[shard]
         try:
             path = local_copy(shard, self.cache_dir, self.limit) if needs_copy(shard) else shard
-            index = scan(path, shard)
+            index_path = index_for(path, shard, self.cache_dir)
+            header, body = read_header(index_path)
         except tario.ShardError as e:
             self.errors[shard] = e
             raise
         except (OSError, ValueError) as e:  # ValueError: a scheme webdataset's gopen does not know
             self.errors[shard] = tario.ShardError(tario.UNREADABLE_SHARD, shard, f"{type(e).__name__}: {e}")
             raise self.errors[shard] from None
+        self.index_bytes_read += body
+        index = ShardIndex(path, index_path, int(header["samples"]), list(header["exts"]), header["truncated"], body)
         self._open[shard] = index
         while len(self._open) > MAX_OPEN:
-            _, old = self._open.popitem(last=False)
-            if old.fd >= 0:
-                os.close(old.fd)
+            self._open.popitem(last=False)[1].close()
         return index
+
+    def load(self, shard: str, i: int) -> tario.RawSample:
+        """Sample i of `shard`; SampleError(kind) when it cannot be had (the shard's own error included)."""
+        try:
+            index = self.get(shard)
+        except tario.ShardError as e:
+            raise tario.SampleError(e.kind, str(e)) from None
+        if i >= index.samples:
+            raise tario.SampleError(tario.TRUNCATED_TAR, f"'{shard}' has {index.samples} samples, dataset.json "
+                                    f"more" + (f"; {index.truncated}" if index.truncated else ""))
+        try:
+            return self.read_sample(index, i)
+        except OSError as e:
+            raise tario.SampleError(tario.UNREADABLE_SHARD, f"'{shard}': {e}") from None
+
+    def read_sample(self, index: ShardIndex, i: int) -> tario.RawSample:
+        """Sample i with its members' bytes; SampleError(duplicate_member) for an ambiguous one."""
+        if index.fd < 0:
+            index.fd = os.open(index.path, os.O_RDONLY)
+            index.index_fd = os.open(index.index_path, os.O_RDONLY)
+        n = index.record_bytes
+        record = np.frombuffer(os.pread(index.index_fd, n, index.body + i * n), dtype="<i8")
+        self.index_bytes_read += n
+        if record[0]:
+            raise tario.SampleError(tario.DUPLICATE_MEMBER,
+                                    f"sample {i} has two '.{index.exts[record[0] - 1]}' members")
+        spans = {ext: (int(record[1 + 2 * c]), int(record[2 + 2 * c])) for c, ext in enumerate(index.exts)
+                 if record[1 + 2 * c] >= 0}
+        if not spans:
+            return tario.RawSample(str(i), i, {})
+        lo = min(o for o, _ in spans.values())
+        hi = max(o + s for o, s in spans.values())
+        data = os.pread(index.fd, hi - lo, lo)  # one read: the members and the headers between them
+        self.bytes_read += len(data)
+        return tario.RawSample(str(i), i, {ext: data[o - lo:o - lo + s] for ext, (o, s) in spans.items()})
 
     def close(self) -> None:
         for index in self._open.values():
-            if index.fd >= 0:
-                os.close(index.fd)
+            index.close()
         self._open.clear()
+
+
+def index_for(path: str, shard: str, cache_dir: str | None) -> str:
+    """The index file of the local tar `path`: beside it when it is there and matches the file's size,
+    else in the cache, built once per machine."""
+    size = os.path.getsize(path)
+    beside = path + INDEX_SUFFIX
+    if _matches(beside, size):
+        return beside
+    folder = Path(cache_dir or default_cache_dir()) / "index"
+    folder.mkdir(parents=True, exist_ok=True)
+    st = os.stat(path)
+    # Keyed by where the shard is and what it is: a rewritten shard gets a new index.
+    name = hashlib.sha256(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = folder / (name + INDEX_SUFFIX)
+    if _matches(str(cached), size):
+        return str(cached)
+    with open(folder / (name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per shard per machine; the others wait, then read it
+        if not _matches(str(cached), size):
+            write_index(cached, build_index(path, shard))
+    return str(cached)
+
+
+def _matches(index_path: str, shard_bytes: int) -> bool:
+    try:
+        header, _ = read_header(index_path)
+    except (OSError, ValueError):
+        return False
+    return header.get("shard_bytes") == shard_bytes
+
+
+# ----------------------------------------------------------------------------- the node's cache
 
 
 def needs_copy(shard: str) -> bool:
@@ -167,21 +287,27 @@ def default_cache_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"vit-pipeline-shards-{os.getuid()}")
 
 
+def cache_name(shard: str) -> str:
+    return hashlib.sha256(shard.encode()).hexdigest()[:16] + ".tar"
+
+
 def local_copy(shard: str, cache_dir: str | None, limit: int) -> str:
-    """Path of an uncompressed local copy of `shard` in the cache, fetched if needed."""
+    """Path of an uncompressed local copy of `shard` in the cache (with its index beside it), fetched
+    if needed."""
     folder = Path(cache_dir or default_cache_dir())
     folder.mkdir(parents=True, exist_ok=True)
-    name = hashlib.sha256(shard.encode()).hexdigest()[:16] + ".tar"
+    name = cache_name(shard)
     final = folder / name
     with open(folder / (name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one fetch per shard per machine; others wait, then reuse it
-        if final.exists():
+        if final.exists() and _matches(str(final) + INDEX_SUFFIX, final.stat().st_size):
             os.utime(final)  # recently used
             return str(final)
         tmp = folder / f"{name}.{os.getpid()}.tmp"
         try:
             _fetch(shard, tmp)
             _evict(folder, limit - tmp.stat().st_size)
+            write_index(str(final) + INDEX_SUFFIX, build_index(str(tmp), shard))
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
@@ -221,7 +347,7 @@ def _fetch(shard: str, out: Path) -> None:
 
 
 def _evict(folder: Path, budget: int) -> None:
-    """Delete the least recently used copies until the others fit in `budget` bytes."""
+    """Delete the least recently used copies (and their indexes) until the others fit in `budget` bytes."""
     files = sorted(folder.glob("*.tar"), key=lambda p: p.stat().st_mtime)
     total = sum(p.stat().st_size for p in files)
     for p in files:
@@ -229,3 +355,4 @@ def _evict(folder: Path, budget: int) -> None:
             break
         total -= p.stat().st_size
         p.unlink(missing_ok=True)  # a process that has it open keeps reading it (POSIX)
+        Path(str(p) + INDEX_SUFFIX).unlink(missing_ok=True)

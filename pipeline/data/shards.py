@@ -7,7 +7,8 @@ Sources (sources.py; see `launch/make_shards.py`):
     synthetic     generated, learnable images of any size and class count, JPEG (tests, benchmarks)
     shards:GLOB   shards written by others (img2dataset, timm): indexed in place, nothing copied
 
-Every shard is written to a hidden temporary name, fsynced, then renamed, and `dataset.json`
+Each shard gets its sample index beside it (`train-000000.tar.idx`, index.py): readers never
+scan its tar headers. Every shard is written to a hidden temporary name, fsynced, then renamed, and `dataset.json`
 is written the same way last: a crash leaves no half shard under a shard's name and no
 dataset.json describing shards that are not all there.
 """
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import tario
+from .index import INDEX_SUFFIX, SampleMembers, encode_index, write_index
 from .info import (
     DATASET_JSON,
     FORMAT_NAME,
@@ -75,6 +77,7 @@ class ShardWriter:
         self._tmp: Path | None = None
         self._count = 0
         self._bytes = 0
+        self._samples: list[SampleMembers] = []  # the index of the shard being written
 
     def _name(self) -> str:
         return f"{self.prefix}-{len(self.records):06d}.tar"
@@ -85,6 +88,7 @@ class ShardWriter:
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
         self._count = 0
         self._bytes = 0
+        self._samples = []
 
     def _finish(self) -> None:
         assert self._tar is not None and self._tmp is not None
@@ -94,8 +98,11 @@ class ShardWriter:
         self._file.close()
         name = self._name()
         final = self.out_dir / name
+        size = self._tmp.stat().st_size
+        # The index first: a shard under its name always has its index (a crash leaves at most an index).
+        write_index(str(final) + INDEX_SUFFIX, encode_index(self._samples, size))
         os.replace(self._tmp, final)
-        self.records.append(ShardRecord(name, self._count, final.stat().st_size))
+        self.records.append(ShardRecord(name, self._count, size))
         self._tar = self._file = self._tmp = None
 
     def write(self, key: str, members: dict[str, bytes]) -> None:
@@ -108,12 +115,16 @@ class ShardWriter:
         if self._tar is None:
             self._open()
         assert self._tar is not None
+        sample = SampleMembers(key, {})
         for ext, data in members.items():
             info = tarfile.TarInfo(f"{key}.{ext}")
             info.size = len(data)
             info.mode = 0o644
             info.mtime = 0  # the same input gives byte-identical shards
             self._tar.addfile(info, io.BytesIO(data))
+            # addfile leaves the offset past the data's padding: the data starts one padded size before.
+            sample.members[ext] = (self._tar.offset - _round_block(len(data)), len(data))
+        self._samples.append(sample)
         self._count += 1
         self._bytes += size
 
@@ -186,7 +197,7 @@ def _encoded(source: Source, items: list[Item], workers: int) -> Iterator[tuple[
 def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     ours = [p for p in out_dir.iterdir() if p.name == DATASET_JSON or
-            (p.suffix == ".tar" and p.name.split("-")[0] in ("train", "val", "test"))]
+            (p.name.endswith((".tar", ".tar" + INDEX_SUFFIX)) and p.name.split("-")[0] in ("train", "val", "test"))]
     if ours and not overwrite:
         raise DataError(f"'{out_dir}' already holds shards or a {DATASET_JSON}; pass --overwrite to replace them")
     # dataset.json goes first: an interrupted rewrite must not leave it describing old shards.

@@ -36,9 +36,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.config import DataConfig
 
 from . import tario
-from .bad import bad_fraction_message, count_bad, decode, load_raw, merge_counters, new_counters
+from .bad import bad_fraction_message, count_bad, merge_counters, new_counters
 from .gpu_decode import CropDraw, GpuBatchDecoder, open_lazy, pack_batch, replace_bad
-from .index import BYTES_READ, Indexes
+from .index import Indexes
 from .info import BadDataError, DataError, SplitInfo
 from .order import MIXUP, GlobalOrder, micro_batch_positions, seed_for
 from .transforms import BatchNormalizer, as_is, build_mixup, empty_batch, seeded, train_transform
@@ -88,12 +88,14 @@ class TrainStream(IterableDataset):
             return out
         if self._indexes is None:
             self._indexes = Indexes(self.cfg.cache_dir, self.cfg.cache_limit_gb)
-        counters, bytes0 = new_counters(), BYTES_READ[0]
+        counters = new_counters()
+        bytes0, index_bytes0 = self._indexes.bytes_read, self._indexes.index_bytes_read
         items: list[Any] = [self._sample(p, sid, counters, restore=not in_worker) for p, sid in zip(positions, ids)]
         counters["read"] += len(items)
         items = [x if x is not None else self._replacement(p, counters, not in_worker)
                  for p, x in zip(positions, items)]
-        counters["bytes"] = BYTES_READ[0] - bytes0
+        counters["bytes"] = self._indexes.bytes_read - bytes0
+        counters["index_bytes"] = self._indexes.index_bytes_read - index_bytes0
         targets = torch.tensor([label for _, label in items], dtype=torch.long)
         mix_seed = seed_for(MIXUP, self.seed, positions[0] // self.micro)
         if self.draw is not None:  # raw bytes + boxes; decoded and mixed up by TrainLoader.to_device
@@ -127,14 +129,14 @@ class TrainStream(IterableDataset):
         shard_no, local = self.order.locate(sid)
         shard = self.shards[shard_no]
         try:
-            raw = load_raw(self._indexes, shard, local)
+            raw = self._indexes.load(shard, local)
             counters["sample_bytes"] += sum(len(b) for b in raw.members.values())
             if self.draw is not None:
                 _, data = tario.image_member(raw)
                 label = tario.parse_label(raw, self.label_key, self.num_classes)
                 img = open_lazy(data)
             else:
-                img, label = decode(raw, self.label_key, self.num_classes)
+                img, label = tario.decode(raw, self.label_key, self.num_classes)
         except tario.SampleError as e:
             count_bad(counters, e.kind, shard, str(e))
             return None
@@ -259,7 +261,7 @@ class TrainLoader:
         """The layout-free state at the last step boundary; `counters`: all ranks' counts, summed."""
         p, n = self.position, self.stream.order.n
         counters = dict(counters if counters is not None else self.counters())
-        for k in ("bytes", "sample_bytes"):  # this process's I/O figures, not part of the run's state
+        for k in ("bytes", "index_bytes", "sample_bytes"):  # this process's I/O figures, not the run's state
             counters.pop(k, None)
         return {"version": STATE_VERSION, "position": p, "epoch": p // n, "sample_in_epoch": p % n,
                 "counters": counters, **self.fingerprint()}
@@ -292,6 +294,10 @@ class TrainLoader:
     def bytes_read(self) -> int:
         """Bytes read from shard files by this rank's workers (tar headers and member data)."""
         return int(self._counters["bytes"])
+
+    def index_bytes_read(self) -> int:
+        """Bytes read from shard index files by this rank's workers (headers once per shard, a record per sample)."""
+        return int(self._counters["index_bytes"])
 
     def read_amplification(self) -> float:
         """Bytes read from the shards per byte of the samples handed out (1.0: nothing read twice)."""

@@ -1,13 +1,12 @@
 """Reading samples out of WebDataset tar shards, with an explicit position per sample.
 
 A sample is the run of consecutive tar members sharing a key (`000123.jpg`, `000123.cls`),
-as in webdataset (`webdataset.tariterators.base_plus_ext`). Each raw sample carries where it
-starts and ends in the file, so a reader can later seek straight back to it (local files) or
-skip to it member by member without decoding anything (pipes, URLs opened with
-`webdataset.gopen`).
+as in webdataset (`webdataset.tariterators.base_plus_ext`). `iter_raw_samples` streams a shard
+from its beginning (make_shards reading shards written by others); the loaders read samples by
+index instead (index.py).
 
-Nothing here decodes images: `decode_image` and `parse_label` are called by the loader on the
-samples it keeps, and raise `SampleError(kind)` so that bad samples are counted by kind.
+`decode` (image and label of a sample) raises `SampleError(kind)`, so that bad samples are
+counted by kind (bad.py).
 """
 
 from __future__ import annotations
@@ -57,42 +56,25 @@ class RawSample:
     key: str
     index: int
     """Position of the sample in its shard (0-based)."""
-    start: int
-    """Byte offset of its first tar header."""
-    end: int
-    """Byte offset just past its last member (where the next sample's header may start)."""
     members: dict[str, bytes] = field(default_factory=dict)
 
 
-def _round_up(n: int) -> int:
-    return (n + tarfile.BLOCKSIZE - 1) // tarfile.BLOCKSIZE * tarfile.BLOCKSIZE
-
-
-def _open(shard: str, offset: int) -> tuple[io.IOBase, int]:
-    """Open at byte `offset` if the file can seek; returns (stream, offset actually reached)."""
-    if is_remote(shard):
-        from webdataset import gopen  # the function: pipes, http(s), s3 via 'pipe:aws s3 cp ...'
-        return gopen(shard, "rb"), 0
-    f = open(shard, "rb", buffering=1 << 20)  # noqa: SIM115 (closed by the caller)
-    if offset:
-        f.seek(offset)
-    return f, offset
-
-
-def iter_raw_samples(shard: str, index: int = 0, offset: int = 0) -> Iterator[RawSample]:
-    """Samples of `shard` from position (`index`, byte `offset`) on; (0, 0) is the beginning.
+def iter_raw_samples(shard: str) -> Iterator[RawSample]:
+    """Samples of `shard` from the beginning, streamed (a local file, a pipe, a URL webdataset opens).
 
     Raises ShardError(unreadable_shard) if nothing can be read, ShardError(truncated_tar) if the
     archive breaks off (the samples before the break are yielded first).
     """
     try:
-        stream, base = _open(shard, offset)
+        if is_remote(shard):
+            from webdataset import gopen  # the function: pipes, http(s), s3 via 'pipe:aws s3 cp ...'
+            stream = gopen(shard, "rb")
+        else:
+            stream = open(shard, "rb", buffering=1 << 20)  # noqa: SIM115 (closed below)
     except (OSError, ValueError) as e:  # ValueError: webdataset refusing a URL
         raise ShardError(UNREADABLE_SHARD, shard, str(e)) from None
-    # Seeked: numbering goes on from `index`. Not seekable (or no offset): skip `index` samples.
-    start_index, skip = (index, 0) if base else (0, index)
     try:
-        yield from _samples(stream, shard, base, start_index, skip)
+        yield from _samples(stream, shard)
     finally:
         try:
             stream.close()
@@ -100,15 +82,13 @@ def iter_raw_samples(shard: str, index: int = 0, offset: int = 0) -> Iterator[Ra
             pass           # reported as truncated_tar by the caller
 
 
-def _samples(stream: io.IOBase, shard: str, base: int, index: int, skip: int) -> Iterator[RawSample]:
+def _samples(stream: io.IOBase, shard: str) -> Iterator[RawSample]:
     try:
         tar = tarfile.open(fileobj=stream, mode="r|*")
     except (tarfile.TarError, OSError, EOFError) as e:
-        if base:  # seeked to the end of the archive: nothing left
-            return
         raise ShardError(UNREADABLE_SHARD, shard, f"not a tar archive ({e})") from None
     current: RawSample | None = None
-    members_read = 0
+    members_read = index = 0
     try:
         for info in tar:
             members_read += 1
@@ -118,28 +98,18 @@ def _samples(stream: io.IOBase, shard: str, base: int, index: int, skip: int) ->
             key, ext = base_plus_ext(info.name)
             if key is None or os.path.basename(key).startswith("__"):
                 continue
-            ext = ext.lower()
-            start = base + info.offset
-            end = base + info.offset_data + _round_up(info.size)
             if current is not None and current.key != key:
-                if skip:
-                    skip -= 1
-                else:
-                    yield current
+                yield current
                 index += 1
                 current = None
             if current is None:
-                current = RawSample(key, index, start, end)
-            if skip:  # fast-forward: do not even copy the member's bytes
-                current.end = end
-                continue
+                current = RawSample(key, index)
             fobj = tar.extractfile(info)
-            current.members[ext] = fobj.read() if fobj is not None else b""
-            current.end = end
-        if current is not None and not skip:
+            current.members[ext.lower()] = fobj.read() if fobj is not None else b""
+        if current is not None:
             yield current
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
-        if members_read == 0 and base == 0:
+        if members_read == 0:
             raise ShardError(UNREADABLE_SHARD, shard, f"not a tar archive ({e})") from None
         raise ShardError(TRUNCATED_TAR, shard, str(e)) from None
 
@@ -193,3 +163,10 @@ def parse_label(sample: RawSample, label_key: str, num_classes: int | None = Non
     if label < 0 or (num_classes is not None and label >= num_classes):
         raise SampleError(BAD_LABEL, f"sample '{sample.key}': label {label} outside [0, {num_classes})")
     return label
+
+
+def decode(raw: RawSample, label_key: str, num_classes: int | None) -> tuple[Image.Image, int]:
+    """(RGB image, label) or SampleError; the label is checked before the (costly) decode."""
+    _, data = image_member(raw)
+    label = parse_label(raw, label_key, num_classes)
+    return decode_image(data), label

@@ -89,7 +89,7 @@ def test_interrupted_write_leaves_no_half_shard_under_a_shard_name(tmp_path: Pat
     # the second shard is half written: only the first exists under a shard name
     assert sorted(p.name for p in tmp_path.glob("train-*.tar")) == ["train-000000.tar"]
     w.abort()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["train-000000.tar"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train-000000.tar", "train-000000.tar.idx"]
 
 
 def test_writer_refuses_to_mix_with_old_shards_unless_overwrite(tmp_path: Path) -> None:
@@ -203,7 +203,7 @@ def test_timm_info_json_layout_is_read(tmp_path: Path) -> None:
 
 
 def test_label_parsing() -> None:
-    raw = tario.RawSample("k", 0, 0, 0, {"cls": b" 7\n", "json": b'{"meta": {"y": 2}, "label": "3"}', "txt": b"x"})
+    raw = tario.RawSample("k", 0, {"cls": b" 7\n", "json": b'{"meta": {"y": 2}, "label": "3"}', "txt": b"x"})
     assert tario.parse_label(raw, "cls") == 7
     assert tario.parse_label(raw, "json") == 3
     assert tario.parse_label(raw, "json:meta.y") == 2
