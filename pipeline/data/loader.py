@@ -17,7 +17,9 @@ from pipeline.config import DataConfig, image_size
 from .bad import bad_fraction_message, merge_counters, new_counters
 from .eval import EvalLoader, EvalStream
 from .info import DataError, DatasetInfo, read_dataset_info
-from .order import check_layout
+from .index import needs_copy
+from .nodes import node_place
+from .order import GlobalOrder, check_layout
 from .stream import STATE_VERSION, TrainLoader, TrainStream
 
 __all__ = ["STATE_VERSION", "EvalLoader", "TrainLoader", "bad_fraction_message", "build_eval_loader",
@@ -57,7 +59,45 @@ def build_train_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_s
         raise DataError(f"split '{cfg.train_split}' of {info.path} has no samples")
     stream = TrainStream(split, cfg, image_size(img_size), batch_size, accum, seed, rank, world_size,
                          num_classes or info.num_classes, _label_key(cfg, info), ids_only=ids_only)
+    if not ids_only:
+        place = node_place()
+        check_cache(stream.order, split.shards, split.shard_bytes, cfg, place.node, place.nodes)
     return TrainLoader(stream, cfg, global_batch)
+
+
+FETCH_AHEAD_SHARDS = 2
+"""Shards per partition a node's cache holds beyond the shuffle span: the next ones, fetched ahead."""
+
+
+def cache_needed_bytes(order: GlobalOrder, shard_bytes: list[int | None], node: int, nodes: int) -> int | None:
+    """Bytes this node's cache must hold at once: for each partition it reads, the shards of one shuffle
+    span plus those fetched ahead, at the partition's largest shard size. None when no shard's size is
+    known (dataset.json records it for shards make_shards wrote or indexed)."""
+    known = [b for b in shard_bytes if b]
+    if not known:
+        return None
+    fallback = max(known)  # shards of unknown size are taken to be as large as the largest known one
+    total = 0
+    for p in order.node_partitions(node, nodes):
+        largest = max(shard_bytes[s] or fallback for s in order.shards[p])
+        total += min(len(order.shards[p]), order.span_shards(p) + FETCH_AHEAD_SHARDS) * largest
+    return total
+
+
+def check_cache(order: GlobalOrder, shards: list[str], shard_bytes: list[int | None], cfg: DataConfig,
+                node: int, nodes: int) -> None:
+    """DataError before training when data.cache_limit_gb cannot hold what this node's shuffle spans need
+    (it would evict shards still in use and fetch them again and again)."""
+    if not any(needs_copy(s) for s in shards):
+        return  # read in place: nothing is copied into the cache
+    needed = cache_needed_bytes(order, shard_bytes, node, nodes)
+    if needed is None or needed <= cfg.cache_limit_gb * 2**30:
+        return
+    parts = order.node_partitions(node, nodes)
+    raise DataError(f"data.cache_limit_gb={cfg.cache_limit_gb:g} is too small: node {node} of {nodes} reads "
+                    f"{len(parts)} partitions whose shuffle spans (data.shuffle_span={order.span}) need "
+                    f"{needed / 2**30:.1f} GiB of shards at once; set data.cache_limit_gb to at least "
+                    f"{-(-needed // 2**30)} or lower data.shuffle_span")
 
 
 def build_eval_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_size: int, rank: int = 0,

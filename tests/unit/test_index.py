@@ -80,3 +80,45 @@ def test_index_bytes_are_a_small_fraction_of_the_sample_bytes(shards: Path, tmp_
     assert 0 < counters["index_bytes"] <= 6 * 200 + 96 * 40
     assert counters["bytes"] >= counters["sample_bytes"]
     json.dumps(counters)
+
+
+def test_a_cache_too_small_for_the_shuffle_span_stops_before_training(shards: Path, tmp_path: Path) -> None:
+    from pipeline.data import DataError
+
+    info = json.loads((shards / "dataset.json").read_text())
+    for entry in info["splits"]["train"]["shards"]:  # remote: copied into the cache before reading
+        entry["name"] = f"pipe:cat {shards / entry['name']}"
+    piped = tmp_path / "piped"
+    piped.mkdir()
+    (piped / "dataset.json").write_text(json.dumps(info))
+    shard_bytes = info["splits"]["train"]["shards"][0]["bytes"]
+    cfg = DataConfig(path=str(piped), num_workers=0, cache_dir=str(tmp_path / "c"), cache_limit_gb=1e-6)
+    with pytest.raises(DataError, match=r"data.cache_limit_gb=1e-06 is too small: node 0 of 1 reads 2 partitions "
+                                        r"whose shuffle spans .data.shuffle_span=262144. need 0.0 GiB"):
+        build_train_loader(cfg, 16, 8, seed=0, global_batch_size=16)
+    # 2 partitions of 3 shards: the span covers each whole partition
+    from pipeline.data.loader import cache_needed_bytes
+    from pipeline.data.order import GlobalOrder
+
+    order = GlobalOrder([16] * 6, seed=0, global_batch=16)
+    assert cache_needed_bytes(order, [shard_bytes] * 6, 0, 1) == 6 * shard_bytes
+    assert cache_needed_bytes(order, [shard_bytes] * 6, 1, 2) == 3 * shard_bytes  # node 1 of 2: one partition
+    assert cache_needed_bytes(order, [None] * 6, 0, 1) is None
+    cfg.cache_limit_gb = 6 * shard_bytes / 2**30
+    build_train_loader(cfg, 16, 8, seed=0, global_batch_size=16)  # just enough
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, (0, 1, "single")),
+    ({"CROSS_RANK": "2", "CROSS_SIZE": "4", "LOCAL_SIZE": "8", "SLURM_NODEID": "0", "SLURM_NNODES": "4"},
+     (2, 4, "deepspeed")),
+    ({"GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "6"}, (1, 3, "torchrun")),
+    ({"SLURM_NODEID": "3", "SLURM_NNODES": "5"}, (3, 5, "slurm")),
+])
+def test_node_place_from_the_launchers_environment(env: dict[str, str], expected: tuple) -> None:
+    from pipeline.data.nodes import node_place
+
+    place = node_place(env)
+    assert (place.node, place.nodes, place.source) == expected
+    with pytest.raises(ValueError, match="CROSS_RANK='x' is not an integer"):
+        node_place({"CROSS_RANK": "x", "CROSS_SIZE": "2"})
