@@ -16,8 +16,8 @@ from pipeline.config import DataConfig, image_size
 
 from .bad import bad_fraction_message, merge_counters, new_counters
 from .eval import EvalLoader, EvalStream
-from .info import DataError, DatasetInfo, read_dataset_info
 from .index import needs_copy
+from .info import DataError, DatasetInfo, read_dataset_info
 from .nodes import node_place
 from .order import GlobalOrder, check_layout
 from .stream import STATE_VERSION, TrainLoader, TrainStream
