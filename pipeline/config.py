@@ -80,7 +80,7 @@ class DataConfig:
     num_workers: int = 2
     """DataLoader worker processes per rank."""
     partitions: int | None = None
-    """Partitions of the train split (Streaming's canonical nodes): sets of whole shards fixed for the run; every step takes global batch / partitions samples from each, and with N nodes, N dividing the partitions, a node reads only its partitions' shards. Must divide train.global_batch_size. None: the largest power of two up to 64 that divides the global batch and keeps the partitions' sample counts within 2% of each other (docs/data.md)."""
+    """Partitions of the train split (Streaming's canonical nodes): sets of whole shards fixed for the run; every step takes global batch / partitions samples from each, and with N nodes, N dividing the partitions, a node reads only its partitions' shards. Must divide train.global_batch_size. None: the largest power of two up to 512 that divides the global batch and keeps the partitions' sample counts within 2% of each other (docs/data.md)."""
     shuffle_span: int = 262144
     """Shuffle span in samples, per partition: each pass over a partition permutes its shards and spreads every shard's samples over this many (the whole partition when it is smaller). A node's cache holds about span / shard size shards of each of its partitions (docs/data.md)."""
     cache_dir: str | None = None

@@ -48,7 +48,7 @@ from .info import is_remote
 MAGIC = b"VITIDX01"
 INDEX_SUFFIX = ".idx"
 INDEX_FORMAT = 1
-MAX_OPEN = 256  # shards whose files a process keeps open (an LRU): the span of its partitions, roughly
+MAX_OPEN = 128  # shards whose files (tar and index) a process keeps open, an LRU: within the usual 1,024 fds
 
 
 # ----------------------------------------------------------------------------- the index file
@@ -176,18 +176,19 @@ class Indexes:
     def __init__(self, cache_dir: str | None, cache_limit_gb: float):
         self.cache_dir = cache_dir
         self.limit = int(cache_limit_gb * 2**30)
-        self._open: OrderedDict[str, ShardIndex] = OrderedDict()
+        self._known: dict[str, ShardIndex] = {}  # a few hundred bytes per shard the process has read from
+        self._open: OrderedDict[str, ShardIndex] = OrderedDict()  # those whose files are open
         self.errors: dict[str, tario.ShardError] = {}
         self.bytes_read = 0
         self.index_bytes_read = 0
 
     def get(self, shard: str) -> ShardIndex:
-        """The index, or ShardError (unreadable_shard, with the cause) raised again on every call."""
+        """The index, or ShardError (unreadable_shard, with the cause) raised again on every call. A shard's
+        header is read once per process; its files are kept open for the MAX_OPEN most recent shards."""
         if shard in self.errors:
             raise self.errors[shard]
-        if shard in self._open:
-            self._open.move_to_end(shard)
-            return self._open[shard]
+        if shard in self._known:
+            return self._known[shard]
         try:
             path = local_copy(shard, self.cache_dir, self.limit) if needs_copy(shard) else shard
             index_path = index_for(path, shard, self.cache_dir)
@@ -200,10 +201,18 @@ class Indexes:
             raise self.errors[shard] from None
         self.index_bytes_read += body
         index = ShardIndex(path, index_path, int(header["samples"]), list(header["exts"]), header["truncated"], body)
+        self._known[shard] = index
+        return index
+
+    def _open_files(self, shard: str, index: ShardIndex) -> None:
+        if shard in self._open:
+            self._open.move_to_end(shard)
+            return
+        index.fd = os.open(index.path, os.O_RDONLY)
+        index.index_fd = os.open(index.index_path, os.O_RDONLY)
         self._open[shard] = index
         while len(self._open) > MAX_OPEN:
             self._open.popitem(last=False)[1].close()
-        return index
 
     def load(self, shard: str, i: int) -> tario.RawSample:
         """Sample i of `shard`; SampleError(kind) when it cannot be had (the shard's own error included)."""
@@ -215,15 +224,13 @@ class Indexes:
             raise tario.SampleError(tario.TRUNCATED_TAR, f"'{shard}' has {index.samples} samples, dataset.json "
                                     f"more" + (f"; {index.truncated}" if index.truncated else ""))
         try:
+            self._open_files(shard, index)
             return self.read_sample(index, i)
         except OSError as e:
             raise tario.SampleError(tario.UNREADABLE_SHARD, f"'{shard}': {e}") from None
 
     def read_sample(self, index: ShardIndex, i: int) -> tario.RawSample:
-        """Sample i with its members' bytes; SampleError(duplicate_member) for an ambiguous one."""
-        if index.fd < 0:
-            index.fd = os.open(index.path, os.O_RDONLY)
-            index.index_fd = os.open(index.index_path, os.O_RDONLY)
+        """Sample i with its members' bytes (files open); SampleError(duplicate_member) for an ambiguous one."""
         n = index.record_bytes
         record = np.frombuffer(os.pread(index.index_fd, n, index.body + i * n), dtype="<i8")
         self.index_bytes_read += n

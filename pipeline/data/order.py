@@ -43,8 +43,8 @@ import numpy as np
 # 0 and 1 were the shard and window streams of the order before partitions.
 AUGMENT, MIXUP, PASS = 2, 3, 4
 
-DEFAULT_PARTITIONS = 64
-"""Upper bound of the automatic partition count: locality on 1, 2, 4, ..., 64 nodes."""
+DEFAULT_PARTITIONS = 512
+"""Upper bound of the automatic partition count: locality on up to 512 nodes where the data set allows."""
 MAX_IMBALANCE = 0.02
 """The automatic partition count keeps (largest partition / smallest) - 1 within this."""
 DEFAULT_SPAN = 1 << 18

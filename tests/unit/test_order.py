@@ -84,14 +84,14 @@ def test_span_bounds_the_shards_a_partition_needs_at_once() -> None:
 
 def test_defaults_put_256_distinct_shards_in_a_global_batch_of_4096() -> None:
     order = GlobalOrder([1000] * 10_000, seed=0, global_batch=4096)
-    assert order.partitions == 64 and order.span == 1 << 18
+    assert order.partitions == 128 and order.span == 1 << 18
     for t in (0, 1, 150):
         distinct = len(np.unique(order.shard_of(order.sample_ids(np.arange(t * 4096, (t + 1) * 4096)))))
         assert distinct >= 256, (t, distinct)
 
 
 def test_automatic_partition_count_keeps_partitions_balanced() -> None:
-    assert choose_partitions([1000] * 10_000, 4096, None) == 64
+    assert choose_partitions([1000] * 10_000, 4096, None) == 128  # 256: 40 or 39 shards, 2.6% apart
     assert choose_partitions([1000] * 200, 4096, None) == 8  # 200 / 16 = 12.5 shards: 8% apart
     imagenet = [1000] * 1281 + [167]
     assert choose_partitions(imagenet, 4096, None) == 16
@@ -112,3 +112,17 @@ def test_partitions_are_whole_shards_fixed_for_the_run() -> None:
     for p in range(8):  # every pass of a partition draws from its own shards only
         for e in range(3):
             assert set(order.shard_of(order.pass_order(p, e)).tolist()) == set(order.shards[p].tolist())
+
+
+def test_scale_projection_fetches_each_shard_once_when_nodes_divide_partitions() -> None:
+    from pipeline.data.scale import ScaleRow, project
+
+    order, rows = project(64, 50, 64, [1, 2, 3, 4, 8, 16], gpus_per_node=2, workers=2, partitions=8)
+    by_nodes = {r.nodes: r for r in rows if isinstance(r, ScaleRow)}
+    assert order.partitions == 8 and sorted(by_nodes) == [1, 2, 4, 8, 16]  # 3 x 2 ranks do not make 64
+    for n in (1, 2, 4, 8):
+        assert by_nodes[n].fetched == 1.0 and by_nodes[n].shared_partitions == 0, n
+    assert by_nodes[16].fetched == 2.0 and by_nodes[16].shared_partitions == 8  # two nodes per partition
+    assert all(0 < r.index_reads < 0.02 for r in by_nodes.values())
+    _, rows = project(48, 50, 48, [3], gpus_per_node=1, workers=1, partitions=8)
+    assert rows[0].shared_partitions == 2 and 1.0 < rows[0].fetched <= 1.0 + 2 / 8  # partitions 2 and 5 (see above)
