@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         how = "created" if done["created"] else "updated"
         print(f"{run_dir}: run {done['run_id']} {how} at {done['uri']}: sent {done['metrics']} metric points, "
-              f"{done['params']} params, {done['artifacts']} artifacts")
+              f"{done['params']} params, {done['artifacts']} artifacts"
+              + (f"; {done['skipped_lines']} damaged lines of metrics.jsonl not sent (named above)"
+                 if done["skipped_lines"] else ""))
     return 1 if failed else 0
 
 

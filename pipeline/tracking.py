@@ -49,10 +49,10 @@ def _say(msg: str, err: bool = False) -> None:
     print(f"[tracking] {msg}", file=sys.stderr if err else sys.stdout, flush=True)
 
 
-def tracking_uri() -> str:
-    """MLFLOW_TRACKING_URI, else MLflow's default ./mlflow.db; a relative SQLite path is made absolute
-    (one spelling per store: the sync state is keyed by it, and the thread must not depend on the cwd)."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip() or f"sqlite:///{DEFAULT_DB}"
+def tracking_uri(uri: str | None = None) -> str:
+    """`uri`, else MLFLOW_TRACKING_URI, else MLflow's default ./mlflow.db; a relative SQLite path is made
+    absolute (one spelling per store: the sync state is keyed by it, and the thread must not depend on the cwd)."""
+    uri = (uri or "").strip() or os.environ.get("MLFLOW_TRACKING_URI", "").strip() or f"sqlite:///{DEFAULT_DB}"
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////") and ":memory:" not in uri:
         uri = f"sqlite:///{Path.cwd() / uri[len('sqlite:///'):]}"
     return uri
@@ -137,7 +137,7 @@ class _Syncer:
         self.client: Any = None
         self.run_id = self.experiment_id = None
         self.resumed = False
-        self.sent = {"metrics": 0, "params": 0, "artifacts": 0}
+        self.sent = {"metrics": 0, "params": 0, "artifacts": 0, "skipped_lines": 0}
         self.tags_sent: dict[str, str] = {}
         self.state = _read_json(run_dir / SYNC_FILE)
         self.entry = self.state.setdefault(uri, {"offset": 0, "artifacts": {}})
@@ -256,16 +256,25 @@ class _Syncer:
         except FileNotFoundError:
             return
         end = data.rfind(b"\n") + 1  # a line being written right now waits for the next round
-        skip, metrics = self.entry.get("skip_upto", {}), []
-        for line in data[:end].splitlines():
-            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):  # a damaged line
+        skip, metrics, damaged = self.entry.get("skip_upto", {}), [], []
+        at = self.entry["offset"]  # byte offset of the current line in metrics.jsonl, to name it
+        for line in data[:end].split(b"\n")[:-1]:
+            try:
                 row = json.loads(line)
                 step, stamp = int(row["step"]), int(float(row["time"]) * 1000)
-                metrics += [Metric(k, float(v), stamp, step) for k, v in row["metrics"].items()
+                metrics += [Metric(str(k), float(v), stamp, step) for k, v in row["metrics"].items()
                             if step > skip.get(k, -1)]
+            except (ValueError, KeyError, TypeError, AttributeError) as e:  # a damaged line (a disk full, an edit)
+                damaged.append(f"byte {at}: {type(e).__name__}: {line[:80]!r}")
+            at += len(line) + 1
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
         self.sent["metrics"] += len(metrics)
+        if damaged:  # not sendable, now or later: say so, and keep the count where sync_mlflow.py reports it
+            self.sent["skipped_lines"] += len(damaged)
+            self.entry["skipped_lines"] = self.entry.get("skipped_lines", 0) + len(damaged)
+            _say(f"{len(damaged)} line(s) of {self.run_dir / METRICS_FILE} are not metrics and were not sent "
+                 f"({self.entry['skipped_lines']} in all for {self.uri}); first: {damaged[0]}", err=True)
         self.entry["offset"] += end
         self._save()
 
@@ -313,6 +322,7 @@ class _MainTracker(Tracker):
         import mlflow  # noqa: F401  here, not in the thread: a fork (DataLoader workers) during an import can hang
         # One HTTP call takes at most ~timeout_s and MLflow does not retry it (its defaults, 120 s and 7
         # retries, would hold the thread for minutes): this thread retries later. A user's value wins.
+        # (MLflow reads these from the environment only; the URI itself is passed, never set there.)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, math.ceil(self.tcfg.timeout_s))))
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         _say(f"MLflow experiment '{self.tcfg.experiment}', run '{rec['run_name']}' at {self.uri}; {ui_hint(self.uri)}")
@@ -448,15 +458,15 @@ def start_tracking(cfg: Config, run_dir: Path, is_main: bool, world_size: int,
 def sync_run_dir(run_dir: Path | str, uri: str | None = None) -> dict[str, Any]:
     """Send to `uri` (default: `tracking_uri()`) whatever of RUN_DIR it does not have yet; again: nothing.
 
-    Returns {"run_id", "uri", "created", "metrics", "params", "artifacts"} (counts sent now)."""
+    Returns {"run_id", "uri", "created", "metrics", "params", "artifacts", "skipped_lines"} (counts of
+    this call; skipped_lines are lines of metrics.jsonl that are not metrics, named on stderr)."""
     run_dir = Path(run_dir)
     if not (run_dir / RECORD_FILE).is_file():
         raise FileNotFoundError(f"{run_dir} has no {RECORD_FILE}: not a run directory written by pipeline.tracking")
     record = _read_json(run_dir / RECORD_FILE)
-    if uri:
-        os.environ["MLFLOW_TRACKING_URI"] = uri
+    # MLflow reads its HTTP retry count from the environment only; setdefault keeps a user's value.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a replay has time, but not minutes
-    syncer = _Syncer(run_dir, uri := tracking_uri(), lambda: record, live=False)
+    syncer = _Syncer(run_dir, uri := tracking_uri(uri), lambda: record, live=False)
     syncer.connect()
     syncer.push()
     return {"run_id": syncer.run_id, "uri": uri, "created": not syncer.resumed, **syncer.sent}

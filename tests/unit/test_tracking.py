@@ -286,3 +286,26 @@ def test_disabled_tracking_writes_only_the_run_dir(tmp_path):
     assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlflow.db").exists()
     assert jsonl(run_dir / METRICS_FILE)[0]["metrics"] == {"loss": 2.0, "bad_samples": 3.0}
     assert not (run_dir / RUN_ID_FILE).exists()
+
+
+def test_damaged_metric_lines_are_counted_and_named_and_the_rest_is_sent(tmp_path, template_db, capsys):
+    """A line that is not metrics (a half-written line after a full disk, a hand edit) cannot be sent:
+    the replay says how many and which, sends every good line, and does not mutate the environment."""
+    run_dir = tmp_path / "run"
+    tracker = start_tracking(make_cfg(enabled=False), run_dir, is_main=True, world_size=1)
+    tracker.log_metrics({"loss": 1.0}, step=0)
+    with open(run_dir / METRICS_FILE, "a") as fh:
+        fh.write('{"step": 1, "time": 1.0, "metr\n')  # truncated mid-write
+        fh.write('{"step": 2, "time": 1.0, "metrics": {"loss": "nan?"}}\n')  # a value that is no number
+    tracker.log_metrics({"loss": 3.0}, step=3)
+    tracker.finish()
+
+    uri = sqlite_store(tmp_path, template_db)
+    done = sync_run_dir(run_dir, uri)
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # the URI is an argument, not a process-wide setting
+    assert (done["metrics"], done["skipped_lines"]) == (2, 2)
+    err = capsys.readouterr().err
+    assert "2 line(s) of" in err and "byte " in err and "metr" in err
+    assert history(MlflowClient(uri), done["run_id"], "loss") == [(0, 1.0), (3, 3.0)]
+    again = sync_run_dir(run_dir, uri)  # counted once: the offset moved past them
+    assert (again["metrics"], again["skipped_lines"]) == (0, 0)
