@@ -42,7 +42,7 @@ class Preemption:
     """Agreement on the flag across ranks. Collective: every rank calls `should_stop()` at the same steps.
 
     The agreement is an all-reduce of one int over a CPU (gloo) group, so it never waits on the GPU
-    stream; `every` > 1 asks only every few steps (see the README for what one costs).
+    stream; `every` > 1 asks only every few steps (`python launch/bench.py preemption` measures what one costs).
     """
 
     def __init__(self, every: int = 1):
@@ -66,39 +66,3 @@ class Preemption:
         if self.group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
-
-
-def measure_agreement(calls: int = 2000) -> None:
-    """What one agreement costs (the README's figure): `python launch/bench.py preemption`, which runs
-    `deepspeed --num_gpus 2 pipeline/train/preemption.py`. Times `should_stop()` on every rank after a
-    barrier, so only the all-reduce itself is counted."""
-    import json
-    import statistics
-    import time
-
-    import torch.distributed as dist
-
-    from pipeline.dist import init_distributed
-
-    env = init_distributed()
-    agree = Preemption()
-    for _ in range(200):  # warm-up: the gloo pair connections
-        agree.should_stop()
-    times = []
-    for _ in range(calls):
-        dist.barrier()
-        t0 = time.perf_counter()
-        agree.should_stop()
-        times.append(time.perf_counter() - t0)
-    if env.is_main:
-        times.sort()
-        figures = {"ranks": env.world_size, "calls": calls, "median_us": round(1e6 * statistics.median(times), 1),
-                   "mean_us": round(1e6 * statistics.mean(times), 1), "p90_us": round(1e6 * times[int(0.9 * calls)], 1)}
-        print(f"preemption agreement over {env.world_size} ranks: median {figures['median_us']:.0f} us, "
-              f"mean {figures['mean_us']:.0f} us, p90 {figures['p90_us']:.0f} us", flush=True)
-        print("FIGURES " + json.dumps(figures), flush=True)  # read by `python launch/bench.py preemption`
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    measure_agreement()

@@ -1,4 +1,4 @@
-"""The model/engine/e2e benchmarks (pipeline.bench, launch/bench.py): tiny runs that finish in seconds,
+"""The model/engine/e2e benchmarks (benchmarks, launch/bench.py): tiny runs that finish in seconds,
 the figures they return, and that the plain-loop baseline does the same work as DeepSpeed."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.bench import common, model
+from benchmarks import common, model
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = common.BenchSpec("vit_ti16", res=32, batch=2, dtype="bf16", num_classes=10, steps=1, windows=2, warmup=1)
@@ -79,7 +79,7 @@ DIST_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     sys.path.insert(0, ".")
     torch.set_num_threads(1)
-    from pipeline.bench import common, e2e, engine, gpu
+    from benchmarks import common, e2e, engine, gpu
     spec = common.BenchSpec("vit_ti16", res=32, batch=4, dtype="bf16", num_classes=10, steps=1, windows=2, warmup=1)
     out = {"engine": engine.run(spec, (0, 1, 2, 3), check_finite=True, log=lambda *_: None),
            "e2e": e2e.run(spec, workers=1, images=48, image_size=40, log=lambda *_: None),
@@ -119,7 +119,7 @@ def dist_figures() -> dict:
 
 
 def test_engine_bench_has_every_stage_with_check_finite(dist_figures):
-    from pipeline.bench import engine
+    from benchmarks import engine
 
     f = dist_figures["engine"]
     _positive(f["plain"], "img_s", "step_ms")
@@ -149,7 +149,7 @@ def test_plain_loop_matches_deepspeed_zero1_bf16(dist_figures):
 
 
 def test_gpu_bench_code_runs_on_cpu_and_reports_every_part(dist_figures):
-    from pipeline.bench import gpu
+    from benchmarks import gpu
 
     f = dist_figures["gpu"]
     (model,) = f["training"].values()
@@ -181,7 +181,7 @@ def test_cli_flags_override_the_preset_and_all_parses():
     assert args.batch is None and args.batch_size == 64
     args = p.parse_args(["model", "--variant", "vit_s16", "--res", "96", "--batch", "4", "--dtype", "fp32",
                          "--grad-ckpt", "--steps", "2", "--threads", "1"])
-    from pipeline.bench.cli import _specs
+    from benchmarks.cli import _specs
 
     (spec,) = _specs(args)
     assert (spec.variant, spec.res, spec.batch, spec.dtype, spec.grad_ckpt, spec.compile, spec.steps) == \
@@ -206,3 +206,27 @@ def test_preemption_bench_runs_two_ranks_and_returns_the_agreement_cost(capsys):
     assert figures["ranks"] == 2 and figures["calls"] == 2000
     assert 0 < figures["median_us"] <= figures["p90_us"] < 1e6  # an all-reduce of one int: well under a second
     assert "median us" in capsys.readouterr().out
+
+
+def test_render_writes_the_newest_row_per_machine_and_the_committed_page_is_current(tmp_path, capsys):
+    from benchmarks.render import DOCS_PAGE, render, render_page
+    from benchmarks.results import CSV_COLUMNS, RESULTS_CSV
+
+    rows = [dict(zip(CSV_COLUMNS, r)) for r in (
+        ["2026-01-01T00:00:00", "cpu box", "2.0", "0.19", "python launch/bench.py model", "model",
+         json.dumps({"ours": {"img_s": 1.0}})],
+        ["2026-01-02T00:00:00", "cpu box", "2.0", "0.19", "python launch/bench.py model --batch 4", "model",
+         json.dumps({"ours": {"img_s": 2.5, "mfu": None}, "windows": [1, 2]})],
+        ["2026-01-03T00:00:00", "gpu box", "2.1", "0.19", "python launch/bench.py gpu", "gpu", "{}"])]
+    page = render(rows)
+    assert "| `ours.img_s` | 2.5 |" in page and "| `ours.img_s` | 1.0 |" not in page  # the newest row only
+    assert "| `ours.mfu` | n/a |" in page and "| `windows` | [1, 2] |" in page
+    assert "python launch/bench.py model --batch 4" in page and "(1 earlier row(s) in the CSV)" in page
+    assert page.index("## model") < page.index("## gpu")
+    assert render_page(tmp_path / "missing.csv", tmp_path / "page.md") == 1
+    assert "does not exist" in capsys.readouterr().out
+    # The committed page is what the committed CSV renders to: a hand edit or a stale page fails here.
+    with open(RESULTS_CSV, newline="") as f:
+        import csv
+
+        assert DOCS_PAGE.read_text() == render(list(csv.DictReader(f))), "run: python launch/bench.py render"

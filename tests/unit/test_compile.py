@@ -51,8 +51,8 @@ def test_compiled_vit_matches_eager_logits_and_gradients(device: str):
 ENGINE_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     sys.path.insert(0, ".")
-    from pipeline.bench.common import BenchSpec, synthetic_batch
-    from pipeline.bench.engine import build_engine, init_single_process
+    from benchmarks.common import BenchSpec, synthetic_batch
+    from benchmarks.engine import build_engine, init_single_process
     from pipeline.train.trainer import loss_fn
     init_single_process()
     tiny = ["model.patch_size=8", "model.embed_dim=64", "model.depth=2", "model.num_heads=2"]

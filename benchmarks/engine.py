@@ -5,7 +5,7 @@ step (flat buffers, gradient hooks, partitioning bookkeeping, its bf16 optimizer
 communication. Everything comes from the pipeline: the model from pipeline.train.trainer.build_model
 (ZeRO-3 builds it inside deepspeed.zero.Init), the DeepSpeed JSON from pipeline.config.deepspeed_config,
 the optimizer from pipeline.train.optim, the step body from pipeline.train.trainer.fit. The plain loop
-(pipeline.bench.common.PlainStep) does the same work by hand: same model and weights, optimizer,
+(benchmarks.common.PlainStep) does the same work by hand: same model and weights, optimizer,
 clipping, schedule and dtype (bf16 with fp32 master weights, as DeepSpeed's bf16 mode).
 
 `check_finite` is the trainer's `train.check_finite`: one all-reduce and one `.item()` per micro batch,
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pipeline.bench.common import (
+from benchmarks.common import (
     BenchSpec,
     PlainStep,
     bench_device,

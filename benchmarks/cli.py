@@ -94,7 +94,7 @@ def _specs(args: argparse.Namespace) -> list[Any]:
 
     import torch
 
-    from pipeline.bench.common import PRESETS, default_preset
+    from benchmarks.common import PRESETS, default_preset
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -120,8 +120,8 @@ def _collect(runs: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
 
 def run_model(args: argparse.Namespace, print_table: PrintTable) -> dict[str, Any]:
     """Training step images/s and MFU, ours vs timm's VisionTransformer (same config, optimizer, step)."""
-    from pipeline.bench import model
-    from pipeline.bench.common import peak_flops
+    from benchmarks import model
+    from benchmarks.common import peak_flops
 
     runs = []
     for spec in _specs(args):
@@ -136,8 +136,8 @@ def run_model(args: argparse.Namespace, print_table: PrintTable) -> dict[str, An
 
 def run_engine(args: argparse.Namespace, print_table: PrintTable) -> dict[str, Any]:
     """DeepSpeed ZeRO 0-3 step vs a plain PyTorch loop (same model, optimizer, dtype), check_finite cost."""
-    from pipeline.bench import engine
-    from pipeline.bench.common import peak_flops
+    from benchmarks import engine
+    from benchmarks.common import peak_flops
 
     stages = [int(s) for s in args.stages.split(",") if s.strip()]
     runs = []
@@ -156,8 +156,8 @@ def run_e2e(args: argparse.Namespace, print_table: PrintTable) -> dict[str, Any]
     """Shards -> train loader -> DeepSpeed step vs the same step on synthetic tensors: does data keep up?"""
     import torch
 
-    from pipeline.bench import e2e
-    from pipeline.bench.common import peak_flops
+    from benchmarks import e2e
+    from benchmarks.common import peak_flops
 
     runs = []
     for spec in _specs(args):
@@ -181,8 +181,8 @@ def run_gpu(args: argparse.Namespace, print_table: PrintTable) -> dict[str, Any]
     a profile, end to end from JPEG shards (CPU decode and nvjpeg), bf16-vs-fp32 and nvjpeg-vs-PIL checks."""
     import torch
 
-    from pipeline.bench import gpu
-    from pipeline.bench.common import peak_flops
+    from benchmarks import gpu
+    from benchmarks.common import peak_flops
 
     if not args.smoke and not torch.cuda.is_available():
         raise NotImplementedError("bench gpu needs a CUDA GPU (`--smoke` runs its code on the CPU)")

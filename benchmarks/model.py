@@ -2,7 +2,7 @@
 
 Both models get the same weights (timm loads our state dict), the same input, the same optimizer
 (pipeline.train.optim: AdamW, the trainer's parameter groups, clipping, schedule) and the same step
-(pipeline.bench.common.PlainStep), measured in turns. `ours_vs_timm` is our step time over timm's:
+(benchmarks.common.PlainStep), measured in turns. `ours_vs_timm` is our step time over timm's:
 below 1 we are faster.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.bench.common import (
+from benchmarks.common import (
     BenchSpec,
     PlainStep,
     bench_device,

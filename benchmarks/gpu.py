@@ -8,7 +8,7 @@
    (3 x forward FLOPs per image / the device's peak from pipeline.train.metrics).
 2. Profile (torch.profiler) of a few steps of the fastest ZeRO-1 arm of the first model: the top
    kernels by device time and the idle fraction (1 - kernel time / wall time).
-3. End to end from JPEG shards on local disk (pipeline.bench.e2e, ZeRO-1): CPU decode with
+3. End to end from JPEG shards on local disk (benchmarks.e2e, ZeRO-1): CPU decode with
    cores - 1 workers, and `data.decode_device: cuda` (nvjpeg), each against the same step on synthetic
    tensors already on the device; the CPU cores each needs to keep up with the synthetic step.
 4. Correctness: bf16 against fp32 (the loss curves of the same ZeRO-1 run on a fixed synthetic set),
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pipeline.bench.common import (
+from benchmarks.common import (
     BenchSpec,
     bench_device,
     child_pids,
@@ -77,7 +77,7 @@ def _is_oom(e: BaseException) -> bool:
 
 def build_arm(spec: BenchSpec, arm: Arm, overrides: list[str]) -> Callable[[], Any]:
     """One training step of this arm on a fixed synthetic batch (already on the device)."""
-    from pipeline.bench.engine import build_engine, build_plain, make_ds_step
+    from benchmarks.engine import build_engine, build_plain, make_ds_step
 
     spec = replace(spec, compile=arm.compile, grad_ckpt=arm.grad_ckpt)
     images, targets = synthetic_batch(spec, bench_device())
@@ -191,8 +191,8 @@ def profile_arm(spec: BenchSpec, arm: Arm, overrides: list[str], steps: int = 5,
 
 def end_to_end(spec: BenchSpec, decode_device: str, workers: int, images: int, overrides: list[str],
                peak: float | None, tmp: str | None, log: Any) -> dict[str, Any]:
-    """pipeline.bench.e2e plus the CPU it took: cores needed to feed the synthetic step's rate."""
-    from pipeline.bench import e2e
+    """benchmarks.e2e plus the CPU it took: cores needed to feed the synthetic step's rate."""
+    from benchmarks import e2e
 
     c0 = cpu_seconds(child_pids())
     f = e2e.run(spec, workers=workers, images=images, zero_stage=1, tmp=tmp, peak=peak, overrides=overrides,
@@ -209,7 +209,7 @@ def end_to_end(spec: BenchSpec, decode_device: str, workers: int, images: int, o
 def bf16_vs_fp32(spec: BenchSpec, overrides: list[str], steps: int, log: Any) -> dict[str, Any]:
     """The same ZeRO-1 run in bf16 and in fp32 on a fixed synthetic set (8 batches, cycled: the loss falls
     as the model memorises them); the gap between the two loss curves, smoothed (EMA 0.9)."""
-    from pipeline.bench.engine import build_engine
+    from benchmarks.engine import build_engine
     from pipeline.train.trainer import loss_fn
 
     curves = {}
@@ -285,7 +285,7 @@ def run(smoke: bool = False, models: list[tuple[str, int]] | None = None, arms: 
 
     Training arms start only while less than `budget_s` has passed (compiling dominates: an arm that
     would start later is recorded as skipped), so the whole command stays under 8 minutes."""
-    from pipeline.bench.engine import init_single_process
+    from benchmarks.engine import init_single_process
 
     t_start = time.perf_counter()
     overrides = list(overrides or [])

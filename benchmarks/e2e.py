@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pipeline.bench.common import (
+from benchmarks.common import (
     DTYPES,
     BenchSpec,
     bench_device,
@@ -33,7 +33,7 @@ from pipeline.bench.common import (
     synthetic_batch,
     throughput,
 )
-from pipeline.bench.engine import build_engine, init_single_process, make_ds_step, trainer_step
+from benchmarks.engine import build_engine, init_single_process, make_ds_step, trainer_step
 
 
 def write_shards(out: Path, images: int, size: int, classes: int, per_shard: int = 128) -> Path:
