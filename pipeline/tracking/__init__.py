@@ -1,0 +1,31 @@
+"""MLflow tracking: one run per training job, resumed across requeues, never in training's way.
+
+`tracker.py` is the live tracker (rank 0, a background thread); `sync.py` copies a run directory to a
+store, live or later (`launch/sync_mlflow.py`).
+
+    tracker = start_tracking(cfg, run_dir, is_main=env.is_main, world_size=env.world_size)
+    tracker.log_metrics({"train/loss": 2.3}, step=10)
+    tracker.finish()                # "FINISHED"; finish(None) leaves the run RUNNING for a requeue
+
+Where: ``MLFLOW_TRACKING_URI``, else MLflow's own default (``./mlflow.db``, artifacts in ``./mlruns``),
+so a plain ``mlflow ui`` there shows every run. The run directory is the record: the training thread
+only writes metrics.jsonl and tracking.json; a background thread copies them to MLflow (`_Syncer`,
+progress per URI in mlflow_sync.json), says once when the server is down and catches up when it is
+back. ``python launch/sync_mlflow.py RUN_DIR`` sends what a job could not (nothing twice). A requeued
+job continues the run in RUN_DIR/mlflow_run_id; a param changed on resume becomes tag ``param_override.<key>``.
+"""
+
+from pipeline.tracking.sync import (
+    METRICS_FILE,
+    RECORD_FILE,
+    RUN_ID_FILE,
+    SYNC_FILE,
+    UI_COMMAND,
+    sync_run_dir,
+    tracking_uri,
+    ui_hint,
+)
+from pipeline.tracking.tracker import Tracker, default_tags, start_tracking
+
+__all__ = ["METRICS_FILE", "RECORD_FILE", "RUN_ID_FILE", "SYNC_FILE", "UI_COMMAND", "Tracker", "default_tags",
+           "start_tracking", "sync_run_dir", "tracking_uri", "ui_hint"]
