@@ -16,7 +16,6 @@ from tests.integration.runs import (
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/demo.yaml"
-FP32_NOISE = 1e-4  # with gradient clipping on, 1 and 2 ranks sum the clip norm in another order
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +29,11 @@ def overrides(shards, run_dir, steps=6, workers=1, zero=1):
             f"data.num_workers={workers}", "train.eval_every=0", "train.ckpt_every=0"]
 
 
-def max_diff(a, b) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 def test_one_or_two_ranks_and_one_or_three_workers_train_bit_identical_models(shards, tmp_path):
     out = {}
     for name, ranks, workers in (("r1w1", 1, 1), ("r2w1", 2, 1), ("r1w3", 1, 3)):
         before = shm_buffers()
-        # No gradient clipping: its norm is summed in another order on 1 and 2 ranks (README, Data).
+        # No gradient clipping: its norm is summed in another order on 1 and 2 ranks (docs/data.md).
         res = run("pretrain.py", CONFIG, [*overrides(shards, tmp_path / name, workers=workers), "train.grad_clip=0"],
                   ranks=ranks)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -64,7 +58,7 @@ def test_resume_on_another_world_size_continues_the_epoch(shards, tmp_path):
     resumed = run("pretrain.py", CONFIG, [*overrides(shards, run_dir, steps=8, zero=0), "train.ckpt_every=4",
                                           "train.keep_last=5"], ranks=1)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "at step 4" in resumed.stdout and "fresh epoch" not in resumed.stdout + resumed.stderr
-    diff = max_diff(weights(ref_dir), weights(run_dir))
-    print(f"max |w(2 ranks) - w(2 ranks, then 1)| = {diff:.3g}")
-    assert diff < FP32_NOISE
+    assert "at step 4" in resumed.stdout
+    # docs/data.md and docs/training.md state this resume is equal bit for bit over these 8 steps
+    # (clipping on, but ZeRO-0 sums the clip norm alike here): asserted as an equality, not a tolerance.
+    assert_same_weights(weights(ref_dir), weights(run_dir))

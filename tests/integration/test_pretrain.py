@@ -213,7 +213,8 @@ def test_resume_on_1_rank_converts_and_matches(shards, tmp_path, preempted_zero1
     shutil.copytree(preempted, run_dir)
     diff = resumed_diff(ref, run_dir, fp32(shards, run_dir, 1), "world size 2 -> 1", ranks=1)
     print(f"ZeRO-1 x2 -> ZeRO-1 x1: max |diff| to the uninterrupted run {diff:.3e}")
-    assert diff < 1e-5
+    # docs/training.md states this one ends equal to the uninterrupted run: an equality, not a tolerance.
+    assert_same_weights(ref, weights(run_dir))
 
 
 def test_resume_errors_are_one_line_and_overrides_are_applied(shards, tmp_path):
