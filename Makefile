@@ -28,15 +28,16 @@ test: $(STAMP)
 	bash tests/ui/install_chromium.sh
 	$(PY) -m pytest tests
 
-# Unit tests only (seconds): what to run while editing.
+# Unit tests only: what to run while editing.
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check pipeline launch tests
+	$(VENV)/bin/ruff check pipeline launch benchmarks tests
 	$(VENV)/bin/hadolint docker/Dockerfile
 	$(VENV)/bin/shellcheck -S warning slurm/*.sh launch/*.sh tests/cluster/*.sh
 
+# Every benchmark: one row each in results/benchmarks.csv, then docs/benchmarks.md rendered from it.
 bench: $(STAMP)
 	$(PY) launch/bench.py all
 

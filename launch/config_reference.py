@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Print the config reference (every key, its default and its docstring) as the README's Markdown table.
+"""Print the config reference (every key, its default and its docstring) as a Markdown table.
 
-    python launch/config_reference.py                  # print it
-    python launch/config_reference.py --update-readme  # rewrite the table in README.md
+    python launch/config_reference.py           # print it
+    python launch/config_reference.py --update  # rewrite the table in docs/configuration.md
 """
 
 import sys
@@ -12,9 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import reference_markdown  # noqa: E402
 
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
-def update_readme(path: Path) -> None:
-    """Replace the table between the config-reference markers in README.md."""
+
+def update_page(path: Path = PAGE) -> None:
+    """Replace the table between the config-reference markers of the page."""
     text = path.read_text()
     start, end = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
     head, rest = text.split(start, 1)
@@ -23,7 +25,10 @@ def update_readme(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    if "--update-readme" in sys.argv:
-        update_readme(Path(__file__).resolve().parents[1] / "README.md")
+    if "--update" in sys.argv[1:]:
+        update_page()
+        print(f"wrote the reference table in {PAGE}")
+    elif sys.argv[1:]:
+        sys.exit(f"error: unknown argument(s) {' '.join(sys.argv[1:])}; usage: python launch/config_reference.py [--update]")
     else:
         print(reference_markdown())

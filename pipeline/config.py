@@ -3,7 +3,7 @@
     cfg = load_config("configs/pretrain/demo.yaml", ["train.lr=3e-4", "model.depth=6"])
 
 Every section is a dataclass and every field has a docstring (the string literal after
-it, collected into ``FIELD_DOCS`` for `describe()` and the README). Loading is strict: an
+it, collected into ``FIELD_DOCS`` for `describe()` and docs/configuration.md). Loading is strict: an
 unknown key, a value of the wrong type or a missing file raises `ConfigError` with one
 line naming the file/key and what was expected. The launchers turn that into
 ``error: ...`` and exit code 2, never a traceback.
@@ -265,7 +265,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, doc) for every field: the README's config reference."""
+    """(dotted key, default, doc) for every field: the config reference of docs/configuration.md."""
     rows = []
     docs = _field_docs(cls)
     hints = typing.get_type_hints(cls)
@@ -279,7 +279,7 @@ def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]
 
 
 def reference_markdown() -> str:
-    """The README's config reference table (launch/config_reference.py writes it)."""
+    """The config reference table of docs/configuration.md (launch/config_reference.py --update writes it)."""
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]
     for key, default, doc in describe(Config):
         lines.append(f"| `{key}` | `{default}` | {doc.replace('|', '/')} |")

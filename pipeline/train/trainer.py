@@ -38,7 +38,7 @@ from pipeline.train.optim import (
 from pipeline.train.preemption import PREEMPTED_EXIT_CODE, Preemption
 
 NONFINITE_EXIT_CODE = 3
-# Agree on preemption every N optimizer steps (an all-reduce of one int; see the README for its cost).
+# Agree on preemption every N optimizer steps (an all-reduce of one int; `python launch/bench.py preemption` measures its cost).
 PREEMPTION_CHECK_EVERY = 1
 SHAPE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
               "num_classes", "representation_size")
