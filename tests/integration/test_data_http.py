@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.runs import ROOT, TINY, assert_same_weights, env, free_port, make_synthetic_shards, weights
+from tests.integration.runs import (
+    ROOT,
+    TINY,
+    assert_same_weights,
+    env,
+    free_port,
+    make_synthetic_shards,
+    weights,
+)
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/demo.yaml"
