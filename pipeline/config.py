@@ -87,6 +87,8 @@ class DataConfig:
     """Where shards without random access (pipe:, http(s), .tar.gz) are copied, uncompressed, and where the sample index of shards without one is built, once per machine; None: <system temp>/vit-pipeline-shards-<uid>."""
     cache_limit_gb: float = 50.0
     """Size bound of data.cache_dir; the least recently used copies are deleted beyond it. Too small for what this node's partitions need at once (their shuffle span) is an error before training that names the size needed."""
+    fetch_ahead: bool = True
+    """Copy the shards each rank reads next into data.cache_dir in the background (remote shards only), within the rank's share of data.cache_limit_gb, so that a step does not wait for a download (docs/data.md)."""
     scale: tuple[float, float] = (0.08, 1.0)
     """RandomResizedCrop area range."""
     ratio: tuple[float, float] = (0.75, 1.3333333333333333)

@@ -59,10 +59,10 @@ def build_train_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_s
         raise DataError(f"split '{cfg.train_split}' of {info.path} has no samples")
     stream = TrainStream(split, cfg, image_size(img_size), batch_size, accum, seed, rank, world_size,
                          num_classes or info.num_classes, _label_key(cfg, info), ids_only=ids_only)
+    place = node_place()
     if not ids_only:
-        place = node_place()
         check_cache(stream.order, split.shards, split.shard_bytes, cfg, place.node, place.nodes)
-    return TrainLoader(stream, cfg, global_batch)
+    return TrainLoader(stream, cfg, global_batch, local_ranks=max(1, world_size // place.nodes))
 
 
 FETCH_AHEAD_SHARDS = 2

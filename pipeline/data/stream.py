@@ -25,6 +25,7 @@ global batch), bad-data counts, and the fingerprint of what the order depends on
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Iterator
 from itertools import count
 from typing import Any
@@ -37,8 +38,9 @@ from pipeline.config import DataConfig
 
 from . import tario
 from .bad import bad_fraction_message, count_bad, merge_counters, new_counters
+from .fetch import FetchAhead
 from .gpu_decode import CropDraw, GpuBatchDecoder, open_lazy, pack_batch, replace_bad
-from .index import Indexes
+from .index import Indexes, needs_copy
 from .info import BadDataError, DataError, SplitInfo
 from .order import MIXUP, GlobalOrder, micro_batch_positions, seed_for
 from .transforms import BatchNormalizer, as_is, build_mixup, empty_batch, seeded, train_transform
@@ -54,6 +56,7 @@ class TrainStream(IterableDataset):
                  seed: int, rank: int, world_size: int, num_classes: int, label_key: str, ids_only: bool = False):
         super().__init__()
         self.shards, self.counts = list(split.shards), list(split.shard_counts)
+        self.shard_bytes = list(split.shard_bytes or [None] * len(self.shards))
         self.order = GlobalOrder(self.counts, seed, micro * accum * world_size, cfg.partitions, cfg.shuffle_span)
         self.cfg, self.img_size, self.seed = cfg, img_size, seed
         self.micro, self.accum, self.rank, self.world_size = micro, accum, rank, world_size
@@ -154,8 +157,11 @@ class TrainLoader:
     layout-free position (see the module docstring).
     """
 
-    def __init__(self, stream: TrainStream, cfg: DataConfig, global_batch: int, pin_memory: bool | None = None):
+    def __init__(self, stream: TrainStream, cfg: DataConfig, global_batch: int, pin_memory: bool | None = None,
+                 local_ranks: int = 1):
         self.stream, self.cfg = stream, cfg
+        self.local_ranks = local_ranks  # ranks on this node: they share its cache
+        self.fetcher: FetchAhead | None = None
         self.global_batch = global_batch
         self.accum = stream.accum
         self.num_workers = cfg.num_workers
@@ -170,6 +176,15 @@ class TrainLoader:
 
     def _start(self) -> None:
         self.stream.start = self._j
+        if self.fetcher is None and self.cfg.fetch_ahead and not self.stream.ids_only and any(
+                needs_copy(s) for s in self.stream.shards):
+            self.fetcher = FetchAhead(self.stream.order, self.stream.shards, self.stream.shard_bytes,
+                                      self.stream.rank, self.stream.world_size, self.cfg.cache_dir,
+                                      int(self.cfg.cache_limit_gb * 2**30),
+                                      int(self.cfg.cache_limit_gb * 2**30) // self.local_ranks)
+            weakref.finalize(self, self.fetcher.stop)
+        if self.fetcher is not None:
+            self.fetcher.advance(self._j // self.accum)
         loader = DataLoader(
             self.stream, batch_size=None, collate_fn=as_is,  # arrays stay arrays (see as_is)
             num_workers=self.num_workers, pin_memory=self.pin_memory,
@@ -192,6 +207,8 @@ class TrainLoader:
         if item["j"] != self._j:  # the DataLoader's round robin is what makes the order exact
             raise RuntimeError(f"micro batch {item['j']} arrived, expected {self._j}")
         self._j += 1
+        if self.fetcher is not None and self._j % self.accum == 0:
+            self.fetcher.advance(self._j // self.accum)
         self.last_ids = torch.from_numpy(item["ids"])
         if self.stream.ids_only:
             return self.last_ids, self.last_ids

@@ -122,3 +122,37 @@ def test_node_place_from_the_launchers_environment(env: dict[str, str], expected
     assert (place.node, place.nodes, place.source) == expected
     with pytest.raises(ValueError, match="CROSS_RANK='x' is not an integer"):
         node_place({"CROSS_RANK": "x", "CROSS_SIZE": "2"})
+
+
+def test_fetch_ahead_copies_the_coming_shards_within_the_budget(shards: Path, tmp_path: Path) -> None:
+    import time
+
+    from pipeline.data.fetch import plan, upcoming_shards
+    from pipeline.data.order import GlobalOrder
+
+    order = GlobalOrder([16] * 6, seed=0, global_batch=8, partitions=2, span=20)
+    first = upcoming_shards(order, 0, 2, 0, 100)  # rank 0 of 2: partition 0's three shards
+    assert sorted(first.tolist()) == sorted(order.shards[0].tolist())
+    assert plan(order, [100] * 6, 0, 2, 0, 250) == first[:2].tolist()  # two shards fit in 250 bytes
+    assert plan(order, [100] * 6, 0, 2, 0, 10**6) == first.tolist()
+
+    info = json.loads((shards / "dataset.json").read_text())
+    for entry in info["splits"]["train"]["shards"]:
+        entry["name"] = f"pipe:cat {shards / entry['name']}"
+    piped = tmp_path / "piped"
+    piped.mkdir()
+    (piped / "dataset.json").write_text(json.dumps(info))
+    for fetch_ahead in (False, True):
+        cache = tmp_path / f"cache-{fetch_ahead}"
+        cfg = DataConfig(path=str(piped), num_workers=0, cache_dir=str(cache), fetch_ahead=fetch_ahead,
+                         partitions=2, shuffle_span=16, hflip=0.0)
+        loader = build_train_loader(cfg, 16, 4, seed=0, global_batch_size=4)
+        next(loader)  # one micro batch of 4 samples: at most 4 shards read
+        deadline = time.monotonic() + 20
+        while fetch_ahead and len(list(cache.glob("*.tar"))) < 6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        copies = len(list(cache.glob("*.tar")))
+        assert copies == 6 if fetch_ahead else copies <= 4, (fetch_ahead, copies)
+        if loader.fetcher is not None:
+            loader.fetcher.stop()
+            assert not loader.fetcher.process.is_alive()

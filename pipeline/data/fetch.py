@@ -1,0 +1,97 @@
+"""Fetch ahead: copy the shards a rank reads next into the node's cache before its workers need them.
+
+Remote shards (http(s), `pipe:`, `.tar.gz`) are copied whole into `data.cache_dir` by the first
+process that needs one (index.local_copy). Without fetching ahead, the step that first touches a
+shard waits for its download. A `FetchAhead` process per rank (forked from the rank's main process
+when its train stream starts) walks the rank's coming steps through the real order, and copies
+their shards in the order they will first be read, up to the rank's share of the cache
+(`data.cache_limit_gb` / ranks per node), touching those already there so that the cache's LRU
+eviction keeps them. The rank's loader tells it where it is (`advance(step)`); it starts over
+from there when the rank moves on.
+
+It is a process, not a thread: index.local_copy holds a `flock` while it copies, and a DataLoader
+worker forked from a process while one of its threads held such a lock would hold it forever.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from typing import Any
+
+import numpy as np
+
+from .index import local_copy, needs_copy
+from .order import GlobalOrder
+
+WAKE_S = 0.2  # how often the fetcher looks at where the rank is
+CHUNK_STEPS = 8  # steps whose shards are computed at once
+
+
+def upcoming_shards(order: GlobalOrder, rank: int, world_size: int, step: int, steps: int) -> np.ndarray:
+    """Shard numbers rank `rank` reads in steps [step, step + steps), in the order of first need."""
+    per_rank = order.global_batch // world_size
+    positions = ((np.arange(step, step + steps, dtype=np.int64)[:, None] * order.global_batch
+                  + rank * per_rank + np.arange(per_rank, dtype=np.int64)[None, :]).ravel())
+    shards = order.shard_of(order.sample_ids(positions))
+    unique, first = np.unique(shards, return_index=True)
+    return unique[np.argsort(first, kind="stable")]
+
+
+def plan(order: GlobalOrder, shard_bytes: list[int], rank: int, world_size: int, step: int, budget: int
+         ) -> list[int]:
+    """The shards to hold, from `step` on, in the order of first need, until their bytes reach `budget`
+    or one pass of the rank's largest partition is covered."""
+    horizon = step + int(order.sizes.max()) // order.per_step + 1
+    out: list[int] = []
+    seen: set[int] = set()
+    total = 0
+    for s in range(step, horizon, CHUNK_STEPS):
+        for shard in upcoming_shards(order, rank, world_size, s, CHUNK_STEPS).tolist():
+            if shard in seen:
+                continue
+            if total + shard_bytes[shard] > budget:
+                return out
+            seen.add(shard)
+            total += shard_bytes[shard]
+            out.append(shard)
+    return out
+
+
+def _loop(order: GlobalOrder, shards: list[str], shard_bytes: list[int], rank: int, world_size: int,
+          cache_dir: str | None, limit: int, budget: int, step: Any, stop: Any) -> None:
+    while not stop.is_set():
+        at = step.value
+        for s in plan(order, shard_bytes, rank, world_size, at, budget):
+            if stop.is_set() or step.value > at + CHUNK_STEPS:
+                break  # the rank moved on: plan again from where it is
+            if needs_copy(shards[s]):
+                try:
+                    local_copy(shards[s], cache_dir, limit)  # fetched, or touched if already there
+                except Exception:  # noqa: BLE001 - the reader meets the same error and counts it
+                    pass
+        stop.wait(WAKE_S)
+
+
+class FetchAhead:
+    """The fetcher of one rank; `advance(step)` after each step, `stop()` at the end."""
+
+    def __init__(self, order: GlobalOrder, shards: list[str], shard_bytes: list[int | None], rank: int,
+                 world_size: int, cache_dir: str | None, limit: int, budget: int):
+        known = [b for b in shard_bytes if b]
+        sizes = [b or (max(known) if known else 1 << 30) for b in shard_bytes]
+        ctx = mp.get_context("fork")
+        self._step = ctx.Value("q", 0, lock=False)
+        self._stop = ctx.Event()
+        self.process = ctx.Process(target=_loop, daemon=True, name=f"fetch-ahead-rank{rank}",
+                                   args=(order, shards, sizes, rank, world_size, cache_dir, limit, budget,
+                                         self._step, self._stop))
+        self.process.start()
+
+    def advance(self, step: int) -> None:
+        self._step.value = step
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.terminate()
