@@ -143,9 +143,12 @@ def test_e2e_bench_compares_loader_with_synthetic(dist_figures, key):
 def test_plain_loop_matches_deepspeed_zero1_bf16(dist_figures):
     # The overhead ratio compares equal work (DeepSpeed's bf16 + fp32 master AdamW + clipping): the same
     # losses up to rounding (DeepSpeed sums the gradient norm over its flat buffer, in another order).
+    # The first loss is computed before any update: equal bit for bit. After an update the two differ by
+    # bf16 roundings of the weights (2^-8 relative): within bf16's epsilon, 2^-7 (seen on an AMD EPYC:
+    # 0.38% at the third loss; a 1e-3 bound was tighter than bf16 can represent).
     plain, zero1 = dist_figures["plain_losses"], dist_figures["zero1_losses"]
     assert plain[0] == zero1[0] and plain[-1] < plain[0]
-    torch.testing.assert_close(torch.tensor(plain), torch.tensor(zero1), rtol=1e-3, atol=0)
+    torch.testing.assert_close(torch.tensor(plain), torch.tensor(zero1), rtol=2**-7, atol=0)
 
 
 def test_gpu_bench_code_runs_on_cpu_and_reports_every_part(dist_figures):
