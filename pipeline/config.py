@@ -3,7 +3,7 @@
     cfg = load_config("configs/pretrain/demo.yaml", ["train.lr=3e-4", "model.depth=6"])
 
 Every section is a dataclass and every field has a docstring (the string literal after
-it, collected into ``FIELD_DOCS`` for `describe()` and docs/configuration.md). Loading is strict: an
+it, read by `pipeline.typed_yaml.describe` for docs/configuration.md). Loading is strict: an
 unknown key, a value of the wrong type or a missing file raises `ConfigError` with one
 line naming the file/key and what was expected. The launchers turn that into
 ``error: ...`` and exit code 2, never a traceback.
@@ -15,24 +15,16 @@ What can be derived is never written twice: the accumulation steps are
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import operator
-import re
 import sys
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A user error in a config file or override; the message is one line for the user."""
-
+from pipeline.typed_yaml import ConfigError, describe, from_tree, parse_override, set_dotted  # noqa: F401 (re-exported)
 
 # ----------------------------------------------------------------------------- sections
 
@@ -251,35 +243,6 @@ class Config:
     """Fine-tuning source (ignored by pretraining)."""
 
 
-# ----------------------------------------------------------------------------- field docs
-
-
-def _field_docs(cls: type) -> dict[str, str]:
-    """Docstrings written as string literals right after each field (the torchtitan style)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
-            docs[node.target.id] = str(nxt.value.value)
-    return docs
-
-
-def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, doc) for every field: the config reference of docs/configuration.md."""
-    rows = []
-    docs = _field_docs(cls)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            rows += describe(hints[f.name], f"{prefix}{f.name}.")
-        else:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            rows.append((prefix + f.name, repr(default), docs.get(f.name, "")))
-    return rows
-
-
 def reference_markdown() -> str:
     """The config reference table of docs/configuration.md (launch/config_reference.py --update writes it)."""
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]
@@ -288,121 +251,7 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- strict parsing
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is tuple:
-        return "[" + ", ".join(_type_name(a) for a in typing.get_args(tp)) + "]"
-    if origin is dict:
-        return "mapping"
-    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
-
-
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
-    """Check `value` against the annotation `tp`; return it converted (list -> tuple, int -> float)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    bad = ConfigError(f"{where}: key '{key}' expects {_type_name(tp)}, got {value!r}")
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        for arg in args:
-            try:
-                return _coerce(value, arg, key, where)
-            except ConfigError:
-                pass
-        raise bad
-    if origin is Literal:
-        if value in args:
-            return value
-        raise bad
-    if tp is type(None):
-        if value is None:
-            return None
-        raise bad
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise bad
-        return tuple(_coerce(v, a, key, where) for v, a in zip(value, args))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise bad
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise bad
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise bad
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-            return float(value)  # PyYAML reads '3e-4' (no dot) as a string; it is a number to a user
-        raise bad
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise bad
-    raise TypeError(f"unsupported annotation {tp} for {key}")
-
-
-def _from_dict(cls: type, data: dict[str, Any], where: str, prefix: str = "") -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: section '{prefix.rstrip('.') or '<top>'}' must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in data:
-        if key not in names:
-            raise ConfigError(f"{where}: unknown key '{prefix}{key}'; valid keys here: {', '.join(names)}")
-    kwargs = {}
-    for name in names:
-        if name not in data:
-            continue
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _from_dict(tp, data[name] or {}, where, f"{prefix}{name}.")
-        else:
-            kwargs[name] = _coerce(data[name], tp, prefix + name, where)
-    return cls(**kwargs)
-
-
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    node = tree
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override '{dotted}': '{part}' is not a section")
-    node[leaf] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """'train.lr=3e-4' -> ('train.lr', 0.0003). Values are YAML scalars or flow lists ([224, 320])."""
-    if "=" not in text:
-        raise ConfigError(f"override '{text}': expected key=value, e.g. train.lr=3e-4")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override '{text}': value is not valid YAML ({e.problem})") from None
-    # YAML 1.1 reads '3e-4' as a string; accept numbers written that way.
-    if isinstance(value, str):
-        try:
-            value = float(value) if any(c in value for c in ".eE") else int(value)
-        except ValueError:
-            pass
-    return key.strip(), value
+# ----------------------------------------------------------------------------- loading
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -420,8 +269,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     for text in overrides:
         key, value = parse_override(text)
-        _set_dotted(tree, key, value)
-    cfg = _from_dict(Config, tree, where)
+        set_dotted(tree, key, value)
+    cfg = from_tree(Config, tree, where)
     validate(cfg, where)
     return cfg
 
