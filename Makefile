@@ -21,11 +21,13 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 # Everything: unit tests, multi-process DeepSpeed runs, the local Slurm cluster, the MLflow UI in
-# Chromium. As root, the system packages those need (slurm-wlm, munge, chromium) are installed
-# with apt when missing; otherwise those tests skip and say why.
+# Chromium, the Docker image built and trained in (buildah). As root, the system packages those need
+# (slurm-wlm, munge, chromium, buildah, podman, debootstrap) are installed with apt when missing;
+# otherwise those tests skip and say why.
 test: $(STAMP)
 	bash tests/cluster/install_slurm.sh
 	bash tests/ui/install_chromium.sh
+	bash tests/container/install_podman.sh
 	$(PY) -m pytest tests
 
 # Unit tests only: what to run while editing.
@@ -34,8 +36,8 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeline launch benchmarks tests
-	$(VENV)/bin/hadolint docker/Dockerfile
-	$(VENV)/bin/shellcheck -S warning slurm/*.sh launch/*.sh tests/cluster/*.sh
+	$(VENV)/bin/hadolint docker/Dockerfile docker/cpu-base.Dockerfile
+	$(VENV)/bin/shellcheck -S warning slurm/*.sh launch/*.sh docker/*.sh tests/cluster/*.sh tests/container/*.sh
 
 # Every benchmark: one row each in results/benchmarks.csv, then docs/benchmarks.md rendered from it.
 bench: $(STAMP)
