@@ -29,6 +29,7 @@ BASE_IMAGE = "localhost/vit-pipeline-base:cpu"
 WORKDIR = "workspace/vit-pipeline"   # the Dockerfile's WORKDIR, relative to the image's root
 USER_UID = 1000                      # the Dockerfile's default USER_UID
 RUN_DIR = "runs/demo-pretrain"       # configs/pretrain/demo.yaml's run.dir
+EXTENSIONS = "/tmp/torch_extensions"  # where the test mounts a host cache of DeepSpeed's JIT-built ops
 
 
 def _missing_tools() -> list[str]:
@@ -90,7 +91,7 @@ def _extensions_cache() -> str:
     cache = Path(os.environ.get("VIT_PIPELINE_IMAGE_WORK", "/var/tmp/vit-pipeline-image")) / "torch_extensions" / f"{base_id[:12]}-ds{ds}"
     cache.mkdir(parents=True, exist_ok=True)
     os.chown(cache, USER_UID, USER_UID)
-    return f"{cache}:/home/vit/.cache/torch_extensions"
+    return f"{cache}:{EXTENSIONS}"
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +104,17 @@ def container(image):
 def test_image_keeps_the_base_torch(image, container):
     """docker/Dockerfile installs everything with `-c constraints.txt` against the base's torch: pip
     must keep that torch (one torch, the base's file), not download a second one."""
-    listed = json.loads(container.sh("python -m pip list --format=json 2>/dev/null"))
-    torches = [p for p in listed if p["name"].lower() == "torch"]
+    def torch_listed(box: Container) -> list[dict]:
+        listed = json.loads(box.sh("python -m pip list --format=json 2>/dev/null"))
+        return [p for p in listed if p["name"].lower() == "torch"]
+
+    torches = torch_listed(container)
     assert len(torches) == 1, torches
     base = Container(BASE_IMAGE)
     try:
-        base_version = base.sh("python -c 'import torch; print(torch.__version__)'").strip()
+        base_torches = torch_listed(base)
+        version, base_version = (box.sh("python -c 'import torch; print(torch.__version__)'").strip()
+                                 for box in (container, base))
         site = container.sh("python -c 'import torch, os; print(os.path.dirname(torch.__file__))'").strip()
         base_site = base.sh("python -c 'import torch, os; print(os.path.dirname(torch.__file__))'").strip()
         assert site == base_site, (site, base_site)
@@ -118,7 +124,7 @@ def test_image_keeps_the_base_torch(image, container):
             assert ours.stat().st_mtime_ns == theirs.stat().st_mtime_ns, f"torch/{rel} rewritten on top of the base"
     finally:
         base.remove()
-    assert torches[0]["version"] == base_version
+    assert torches == base_torches and version == base_version, (torches, base_torches, version, base_version)
     pinned = [line.split("==")[1] for line in (ROOT / "constraints.txt").read_text().splitlines()
               if line.startswith("torch==")]
     assert base_version.split("+")[0] == pinned[0], (base_version, pinned)
@@ -127,13 +133,15 @@ def test_image_keeps_the_base_torch(image, container):
 def test_demo_trains_inside_the_image(image, container):
     """Shards and a 20-step 2-rank pretraining run, as the image's user, with the image's Python,
     write the run directory and the MLflow store inside the image's WORKDIR."""
-    who = container.sh("id -u; pwd; command -v python deepspeed").split()
+    out = container.sh("id -u; pwd; command -v python deepspeed")
+    who = out.split()
+    assert len(who) == 4, f"unexpected output: {out!r}"
     assert who[0] == str(USER_UID), f"runs as uid {who[0]}, not the image's unprivileged user"
     assert who[1] == f"/{WORKDIR}", who
     assert who[2] == who[3].rsplit("/", 1)[0] + "/python" and not who[2].startswith(f"/{WORKDIR}"), who
 
     container.sh("python launch/make_shards.py --source digits --out data/digits --no-progress")
-    out = container.sh(f"OMP_NUM_THREADS=1 deepspeed --num_gpus 2 --master_port {free_port()} "
+    out = container.sh(f"export TORCH_EXTENSIONS_DIR={EXTENSIONS}; OMP_NUM_THREADS=1 deepspeed --num_gpus 2 --master_port {free_port()} "
                        "launch/pretrain.py --config configs/pretrain/demo.yaml train.steps=20 2>&1",
                        timeout=900)
 
