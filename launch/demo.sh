@@ -18,9 +18,12 @@ fi
 # A demo starts from scratch each time (a real run dir with a checkpoint would resume instead).
 rm -rf "$PRE" "$FT"
 
-"$DEEPSPEED" --num_gpus "$RANKS" launch/pretrain.py --config configs/pretrain/demo.yaml run.dir="$PRE"
-"$DEEPSPEED" --num_gpus "$RANKS" launch/finetune.py --config configs/finetune/demo.yaml --from "$PRE" --res 64 \
-  run.dir="$FT"
+# A free port each time: DeepSpeed's default 29500 may belong to another job on this machine.
+free_port() { "$PY" -c 'from pipeline.dist import free_port; print(free_port())'; }
+"$DEEPSPEED" --num_gpus "$RANKS" --master_port "$(free_port)" launch/pretrain.py --config configs/pretrain/demo.yaml \
+  run.dir="$PRE"
+"$DEEPSPEED" --num_gpus "$RANKS" --master_port "$(free_port)" launch/finetune.py --config configs/finetune/demo.yaml \
+  --from "$PRE" --res 64 run.dir="$FT"
 
 "$PY" - "$PRE" "$FT" "$start" <<'PYEOF'
 import json, sys, time

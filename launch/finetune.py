@@ -9,7 +9,8 @@
 --from: a pretraining run directory, a .safetensors file, or a timm-format .pth/.bin state dict; without it,
 the newest finished pretraining run under runs/ (printed). Without --config: the paper's recipe (the train
 section of configs/finetune/vit_b16_384.yaml) with the source run's architecture and data set.
-Exit codes as launch/pretrain.py (0 done, 75 preempted, 3 non-finite, 1 data/weights error, 2 config error).
+A restart on the same run.dir keeps the source recorded at its first start. Exit codes as launch/pretrain.py
+(pipeline/train/exit_codes.py).
 """
 
 import sys

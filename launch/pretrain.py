@@ -6,9 +6,9 @@
     python launch/pretrain.py --config configs/pretrain/demo.yaml                         # one process
     python launch/pretrain.py                                                             # the demo config
 
-Starting again with the same run.dir resumes from its latest checkpoint. Exit codes: 0 done,
-75 checkpointed on SIGUSR1/SIGTERM (requeue), 3 stopped on non-finite losses, 1 data/checkpoint error,
-2 config error.
+Starting again with the same run.dir resumes from its newest complete checkpoint. Exit codes
+(pipeline/train/exit_codes.py): 0 done, 75 checkpointed on SIGUSR1/SIGTERM (requeue), 3 stopped on
+non-finite losses, 1 data/checkpoint error, 2 config/usage error. See docs/run-directory.md.
 """
 
 import sys

@@ -17,6 +17,7 @@ Three launchers, one answer (`DistEnv`):
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -53,6 +54,28 @@ class DistEnv:
 
 class DistEnvError(RuntimeError):
     """The launcher's environment is inconsistent; the message names the variable."""
+
+
+class PortInUse(DistEnvError):
+    """Rank 0 cannot listen on MASTER_PORT: another job has it. The message says how to pick another."""
+
+    def __init__(self, env: DistEnv):
+        how = {"torchrun": "start with `deepspeed --master_port PORT ...` (or torchrun --master-port PORT)",
+               "slurm": "export MASTER_PORT=PORT before srun (slurm/*.sh derive it from the job id)",
+               "single": "set MASTER_PORT=PORT"}[env.source]
+        super().__init__(f"port {env.master_port} on {env.master_addr} is taken (another job on this machine?): "
+                         f"{how}, with a free PORT such as {free_port()}")
+
+
+def _port_taken(port: int) -> bool:
+    """Does something listen on `port` here? (Rank 0's process-group store must be able to.)"""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free for the store
+        try:
+            sock.bind(("", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
 
 
 def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -228,12 +251,21 @@ def init_distributed(timeout_s: float = 600) -> DistEnv:
 
     import deepspeed
 
-    deepspeed.init_distributed(
-        dist_backend="nccl" if use_cuda else "gloo",
-        auto_mpi_discovery=False,  # the environment above is the truth; never probe for mpirun
-        timeout=timedelta(seconds=timeout_s),
-        verbose=False,
-    )
+    # Rank 0 hosts the store the others rendezvous at: a taken port would otherwise be a page of
+    # DistNetworkError from every rank. Checked before, and recognised in, the init itself (a race).
+    if env.rank == 0 and env.world_size > 1 and _port_taken(env.master_port):
+        raise PortInUse(env)
+    try:
+        deepspeed.init_distributed(
+            dist_backend="nccl" if use_cuda else "gloo",
+            auto_mpi_discovery=False,  # the environment above is the truth; never probe for mpirun
+            timeout=timedelta(seconds=timeout_s),
+            verbose=False,
+        )
+    except RuntimeError as e:  # torch's DistNetworkError is one
+        if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+            raise PortInUse(env) from None
+        raise
     if not use_cuda:
         _unlink_cpu_allreduce_buffer(env)
     _initialised_env = env

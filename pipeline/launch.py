@@ -10,6 +10,7 @@ Defaults, so that the design card's commands work as typed:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -90,13 +91,54 @@ def finished_pretrain_runs(runs: Path = RUNS) -> list[Path]:
     return sorted(found, key=lambda d: (d / "model.safetensors").stat().st_mtime, reverse=True)
 
 
+def override_value(overrides: list[str], key: str) -> str | None:
+    """The last `key=value` among command-line overrides (None if the key is not overridden)."""
+    found = None
+    for item in overrides:
+        k, sep, v = item.partition("=")
+        if sep and k.strip() == key:
+            found = v.strip()
+    return found
+
+
+def _run_dir_of(args: argparse.Namespace) -> Path | None:
+    """The run directory this command will write, if it can be known before the source is decided."""
+    given = override_value(args.overrides, "run.dir")
+    if given is None and args.config and Path(args.config).is_file():
+        with contextlib.suppress(yaml.YAMLError, AttributeError, OSError):
+            given = ((yaml.safe_load(Path(args.config).read_text()) or {}).get("run") or {}).get("dir")
+    return Path(given) if given else None
+
+
+def recorded_finetune_source(run_dir: Path | None) -> str | None:
+    """The source a fine-tune run recorded at its first start (RUN_DIR/config.yaml's finetune.source)."""
+    if run_dir is None or _run_kind(run_dir) != "finetune":
+        return None
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    return (cfg.get("finetune") or {}).get("source")
+
+
 def resolve_finetune_defaults(args: argparse.Namespace) -> list[str]:
     """Fill in --from and --config when they are missing; return the overrides to apply first.
 
-    Without --config the run is the paper's recipe (the train section of FINETUNE_RECIPE, plus its
-    dropout settings) on the source run's resolved config.yaml: same architecture, data set,
-    DeepSpeed and tracking settings, in run directory runs/<source>-ft<res>. The user's overrides win.
+    A run directory that already holds a fine-tune (a restart, a requeue) keeps the source it recorded
+    at its first start, and its config.yaml is the base config: the newest pretraining run may have
+    changed since. Otherwise, without --from, the newest finished pretraining run under runs/; without
+    --config the run is the paper's recipe (the train section of FINETUNE_RECIPE, plus its dropout
+    settings) on the source run's resolved config.yaml: same architecture, data set, DeepSpeed and
+    tracking settings, in run directory runs/<source>-ft<res>. The user's overrides win.
     """
+    run_dir = _run_dir_of(args)
+    recorded = recorded_finetune_source(run_dir)
+    if recorded is not None:
+        if args.source and Path(args.source).expanduser().resolve() != Path(recorded).resolve():
+            _fail(f"--from {args.source}: {run_dir} is a fine-tune of {recorded} (recorded in {run_dir}/config.yaml "
+                  f"at its first start); drop --from to continue it, or use a new run.dir")
+        args.source = recorded
+        _say(f"--from {recorded}: recorded in {run_dir}/config.yaml at this run's first start")
+        if not args.config:
+            args.config = str(run_dir / "config.yaml")  # the run as it was started; overrides still apply
+        return []
     if not args.source:
         runs = finished_pretrain_runs()
         if not runs:
@@ -145,6 +187,14 @@ def check_data(path: str, config: str) -> None:
           f"python launch/make_shards.py --source {source} --out {path}")
 
 
+def check_variant(cfg) -> None:
+    """An unknown model.variant is a config error: say so before distributed init, with the valid ones."""
+    from pipeline.model.vit import VARIANTS
+
+    if cfg.model.variant not in VARIANTS:
+        _fail(f"model.variant='{cfg.model.variant}' is not a known variant; choose one of: {', '.join(VARIANTS)}")
+
+
 def run(kind: str, args: argparse.Namespace) -> int:
     install_signal_handlers()  # before anything slow (the launch scripts already did; idempotent)
     defaults: list[str] = []
@@ -164,24 +214,32 @@ def run(kind: str, args: argparse.Namespace) -> int:
             res = parse_res(args.res)
             overrides.append(f"model.img_size={res}")
     cfg = load_or_exit(config, overrides)
+    check_variant(cfg)
     check_data(cfg.data.path, config or f"the source run's config ({args.source})")
     # Imported after the config is read: a typo is reported at once, not after DeepSpeed's import.
     from pipeline.data import BadDataError, DataError
+    from pipeline.dist import PortInUse
     from pipeline.model.weights import WeightsError
-    from pipeline.train.trainer import TrainError, fit
+    from pipeline.train.checkpoint import CheckpointError
+    from pipeline.train.exit_codes import ExitCode
+    from pipeline.train.lock import RunDirLocked
+    from pipeline.train.resume import TrainError
+    from pipeline.train.trainer import fit
 
     try:
         if kind == "finetune":
             from pipeline.train.finetune import prepare_finetune
 
-            cfg, prepare = prepare_finetune(cfg)
+            cli_model_keys = {k.partition("=")[0].strip()[len("model."):] for k in args.overrides
+                              if k.strip().startswith("model.")}
+            cfg, prepare = prepare_finetune(cfg, cli_model_keys)
         return fit(cfg, prepare)
-    except ConfigError as e:  # e.g. fine-tuning without --from
+    except (ConfigError, RunDirLocked, PortInUse) as e:  # e.g. fine-tuning without --from
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except (DataError, BadDataError, WeightsError, TrainError, FileNotFoundError) as e:
+        return ExitCode.USAGE
+    except (DataError, BadDataError, WeightsError, TrainError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return ExitCode.ERROR
     finally:
         _shutdown()
 

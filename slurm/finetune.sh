@@ -31,7 +31,8 @@
 #   RUN_DIR default: runs/<job name>-<job id>
 set -euo pipefail
 
-die() { echo "error: $*" >&2; exit 2; }
+USAGE_EXIT_CODE=2  # ExitCode.USAGE (pipeline/train/exit_codes.py), as in slurm/pretrain.sh
+die() { echo "error: $*" >&2; exit "$USAGE_EXIT_CODE"; }
 
 if [[ -z ${SLURM_JOB_ID:-} ]]; then
     die "run this script with sbatch (e.g. 'RES=384 sbatch slurm/finetune.sh'), not directly"
@@ -49,5 +50,6 @@ EXTRA_ARGS="${FROM:+--from $FROM}${RES:+ --res $RES}${EXTRA_ARGS:+ $EXTRA_ARGS}"
 export EXTRA_ARGS
 
 # Everything else (checks, environment, srun, signal forwarding, requeue on exit 75) is shared.
-# A requeued job reruns this script, so FROM and RES stay the same and RUN_DIR resumes.
+# A requeued job reruns this script, so FROM and RES stay the same and RUN_DIR resumes; without FROM,
+# launch/finetune.py takes the source RUN_DIR recorded at the first start (not the newest run again).
 source slurm/pretrain.sh

@@ -13,7 +13,7 @@
 # Preemption and time limits: Slurm sends SIGUSR1 to every task 300 s before the time limit
 # (and `scancel --signal=USR1 <job>` does the same by hand). The trainer checkpoints at the next
 # step boundary and exits with 75; this script then requeues the job, and the requeued job runs
-# the same command on the same RUN_DIR, which resumes from RUN_DIR/checkpoints/latest.
+# the same command on the same RUN_DIR, which resumes from its newest complete checkpoint.
 #
 # ---- defaults: edit here, or override on the command line (sbatch --nodes=4 ...) --------------
 #SBATCH --job-name=vit-pretrain
@@ -45,11 +45,12 @@
 #   EXTRA_ARGS       arguments placed before the overrides (slurm/finetune.sh uses it)
 set -euo pipefail
 
-# The trainer's "checkpointed after SIGUSR1/SIGTERM, please requeue me" exit code:
-# PREEMPTED_EXIT_CODE in pipeline/train/preemption.py (75 = EX_TEMPFAIL).
-PREEMPTED_EXIT_CODE=75
+# The trainer's exit codes this script acts on: ExitCode in pipeline/train/exit_codes.py (a test checks
+# that these agree; docs/run-directory.md lists them all).
+PREEMPTED_EXIT_CODE=75   # ExitCode.PREEMPTED: checkpointed after SIGUSR1/SIGTERM, requeue me
+USAGE_EXIT_CODE=2        # ExitCode.USAGE: a config or command-line error; this script's own errors too
 
-die() { echo "error: $*" >&2; exit 2; }
+die() { echo "error: $*" >&2; exit "$USAGE_EXIT_CODE"; }
 
 if [[ -z ${SLURM_JOB_ID:-} ]]; then
     die "run this script with sbatch (e.g. 'sbatch slurm/pretrain.sh'), not directly"

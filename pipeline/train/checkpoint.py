@@ -1,28 +1,33 @@
-"""DeepSpeed checkpoints with trainer state, an atomic `latest` pointer, retention and weight export.
+"""DeepSpeed checkpoints with trainer state, a completion record per tag, retention and weight export.
 
     RUN_DIR/checkpoints/step_0000400/   DeepSpeed's files (every rank writes its shards), with
         trainer_state.json              what the run is and where it stands (`TrainerState`, JSON, read
                                         before DeepSpeed starts); the data state (once, layout-free)
                                         and every rank's RNG go into DeepSpeed's client state
-    RUN_DIR/checkpoints/latest          one line, "step_0000400"; replaced (rename) only after every
-                                        rank has finished writing that tag
+        complete.json                   written by rank 0 after every rank has written: each file of the
+                                        tag and its size. A tag without it, or whose files differ from
+                                        it, does not exist for resume (`check_tag`)
+    RUN_DIR/checkpoints/latest          one line, "step_0000400", written after complete.json: for people
+                                        and tools; resume never needs it (`latest_tag` scans the tags)
     RUN_DIR/universal/step_0000400/     a tag converted to DeepSpeed's universal format, made on a resume
                                         with another world size or ZeRO stage (outside checkpoints/:
-                                        retention and `latest` never see it; safe to delete)
+                                        retention never sees it; safe to delete)
     RUN_DIR/model.safetensors           consolidated fp32 weights (timm key names), + RUN_DIR/config.yaml
 
-A process killed while saving leaves `latest` on the previous complete checkpoint; the half-written
-tag is ignored on resume and removed by retention later.
+A process killed while saving leaves no complete.json in the tag it was writing: resume skips that tag
+and retention removes it later. Retention never removes a tag newer than the one being saved.
+Which tag a start resumes from, and what it restores, is decided in `pipeline.train.resume`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import random
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,23 +36,36 @@ import torch
 import torch.distributed as dist
 
 from pipeline.model.weights import save_weights
+from pipeline.train import ds_compat
 
-STATE_VERSION = 2  # of trainer_state.json; 1 had no zero_stage (read from its config) and duplicated fields
+STATE_VERSION = 3  # of trainer_state.json
 STATE_FILE = "trainer_state.json"
+COMPLETE_FILE = "complete.json"
+TAG_PREFIX = "step_"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used or written; the message names the file and what to do."""
+
+
+class DiskFull(CheckpointError):
+    """No space left while writing a checkpoint (the previous complete checkpoint is untouched)."""
 
 
 @dataclass
 class TrainerState:
-    """The checkpoint's own state, in one place: RUN_DIR/checkpoints/<tag>/trainer_state.json."""
+    """What a tag is, readable before DeepSpeed starts: RUN_DIR/checkpoints/<tag>/trainer_state.json.
+    Everything else about the run is in `config` (the resolved config this tag was written with)."""
 
     step: int
     world_size: int
-    zero_stage: int
-    model: dict[str, Any]  # the model's shape keys: a checkpoint of another model is refused before loading
-    config: dict[str, Any]  # the resolved config the checkpoint was written with
-    mlflow_run_id: str | None = None
+    model: dict[str, Any]  # the model's resolved constructor arguments (num_classes may come from the data)
+    config: dict[str, Any]
     version: int = STATE_VERSION
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.config["deepspeed"]["zero_stage"])
 
     def write(self, tag_dir: Path) -> None:
         tag_dir.mkdir(parents=True, exist_ok=True)
@@ -56,14 +74,16 @@ class TrainerState:
     @classmethod
     def read(cls, tag_dir: Path) -> TrainerState:
         path = tag_dir / STATE_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: {tag_dir} was not written by this trainer")
-        d = json.loads(path.read_text())
-        if d.get("version", 1) == 1:  # older layout: the stage was only in the saved config
-            d["zero_stage"] = d.get("config", {}).get("deepspeed", {}).get("zero_stage", 1)
-            d["version"] = STATE_VERSION
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        try:
+            d = json.loads(path.read_text())
+            if d.get("version") != STATE_VERSION:
+                raise CheckpointError(f"{path}: trainer state version {d.get('version')}, this trainer reads "
+                                      f"version {STATE_VERSION}")
+            return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing: {tag_dir} was not written by this trainer") from None
+        except (ValueError, KeyError, TypeError) as e:  # truncated or hand-edited JSON
+            raise CheckpointError(f"{path} is not a trainer state ({type(e).__name__}: {e})") from None
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -75,19 +95,60 @@ def universal_dir(run_dir: Path) -> Path:
 
 
 def tag_for(step: int) -> str:
-    return f"step_{step:07d}"
+    return f"{TAG_PREFIX}{step:07d}"
+
+
+def tag_step(tag: str) -> int:
+    return int(tag[len(TAG_PREFIX):])
+
+
+def all_tags(run_dir: Path) -> list[str]:
+    """Every tag folder in RUN_DIR/checkpoints, complete or not, newest first."""
+    root = checkpoint_dir(run_dir)
+    found = [p.name for p in root.glob(f"{TAG_PREFIX}*") if p.is_dir() and p.name[len(TAG_PREFIX):].isdigit()]
+    return sorted(found, key=tag_step, reverse=True)
+
+
+def _tag_files(tag_dir: Path) -> dict[str, int]:
+    return {str(p.relative_to(tag_dir)): p.stat().st_size for p in sorted(tag_dir.rglob("*"))
+            if p.is_file() and p.name != COMPLETE_FILE}
+
+
+def check_tag(tag_dir: Path) -> str | None:
+    """None if tag_dir is complete (complete.json there, every file it lists present with its size);
+    else why not, in a few words."""
+    record = tag_dir / COMPLETE_FILE
+    if not record.is_file():
+        return f"no {COMPLETE_FILE} (its save did not finish)"
+    try:
+        files = json.loads(record.read_text())["files"]
+        assert isinstance(files, dict)
+    except (ValueError, KeyError, AssertionError, OSError) as e:
+        return f"{COMPLETE_FILE} unreadable ({type(e).__name__})"
+    for name, size in files.items():
+        path = tag_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is {path.stat().st_size} bytes, {COMPLETE_FILE} recorded {size}"
+    return None
+
+
+def tag_bytes(tag_dir: Path) -> int:
+    """The size of a complete tag, from its record (0 if unknown)."""
+    try:
+        return sum(json.loads((tag_dir / COMPLETE_FILE).read_text())["files"].values())
+    except (OSError, ValueError, KeyError):
+        return 0
 
 
 def latest_tag(run_dir: Path) -> str | None:
-    """The newest complete checkpoint's tag, or None for a fresh run."""
-    pointer = checkpoint_dir(run_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    tag = pointer.read_text().strip()
-    if not (checkpoint_dir(run_dir) / tag).is_dir():
-        raise FileNotFoundError(f"{pointer} names '{tag}', which does not exist in {checkpoint_dir(run_dir)}: "
-                                f"point it at a tag that exists there, or use a new run.dir")
-    return tag
+    """The newest complete tag in RUN_DIR/checkpoints, or None. Never reads `latest` (a convenience that
+    a sync or a cleanup may have lost); `pipeline.train.resume` also checks that the tag loads."""
+    for tag in all_tags(run_dir):
+        if check_tag(checkpoint_dir(run_dir) / tag) is None:
+            return tag
+    return None
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -96,7 +157,7 @@ def _write_atomic(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    tmp.replace(path)  # rename is atomic on POSIX: readers see the old or the new pointer, never half
+    tmp.replace(path)  # rename is atomic on POSIX: readers see the old or the new file, never half
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)  # make the rename itself durable
@@ -128,131 +189,120 @@ def gather_to_all(obj: Any) -> list[Any]:
     return out
 
 
-def save_checkpoint(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep_last: int,
+def save_checkpoint(engine, run_dir: Path, state: TrainerState, client_state: dict[str, Any], keep_last: int,
                     keep_every: int) -> str:
-    """Collective: every rank writes its shards, then rank 0 moves `latest` and prunes old tags."""
-    tag = tag_for(step)
+    """Collective: every rank writes its shards; after a barrier rank 0 records the tag complete
+    (complete.json), then moves `latest` and prunes older tags. A full disk is `DiskFull` on every rank,
+    and the tag it was writing is removed (the previous complete tag is not touched)."""
+    tag = tag_for(state.step)
     root = checkpoint_dir(run_dir)
-    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    error = None
+    if engine.global_rank == 0 and (root / tag).exists():
+        shutil.rmtree(root / tag)  # an incomplete tag of an earlier attempt: none of its files may remain
     if dist.is_initialized():
-        dist.barrier()  # every rank's files are on disk before the pointer moves
+        dist.barrier()
+    try:
+        if engine.global_rank == 0:
+            state.write(root / tag)
+        engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    except (OSError, RuntimeError) as e:
+        if not _disk_full(e):
+            raise
+        error = f"{type(e).__name__}: {_first_line(e)}"
+    errors = [e for e in gather_to_all(error) if e]  # every rank learns whether any rank ran out of space
+    if errors:
+        raise _disk_full_error(engine, run_dir, tag, errors[0])
+    if dist.is_initialized():
+        dist.barrier()  # every rank's files are on disk before the tag counts as complete
     if engine.global_rank == 0:
-        _write_atomic(root / "latest", tag + "\n")
+        try:
+            _write_atomic(root / tag / COMPLETE_FILE, json.dumps({"tag": tag, "files": _tag_files(root / tag)}))
+            _write_atomic(root / "latest", tag + "\n")
+        except OSError as e:
+            if not _disk_full(e):
+                raise
+            error = f"{type(e).__name__}: {_first_line(e)}"
+    errors = [e for e in gather_to_all(error) if e]
+    if errors:
+        raise _disk_full_error(engine, run_dir, tag, errors[0])
+    if engine.global_rank == 0:
         prune(root, keep_last, keep_every, current=tag)
     if dist.is_initialized():
         dist.barrier()
     return tag
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _disk_full(e: BaseException | None) -> bool:
+    """ENOSPC/EDQUOT, or torch's zip writer failing on a short write ("unexpected pos N vs M")."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(e, RuntimeError) and any(s in str(e) for s in ("unexpected pos", "No space left",
+                                                                     "file write failed")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _disk_full_error(engine, run_dir: Path, tag: str, what: str) -> DiskFull:
+    root = checkpoint_dir(run_dir)
+    if engine.global_rank == 0:
+        shutil.rmtree(root / tag, ignore_errors=True)  # half a tag: give the space back
+    if dist.is_initialized():
+        dist.barrier()
+    previous = latest_tag(run_dir)
+    need = tag_bytes(root / previous) if previous else 0
+    if not need:  # no earlier tag to measure: bf16 weights + fp32 master + two Adam moments, roughly
+        need = sum(p.numel() for p in engine.module.parameters()) * 14
+    free = shutil.disk_usage(root if root.exists() else run_dir).free
+    kept = (f"the previous checkpoint {root / previous} is intact" if previous
+            else "there is no earlier checkpoint")
+    return DiskFull(f"no space left on the device of {root} while writing checkpoint {tag} ({what}): it needs "
+                    f"about {need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free; {kept}. Free space (or set "
+                    f"run.dir elsewhere) and start the same command again.")
+
+
 def prune(root: Path, keep_last: int, keep_every: int, current: str) -> None:
-    """Keep the newest `keep_last` tags, every tag whose step is a multiple of `keep_every`, and `current`."""
-    tags = sorted(p.name for p in root.glob("step_*") if p.is_dir())
-    complete = [t for t in tags if t <= current]
-    keep = set(complete[-max(keep_last, 1):]) | {current}
+    """Keep the newest `keep_last` complete tags up to `current`, every complete tag whose step is a
+    multiple of `keep_every`, and `current`. Never touches a tag newer than `current` (another start
+    may have written it; only an operator removes those)."""
+    older = [t for t in all_tags(root.parent) if tag_step(t) < tag_step(current)]  # newest first
+    complete = [t for t in older if check_tag(root / t) is None]
+    keep = set(complete[:max(keep_last, 1) - 1])
     if keep_every:
-        keep |= {t for t in complete if int(t.split("_")[1]) % keep_every == 0}
-    for t in tags:
+        keep |= {t for t in complete if tag_step(t) % keep_every == 0}
+    for t in older:
         if t not in keep:
             shutil.rmtree(root / t, ignore_errors=True)
     # Universal conversions are only read by the resume that made them; a newer checkpoint supersedes them.
-    for p in universal_dir(root.parent).glob("step_*"):
-        if p.name < current:
+    for p in universal_dir(root.parent).glob(f"{TAG_PREFIX}*"):
+        if p.name[len(TAG_PREFIX):].isdigit() and tag_step(p.name) < tag_step(current):
             shutil.rmtree(p, ignore_errors=True)
 
 
-def load_checkpoint(engine, root: Path, tag: str) -> dict[str, Any]:
-    """Restore model, optimizer and schedule into `engine` from root/tag (a checkpoints/ or universal/
-    folder; the engine was configured for which); return the client state."""
-    path, client = engine.load_checkpoint(str(root), tag=tag, load_module_strict=True,
-                                          load_optimizer_states=True, load_lr_scheduler_states=True)
-    if path is None:
-        raise FileNotFoundError(f"DeepSpeed could not load checkpoint '{tag}' from {root}")
-    if engine.load_universal_checkpoint() and engine.zero_optimization_partition_weights():
-        # DeepSpeed 0.19's ZeRO-3 universal load fills the fp32 master partitions but not the parameters
-        # the forward uses (ZeRO-1/2 get update_lp_params()); without this the first step after the
-        # resume runs on the initial weights.
-        for i in range(len(engine.optimizer.fp32_partitioned_groups_flat)):
-            engine.optimizer._reassign_or_swap_out_partitioned_parameters(i)
-        # It also gives every group's state the same `step` tensor, which torch's Adam increments in place:
-        # with G groups each optimizer step would count G steps (and get Adam's bias correction wrong).
-        for state in engine.optimizer.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-    return client
-
-
 def convert_to_universal(run_dir: Path, tag: str) -> Path:
-    """RUN_DIR/checkpoints/<tag> -> RUN_DIR/universal/<tag> with DeepSpeed's ds_to_universal (one process,
-    CPU; reads every rank's shards). Reused when a complete conversion is already there."""
-    from types import SimpleNamespace
-
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
+    """RUN_DIR/checkpoints/<tag> -> RUN_DIR/universal/<tag> (DeepSpeed's ds_to_universal, through
+    ds_compat). Reused when a complete conversion is already there."""
     out = universal_dir(run_dir) / tag
     done = out / "converted"
     if done.is_file():
         return out
-    shutil.rmtree(out, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # inject_missing_state: our checkpoints carry no Megatron-style tensor-parallel info (there is none).
-    args = SimpleNamespace(input_folder=str(checkpoint_dir(run_dir) / tag), output_folder=str(out),
-                           num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                           inject_missing_state=True)
-    ds_to_universal(args)
-    # An engine looks for its own stage's file name (ZeRO-3: zero_pp_rank_0_mp_rank_00_model_states.pt,
-    # else mp_rank_00_model_states.pt); universal loading reads only metadata from it, so either serves.
-    z3, z12 = out / "zero_pp_rank_0_mp_rank_00_model_states.pt", out / "mp_rank_00_model_states.pt"
-    if z3.is_file() and not z12.is_file():
-        shutil.copy2(z3, z12)
-    elif z12.is_file() and not z3.is_file():
-        shutil.copy2(z12, z3)
-    _bridge_zero_stages(out / "zero")
+    ds_compat.convert_to_universal(checkpoint_dir(run_dir) / tag, out, run_dir)
     shutil.copy2(checkpoint_dir(run_dir) / tag / STATE_FILE, out / STATE_FILE)
     _write_atomic(done, tag + "\n")
     return out
 
 
-def _bridge_zero_stages(zero: Path) -> None:
-    """ds_to_universal writes the optimizer's step (and version) where the source stage's loader reads
-    them; put them where the other stages' loaders read them too, so that ZeRO-1/2 <-> ZeRO-3 works
-    (DeepSpeed 0.19: ZeRO-3 reads optimizer_state.pt's optimizer_state_dict.state[0].step, ZeRO-1/2
-    reads PARAM/step.pt and asserts on optimizer_state.pt's ds_version)."""
-    params = sorted(p for p in zero.iterdir() if p.is_dir())
-    global_state = zero / "optimizer_state.pt"
-    sd = torch.load(global_state, map_location="cpu", weights_only=False)
-    if "optimizer_state_dict" not in sd:  # from ZeRO-1/2
-        step = torch.load(params[0] / "step.pt", map_location="cpu", weights_only=False)
-        sd["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": sd["param_groups"]}
-        torch.save(sd, global_state)
-        return
-    step = sd["optimizer_state_dict"]["state"][0]["step"]  # from ZeRO-3
-    step = step if torch.is_tensor(step) else torch.tensor(float(step))
-    # ZeRO-3 writes each state as a flat tensor; ZeRO-1/2 read {"param": tensor of the real shape}.
-    model_states = torch.load(zero.parent / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu",
-                              weights_only=False)
-    shapes = {name: shape for group in model_states["param_shapes"] for name, shape in group.items()}
-    for p in params:
-        for key in ("fp32", "exp_avg", "exp_avg_sq"):
-            value = torch.load(p / f"{key}.pt", map_location="cpu", weights_only=False)
-            if torch.is_tensor(value):
-                torch.save({"param": value.view(shapes[p.name])}, p / f"{key}.pt")
-    if "ds_version" not in sd:  # ZeRO-1/2's loader asserts on it; ZeRO-3 keeps it elsewhere
-        import deepspeed
-
-        sd["ds_version"] = deepspeed.__version__
-        torch.save(sd, global_state)
-    for p in params:
-        if not (p / "step.pt").is_file():
-            torch.save(step, p / "step.pt")
-
-
 def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     """Consolidated fp32 weights, whatever the ZeRO stage. Collective (ZeRO-3 gathers each parameter)."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
     state = {}
     for name, param in engine.module.named_parameters():
-        full = safe_get_full_fp32_param(param)  # the fp32 master copy, assembled from the partitions
+        full = ds_compat.full_fp32_param(param)  # the fp32 master copy, assembled from the partitions
         state[name] = (full if full is not None else param.detach()).float().cpu()
     return state
 
@@ -266,14 +316,11 @@ def export_weights(engine, path: Path, metadata: dict[str, str] | None = None) -
 
 
 def consolidate(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
-    """fp32 weights from a checkpoint on disk (any ZeRO stage, any world size), without an engine.
+    """fp32 weights from a complete checkpoint on disk (any ZeRO stage, any world size), without an engine.
 
     Reads DeepSpeed's own pickles, which only our trainer wrote into this run directory.
     """
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     tag = tag or latest_tag(run_dir)
     if tag is None:
-        raise FileNotFoundError(f"{checkpoint_dir(run_dir)} has no complete checkpoint (no 'latest')")
-    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
-    return {k: v.float().contiguous() for k, v in state.items()}
+        raise CheckpointError(f"{checkpoint_dir(run_dir)} has no complete checkpoint (no tag with {COMPLETE_FILE})")
+    return ds_compat.consolidate(checkpoint_dir(run_dir), tag)

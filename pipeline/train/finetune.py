@@ -42,11 +42,16 @@ def find_source(source: str) -> Source:
     path = Path(source).expanduser()
     if not path.exists():
         raise WeightsError(f"--from '{source}': no such run directory or weights file")
+    if path.is_file():
+        problem = not_weights(path)
+        if problem:
+            raise ConfigError(f"--from '{source}' is not a weights file: {problem}")
     folder = path if path.is_dir() else path.parent
     config = load_config(folder / "config.yaml") if (folder / "config.yaml").is_file() else None
     if path.is_dir() and not (path / "model.safetensors").is_file() and ckpt.latest_tag(path) is None:
-        raise WeightsError(f"--from '{source}': a directory without model.safetensors or checkpoints/latest")
-    return Source(path, config)
+        raise WeightsError(f"--from '{source}': a directory without model.safetensors or a complete checkpoint "
+                           f"in checkpoints/")
+    return Source(path.resolve(), config)
 
 
 def source_state_dict(src: Source) -> dict[str, torch.Tensor]:
@@ -57,13 +62,28 @@ def source_state_dict(src: Source) -> dict[str, torch.Tensor]:
     return ckpt.consolidate(src.path)  # a run stopped before export: its newest checkpoint
 
 
-def prepare_finetune(cfg: Config) -> tuple[Config, Callable[[nn.Module], dict[str, str]]]:
-    """The fine-tune config with the source's architecture, and the hook that loads the weights."""
+def prepare_finetune(cfg: Config, cli_model_keys: set[str] | frozenset[str] = frozenset()
+                     ) -> tuple[Config, Callable[[nn.Module], dict[str, str]] | None]:
+    """The fine-tune config with the source's architecture, and the hook that loads the weights (None
+    when the run directory holds a checkpoint to resume: it has the weights, and the source may have
+    moved since). `cli_model_keys`: the model.* keys set on the command line; one the source decides
+    is refused unless it agrees."""
     if not cfg.finetune.source:
         raise ConfigError("fine-tuning needs a source: --from RUN_DIR | FILE.safetensors | FILE.pth")
-    src = find_source(cfg.finetune.source)
     model_cfg, source_img_size = cfg.model, cfg.finetune.source_img_size
+    if ckpt.latest_tag(Path(cfg.run.dir)) is not None:  # a restart: the run's first start decided the model
+        recorded = Path(cfg.run.dir) / "config.yaml"
+        arch_from = load_config(recorded) if recorded.is_file() else None
+        if arch_from is not None:
+            _refuse_arch_overrides(cfg, arch_from, cli_model_keys, f"{recorded} (this run's first start)")
+            model_cfg = dataclasses.replace(model_cfg, **{k: getattr(arch_from.model, k) for k in ARCH_KEYS})
+            source_img_size = arch_from.finetune.source_img_size
+        model_cfg = dataclasses.replace(model_cfg, representation_size=None)
+        return dataclasses.replace(cfg, model=model_cfg, finetune=dataclasses.replace(
+            cfg.finetune, source_img_size=source_img_size)), None
+    src = find_source(cfg.finetune.source)
     if src.config is not None:
+        _refuse_arch_overrides(cfg, src.config, cli_model_keys, f"--from {cfg.finetune.source}")
         arch = {k: getattr(src.config.model, k) for k in ARCH_KEYS}
         model_cfg = dataclasses.replace(model_cfg, **arch)
         source_img_size = source_img_size or src.config.model.img_size
@@ -72,6 +92,35 @@ def prepare_finetune(cfg: Config) -> tuple[Config, Callable[[nn.Module], dict[st
     cfg = dataclasses.replace(cfg, model=model_cfg,
                               finetune=FinetuneConfig(source=str(src.path), source_img_size=source_img_size))
     return cfg, lambda model: load_pretrained(model, src, source_img_size)
+
+
+def _refuse_arch_overrides(cfg: Config, source: Config, cli_model_keys, where: str) -> None:
+    """An architecture key given on the command line that the source overrules would be ignored: refuse."""
+    for key in ARCH_KEYS:
+        if key in cli_model_keys and getattr(cfg.model, key) != getattr(source.model, key):
+            raise ConfigError(f"model.{key}={getattr(cfg.model, key)} on the command line: a fine-tune takes its "
+                              f"architecture from {where}, which has model.{key}={getattr(source.model, key)}; "
+                              f"drop the override (or fine-tune from a bare weights file with a --config)")
+
+
+def not_weights(path: Path) -> str | None:
+    """None if `path` starts like a weights file (safetensors, a torch zip, a pickle); else what it is."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":  # torch.save's zip; a legacy pickle
+        return None if path.suffix != ".safetensors" else "it is a torch/pickle file named .safetensors"
+    if len(head) >= 9 and head[8:9] == b"{":  # safetensors: 8-byte little-endian header size, then JSON
+        size = int.from_bytes(head[:8], "little")
+        if 2 <= size <= path.stat().st_size - 8:
+            return None
+    if not head:
+        return "it is empty"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"it starts with bytes {head[:8].hex(' ')}, neither safetensors nor a torch/pickle file"
+    first = text.strip().splitlines()[0][:60] if text.strip() else ""
+    return f"it is a text file ({path.stat().st_size} bytes, first line: {first!r})"
 
 
 def load_pretrained(model: VisionTransformer, src: Source, source_img_size) -> dict[str, str]:

@@ -6,6 +6,18 @@ and before DeepSpeed is imported: a signal during setup (imports, process group,
 fine-tune source) only raises the flag, and the trainer exits 75 at its first safe point instead of
 dying with the default action (which Slurm counts as a failure and does not requeue).
 
+However the job was started, the signal reaches this flag:
+  - to a rank (srun, `kill`): the handler;
+  - to the process group (Ctrl-C aside: `kill -TERM -PGID`, `timeout`, a container runtime): the handler
+    in each rank; DataLoader workers block SIGTERM/SIGUSR1 (`_block_in_forked_child`), else torch's
+    worker handler dies on a SIGTERM not sent by its parent and the rank fails with "DataLoader worker
+    killed by signal" instead of checkpointing;
+  - to torchrun or to DeepSpeed's per-node launcher (deepspeed.launcher.launch): they pass SIGTERM on
+    to the ranks (and give them 30 s before SIGKILL);
+  - to the `deepspeed` runner, which forwards nothing and exits at once: each rank watches the launcher
+    processes above it (`watch_launchers`) and takes the end of any of them for a SIGTERM. So no rank
+    trains on, orphaned, after its launcher is gone.
+
 The handler only sets a flag (nothing else is safe inside a signal handler). `Preemption.should_stop()`
 takes the max of the flag over all ranks so that every rank stops at the same step even if only one
 got the signal. This module imports nothing heavy at the top: installing the handlers takes microseconds.
@@ -13,13 +25,22 @@ got the signal. This module imports nothing heavy at the top: installing the han
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
+import time
 from typing import Any
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "checkpointed, run me again"; slurm/*.sh turns it into a requeue
+PREEMPTED_EXIT_CODE = 75  # ExitCode.PREEMPTED (pipeline.train.exit_codes); slurm/*.sh turns it into a requeue
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# Command-line marks of the processes that start ranks: DeepSpeed's runner and per-node launcher, torchrun.
+LAUNCHER_MARKS = ("deepspeed.launcher", "bin/deepspeed", "torch.distributed.run", "torchrun",
+                  "torch.distributed.launch")
+WATCH_EVERY_S = 1.0
 
 _received: int | None = None  # the first signal seen by this process
+_installed = False
 
 
 def _handle(signum: int, frame: Any) -> None:
@@ -28,10 +49,72 @@ def _handle(signum: int, frame: Any) -> None:
         _received = signum
 
 
+def _block_in_forked_child() -> None:
+    """In a forked child (a DataLoader worker): leave SIGTERM/SIGUSR1 pending instead of dying of them.
+    The rank decides what a signal means; its workers end when it shuts them down or when it dies
+    (torch's worker watchdog)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+
+
 def install_signal_handlers() -> None:
-    """Catch SIGUSR1/SIGTERM from now on (idempotent). Call before anything slow."""
+    """Catch SIGUSR1/SIGTERM from now on, and watch the launchers above this process (idempotent).
+    Call before anything slow."""
+    global _installed
     for sig in SIGNALS:
         signal.signal(sig, _handle)
+    if not _installed:
+        _installed = True
+        os.register_at_fork(after_in_child=_block_in_forked_child)
+        watch_launchers()
+
+
+def _launchers() -> list[tuple[int, float, str]]:
+    """(pid, start time, name) of the launcher processes above this one, nearest first (empty when this
+    process was not started by one: srun, a shell, a test)."""
+    import psutil
+
+    found = []
+    try:
+        proc = psutil.Process(os.getpid()).parent()
+        while proc is not None and proc.pid > 1:
+            cmdline = " ".join(proc.cmdline())
+            if not any(mark in cmdline for mark in LAUNCHER_MARKS):
+                break
+            found.append((proc.pid, proc.create_time(), cmdline.split(" -")[0][-60:]))
+            proc = proc.parent()
+    except psutil.Error:
+        pass  # a parent that ended while we looked: the watch below sees it
+    return found
+
+
+def watch_launchers(every_s: float = WATCH_EVERY_S) -> threading.Thread | None:
+    """A daemon thread that raises the flag (as a SIGTERM would) when a launcher above us ends."""
+    launchers = _launchers()
+    if not launchers:
+        return None
+    import psutil
+
+    def gone(pid: int, started: float) -> bool:
+        try:
+            return psutil.Process(pid).create_time() != started  # a reused pid is another process
+        except psutil.Error:
+            return True
+
+    def watch() -> None:
+        global _received
+        while True:
+            time.sleep(every_s)
+            for pid, started, name in launchers:
+                if gone(pid, started):
+                    if _received is None:
+                        _received = signal.SIGTERM
+                        print(f"preemption: launcher {name} (pid {pid}) has ended: checkpointing at the next "
+                              f"step boundary, then exiting", file=sys.stderr, flush=True)
+                    return
+
+    thread = threading.Thread(target=watch, name="watch-launchers", daemon=True)
+    thread.start()
+    return thread
 
 
 def received() -> int | None:

@@ -1,8 +1,8 @@
 """Training, top to bottom: setup -> (resume) -> step loop with eval, checkpoints, preemption -> export.
 
 Used by launch/pretrain.py and launch/finetune.py alike; fine-tuning only adds a `prepare_model` hook
-that loads the source weights into the freshly built model. Exit codes: 0 done, 75 checkpointed for
-preemption (requeue me), 3 stopped on non-finite losses; config errors exit 2 before we get here.
+that loads the source weights into the freshly built model. Whether to start or resume, and what a
+resume restores in which order, is `pipeline.train.resume`. Exit codes: `pipeline.train.exit_codes`.
 """
 
 from __future__ import annotations
@@ -26,36 +26,14 @@ from pipeline.dist import DistEnv, init_distributed
 from pipeline.model.vit import VisionTransformer, model_flops, model_kwargs_from_config
 from pipeline.tracking import start_tracking
 from pipeline.train import checkpoint as ckpt
+from pipeline.train import resume
+from pipeline.train.exit_codes import ExitCode
 from pipeline.train.metrics import ThroughputMeter, device_peak_flops, topk_correct
-from pipeline.train.optim import (
-    RESUMABLE_HPARAMS,
-    apply_hparams,
-    build_optimizer,
-    build_scheduler,
-    param_groups,
-    peak_group_lr,
-)
-from pipeline.train.preemption import PREEMPTED_EXIT_CODE, Preemption
+from pipeline.train.optim import build_optimizer, build_scheduler, param_groups, peak_group_lr
+from pipeline.train.preemption import Preemption
 
-NONFINITE_EXIT_CODE = 3
 # Agree on preemption every N optimizer steps (an all-reduce of one int; `python launch/bench.py preemption` measures its cost).
 PREEMPTION_CHECK_EVERY = 1
-SHAPE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
-              "num_classes", "representation_size")
-
-
-class TrainError(RuntimeError):
-    """A condition the user must act on (wrong checkpoint, diverged run); the message says what."""
-
-
-@dataclass
-class ResumePlan:
-    """What a restart loads: a tag of RUN_DIR/checkpoints, or its universal conversion (other layout)."""
-
-    tag: str
-    state: ckpt.TrainerState
-    root: Path  # RUN_DIR/checkpoints, or RUN_DIR/universal when the layout changed
-    universal: bool
 
 
 @dataclass
@@ -70,7 +48,7 @@ class Setup:
     tracker: Any
     dtype: torch.dtype
     flops_per_image: float
-    plan: ResumePlan | None
+    plan: resume.ResumePlan | None
 
 
 def log(env: DistEnv, msg: str) -> None:
@@ -102,7 +80,7 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
     if model_kwargs["num_classes"] != info.num_classes:
         raise DataError(f"model.num_classes={model_kwargs['num_classes']} but {cfg.data.path}/dataset.json has "
                         f"{info.num_classes} classes")
-    plan = plan_resume(cfg, env, model_kwargs)  # refuses a wrong checkpoint before DeepSpeed touches it
+    plan = resume.plan(cfg, env, model_kwargs)  # locks run_dir; refuses a wrong checkpoint before DeepSpeed
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -132,135 +110,17 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
                  model_flops(model_kwargs), plan)
 
 
-# ----------------------------------------------------------------------------- resume
-
-
-def plan_resume(cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> ResumePlan | None:
-    """Read RUN_DIR's latest checkpoint state (before DeepSpeed starts) and decide how to load it: as it
-    is on the same layout (bit-exact), through a universal conversion on another world size or ZeRO
-    stage. Refuses, with what to do, what cannot be resumed."""
-    run_dir = Path(cfg.run.dir)
-    tag = ckpt.latest_tag(run_dir)
-    if tag is None:
-        return None
-    tag_dir = ckpt.checkpoint_dir(run_dir) / tag
-    state = ckpt.TrainerState.read(tag_dir)
-    diff = [f"{k}: {state.model.get(k)} (checkpoint) vs {_norm(model_kwargs.get(k))} (config)"
-            for k in SHAPE_KEYS if _norm(state.model.get(k)) != _norm(model_kwargs.get(k))]
-    if diff:
-        raise TrainError(f"{tag_dir} was trained with a different model; refusing to resume: " + "; ".join(diff)
-                         + ". Use a new run.dir or the matching config.")
-    check_resumable_hparams(state, cfg, tag_dir)
-    stage = cfg.deepspeed.zero_stage
-    if state.world_size == env.world_size and state.zero_stage == stage:
-        return ResumePlan(tag, state, ckpt.checkpoint_dir(run_dir), universal=False)
-    if state.zero_stage == 0 and stage == 0:
-        # Without ZeRO every rank holds the whole optimizer state: DeepSpeed loads it on any world size.
-        return ResumePlan(tag, state, ckpt.checkpoint_dir(run_dir), universal=False)
-    if 0 in (state.zero_stage, stage):
-        raise TrainError(f"{tag_dir} was written at ZeRO-{state.zero_stage} on {state.world_size} ranks; this job "
-                         f"runs ZeRO-{stage} on {env.world_size}. DeepSpeed converts between layouts only for ZeRO "
-                         f"1-3: resume with deepspeed.zero_stage={state.zero_stage}, or start a new run.dir.")
-    why = "; ".join(x for x in (
-        f"world size {state.world_size} -> {env.world_size}" if state.world_size != env.world_size else "",
-        f"ZeRO-{state.zero_stage} -> ZeRO-{stage}" if state.zero_stage != stage else "") if x)
-    convert_on_rank0(env, run_dir, tag, state, why)
-    return ResumePlan(tag, state, ckpt.universal_dir(run_dir), universal=True)
-
-
-def convert_on_rank0(env: DistEnv, run_dir: Path, tag: str, state: ckpt.TrainerState, why: str) -> None:
-    """Rank 0 converts the tag to a universal checkpoint; every rank waits and learns whether it worked."""
-    error = None
-    if env.is_main:
-        t0 = time.perf_counter()
-        try:
-            out = ckpt.convert_to_universal(run_dir, tag)
-            log(env, f"resume: layout changed ({why}): converted {ckpt.checkpoint_dir(run_dir) / tag} to a universal "
-                     f"checkpoint in {out} ({time.perf_counter() - t0:.1f} s); model and optimizer state are "
-                     f"re-partitioned from it")
-        except Exception as e:  # DeepSpeed's converter asserts; the user needs one line and a way out
-            error = (f"{ckpt.checkpoint_dir(run_dir) / tag}: could not convert to DeepSpeed's universal format for "
-                     f"the new layout ({why}): {_first_line(e)}. Resume with {state.world_size} ranks and "
-                     f"deepspeed.zero_stage={state.zero_stage}, or start a new run.dir.")
-    if dist.is_initialized():
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error:
-        raise TrainError(error)
-
-
-def check_resumable_hparams(state: ckpt.TrainerState, cfg: Config, tag_dir: Path) -> None:
-    """What a resumed optimizer cannot follow is refused: another optimizer, or layer decay switched on
-    or off (the parameter groups, and so the saved optimizer state, differ)."""
-    saved = state.config.get("train", {})
-    if saved.get("optimizer", cfg.train.optimizer) != cfg.train.optimizer:
-        raise TrainError(f"{tag_dir} was trained with train.optimizer={saved['optimizer']}, the config says "
-                         f"{cfg.train.optimizer}: its optimizer state cannot be carried over. Resume with "
-                         f"train.optimizer={saved['optimizer']} or start a new run.dir.")
-    if (saved.get("layer_decay") is None) != (cfg.train.layer_decay is None):
-        raise TrainError(f"{tag_dir} was trained with train.layer_decay={_yaml(saved.get('layer_decay'))}, the "
-                         f"config says {_yaml(cfg.train.layer_decay)}: switching layer decay on or off changes the parameter "
-                         f"groups of the saved optimizer. Resume with train.layer_decay="
-                         f"{_yaml(saved.get('layer_decay'))} or start a new run.dir.")
-
-
-def changed_hparams(state: ckpt.TrainerState, cfg: Config) -> list[str]:
-    saved, now = state.config.get("train", {}), to_dict(cfg)["train"]
-    return [f"train.{k} {saved.get(k)} -> {now[k]}" for k in RESUMABLE_HPARAMS if _norm(saved.get(k)) != now[k]]
-
-
-def resume(s: Setup, cfg: Config) -> int:
-    """Load the planned checkpoint; return the step to continue from."""
-    plan = s.plan
-    if plan is None:
-        return 0
-    try:
-        client = ckpt.load_checkpoint(s.engine, plan.root, plan.tag)
-    except (RuntimeError, ValueError, LookupError, AssertionError) as e:  # DeepSpeed's, on files it cannot use
-        raise TrainError(f"{plan.root / plan.tag}: DeepSpeed could not load this checkpoint: {_first_line(e)}. "
-                         f"Resume with the layout it was written with ({plan.state.world_size} ranks, ZeRO-"
-                         f"{plan.state.zero_stage}) or start a new run.dir.") from None
-    changed = changed_hparams(plan.state, cfg)
-    if changed or plan.universal:
-        # The checkpoint restored its own lr, weight decay and schedule; the config's values win.
-        apply_hparams(s.optimizer.param_groups, s.groups, s.engine.lr_scheduler, cfg.train, s.model_kwargs["depth"])
-    if changed:
-        log(s.env, "resume: overrides applied to the resumed optimizer and schedule: " + ", ".join(changed))
-    s.train_loader.load_state_dict(client["data"])  # layout-free: continues the epoch on any world size
-    if plan.state.world_size == s.env.world_size:
-        ckpt.set_rng_state(client["rng"][s.env.rank])
-    else:
-        log(s.env, f"note: checkpoint was written by {plan.state.world_size} ranks, this job has "
-                   f"{s.env.world_size}: the same samples follow, but dropout's random draws differ")
-    log(s.env, f"resumed from {ckpt.checkpoint_dir(Path(cfg.run.dir)) / plan.tag} at step {plan.state.step}")
-    return plan.state.step
-
-
-def _norm(v: Any) -> Any:
-    return list(v) if isinstance(v, (tuple, list)) else v
-
-
-def _yaml(v: Any) -> str:
-    return "null" if v is None else str(v)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+# ----------------------------------------------------------------------------- save
 
 
 def save(s: Setup, cfg: Config, step: int) -> str:
     """Collective checkpoint: DeepSpeed state + the data state (once, layout-free) and every rank's RNG
-    (client state) + what the run is and where it stands (trainer_state.json, written by rank 0)."""
+    (client state) + what the tag is (trainer_state.json, written by rank 0)."""
     counters = merge_counters(ckpt.gather_to_all(s.train_loader.counters()))  # bad data of all ranks
     client = {"data": s.train_loader.state_dict(counters), "rng": ckpt.gather_to_all(ckpt.rng_state())}
-    tag = ckpt.tag_for(step)
-    if s.env.is_main:
-        ckpt.TrainerState(step=step, world_size=s.env.world_size, zero_stage=cfg.deepspeed.zero_stage,
-                          model={k: _norm(v) for k, v in s.model_kwargs.items()}, config=to_dict(cfg),
-                          mlflow_run_id=s.tracker.run_id).write(ckpt.checkpoint_dir(Path(cfg.run.dir)) / tag)
-    return ckpt.save_checkpoint(s.engine, Path(cfg.run.dir), step, client, cfg.train.keep_last,
+    state = ckpt.TrainerState(step=step, world_size=s.env.world_size,
+                              model={k: resume.plain(v) for k, v in s.model_kwargs.items()}, config=to_dict(cfg))
+    return ckpt.save_checkpoint(s.engine, Path(cfg.run.dir), state, client, cfg.train.keep_last,
                                 cfg.train.keep_every)
 
 
@@ -355,13 +215,14 @@ def micro_batch_loss(s: Setup, cfg: Config, data, meter: ThroughputMeter, guard:
 def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> int:
     s = setup(cfg, prepare_model)
     env, engine, tc = s.env, s.engine, cfg.train
-    step = resume(s, cfg)
+    step = resume.restore(s.plan, cfg, env, engine, s.optimizer, s.groups, engine.lr_scheduler, s.train_loader,
+                          s.model_kwargs["depth"])
     preemption = Preemption(every=PREEMPTION_CHECK_EVERY)
     if preemption.should_stop():  # first safe point: a signal arrived during setup or the checkpoint load
-        log(env, f"preempted during setup: nothing new to save (step {step}); exiting with {PREEMPTED_EXIT_CODE} "
+        log(env, f"preempted during setup: nothing new to save (step {step}); exiting with {int(ExitCode.PREEMPTED)} "
                  f"to be requeued")
         s.tracker.finish(status=None)
-        return PREEMPTED_EXIT_CODE
+        return ExitCode.PREEMPTED
     accum = s.train_loader.accum  # micro batches per rank per step: train.global_batch_size / layout
     meter = ThroughputMeter(s.flops_per_image, env.world_size, device_peak_flops(tc.peak_flops))
     log(env, f"{cfg.run.kind}: {cfg.model.variant} {s.model_kwargs['img_size']} | world size {env.world_size} | "
@@ -388,7 +249,7 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
             print(f"error: {e}; stopping without saving. Last good checkpoint: {good or 'none'} in "
                   f"{ckpt.checkpoint_dir(Path(cfg.run.dir))}", file=sys.stderr, flush=True)
             s.tracker.finish("FAILED")
-            return NONFINITE_EXIT_CODE
+            return ExitCode.NONFINITE
         step += 1
         # A micro batch skipped for a non-finite loss was replaced by the next one: realign the stream
         # so that every step keeps its own samples and the checkpoint's data position is exact.
@@ -417,9 +278,9 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
         if step < tc.steps and preemption.should_stop(step):
             if last_saved != step:
                 save(s, cfg, step)
-            log(env, f"preempted: checkpoint at step {step} saved; exiting with {PREEMPTED_EXIT_CODE} to be requeued")
+            log(env, f"preempted: checkpoint at step {step} saved; exiting with {int(ExitCode.PREEMPTED)} to be requeued")
             s.tracker.finish(status=None)  # the requeued job continues this MLflow run
-            return PREEMPTED_EXIT_CODE
+            return ExitCode.PREEMPTED
 
     if last_saved != step:
         save(s, cfg, step)

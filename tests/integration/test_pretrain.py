@@ -200,7 +200,7 @@ def test_resume_on_2_ranks_at_zero3_converts_and_matches(shards, tmp_path, preem
     back = tmp_path / "zero2"
     shutil.copytree(run_dir, back)
     (back / "model.safetensors").unlink()
-    (back / "checkpoints" / "latest").write_text("step_0000008\n")
+    shutil.rmtree(back / "checkpoints" / "step_0000012")  # resume picks the newest complete tag: step 8
     diff = resumed_diff(ref, back, fp32(shards, back, 2), "ZeRO-3 -> ZeRO-2")
     print(f"... -> ZeRO-2 x2 from step 8: max |diff| to the uninterrupted run {diff:.3e}")
     assert diff < 1e-5
@@ -229,10 +229,6 @@ def test_resume_errors_are_one_line_and_overrides_are_applied(shards, tmp_path):
 
     refused("deepspeed.zero_stage=0", expect="resume with deepspeed.zero_stage=1")
     refused("train.layer_decay=0.7", expect="Resume with train.layer_decay=null")
-    latest = run_dir / "checkpoints" / "latest"
-    latest.write_text("step_0000099\n")
-    refused(expect="names 'step_0000099', which does not exist")
-    latest.write_text("step_0000002\n")
 
     changed = run("pretrain.py", CONFIG, [*base(shards, run_dir, 1, steps=4), "train.lr=1e-3"], ranks=1)
     assert changed.returncode == 0, changed.stdout[-3000:] + changed.stderr[-3000:]

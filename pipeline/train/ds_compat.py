@@ -1,0 +1,174 @@
+"""Every use of DeepSpeed's private API and on-disk internals, in one place, for the versions tested.
+
+What lives here, and why it cannot use a public API:
+  - `load_checkpoint`: DeepSpeed 0.19's ZeRO-3 universal load leaves the forward's parameters on their
+    initial values and shares one `step` tensor between Adam's groups; we call
+    `optimizer._reassign_or_swap_out_partitioned_parameters` and read `fp32_partitioned_groups_flat`.
+  - `convert_to_universal`: runs `ds_to_universal` and rewrites its output (`_bridge_zero_stages`) so
+    that ZeRO-1/2 and ZeRO-3 each find the optimizer step where their loader looks for it.
+  - `consolidate`, `full_fp32_param`: DeepSpeed's helpers that read its pickles and partitions.
+
+Importing this module checks the DeepSpeed version: another one may move any of the above without a
+word, so it is refused with one line (pyproject.toml accepts the same range). DeepSpeed's own exceptions
+are caught only around DeepSpeed's calls (`DeepSpeedFailed`), never around our bridging code, so a bug of
+ours never reads as "DeepSpeed could not load"; the full traceback goes to a file in the run directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import deepspeed
+import torch
+
+TESTED = ((0, 19, 8), (0, 20, 0))  # [low, high): the range pyproject.toml accepts
+ERRORS_DIR = "errors"  # RUN_DIR/errors/<what>-<time>.txt: DeepSpeed's tracebacks behind a one-line message
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for p in text.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_version(version: str = deepspeed.__version__) -> None:
+    low, high = TESTED
+    if not low <= _version(version) < high:
+        raise ImportError(f"DeepSpeed {version} is not a tested version: pipeline.train.ds_compat uses its "
+                          f"checkpoint internals as of >={'.'.join(map(str, low))},<{'.'.join(map(str, high))}; "
+                          f"install one (pip install -c constraints.txt -e .)")
+
+
+check_version()
+
+
+class DeepSpeedFailed(RuntimeError):
+    """A DeepSpeed call raised. `first_line` is what it said; `traceback_file` holds the whole of it."""
+
+    def __init__(self, what: str, error: BaseException, traceback_file: Path | None):
+        text = str(error).strip()
+        self.first_line = text.splitlines()[0] if text else type(error).__name__
+        self.traceback_file = traceback_file
+        super().__init__(f"{what}: {self.first_line}")
+
+
+def save_traceback(run_dir: Path | None, what: str, error: BaseException) -> Path | None:
+    """Write the whole traceback of `error` beside the one-line message (None if it cannot be written)."""
+    if run_dir is None:
+        return None
+    import time
+
+    try:
+        folder = Path(run_dir) / ERRORS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{what}-{time.strftime('%Y%m%d-%H%M%S')}.txt"
+        path.write_text("".join(traceback.format_exception(type(error), error, error.__traceback__)))
+        return path
+    except OSError:
+        return None  # a full disk must not hide the message itself
+
+
+def _deepspeed_call(what: str, run_dir: Path | None, fn, *args, **kwargs):
+    """fn(*args, **kwargs), a DeepSpeed function; what it raises becomes DeepSpeedFailed (KeyboardInterrupt,
+    SystemExit pass)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - anything DeepSpeed raises on files it cannot use
+        raise DeepSpeedFailed(what, e, save_traceback(run_dir, what, e)) from e
+
+
+def load_checkpoint(engine, root: Path, tag: str, run_dir: Path | None = None) -> dict[str, Any]:
+    """Restore model, optimizer and schedule into `engine` from root/tag (a checkpoints/ or universal/
+    folder; the engine was configured for which); return the client state."""
+    path, client = _deepspeed_call("load", run_dir, engine.load_checkpoint, str(root), tag=tag,
+                                   load_module_strict=True, load_optimizer_states=True,
+                                   load_lr_scheduler_states=True)
+    if path is None:  # DeepSpeed logs a warning and returns None for a tag it does not find
+        raise DeepSpeedFailed("load", FileNotFoundError(f"no checkpoint '{tag}' in {root}"), None)
+    if engine.load_universal_checkpoint() and engine.zero_optimization_partition_weights():
+        # DeepSpeed 0.19's ZeRO-3 universal load fills the fp32 master partitions but not the parameters
+        # the forward uses (ZeRO-1/2 get update_lp_params()); without this the first step after the
+        # resume runs on the initial weights.
+        for i in range(len(engine.optimizer.fp32_partitioned_groups_flat)):
+            engine.optimizer._reassign_or_swap_out_partitioned_parameters(i)
+        # It also gives every group's state the same `step` tensor, which torch's Adam increments in place:
+        # with G groups each optimizer step would count G steps (and get Adam's bias correction wrong).
+        for state in engine.optimizer.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+    return client
+
+
+def convert_to_universal(source: Path, out: Path, run_dir: Path | None = None) -> None:
+    """source (a tag folder) -> out in DeepSpeed's universal format (one process, CPU; reads every rank's
+    shards), made loadable by every ZeRO stage."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # inject_missing_state: our checkpoints carry no Megatron-style tensor-parallel info (there is none).
+    args = SimpleNamespace(input_folder=str(source), output_folder=str(out), num_extract_workers=1,
+                           num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    _deepspeed_call("convert", run_dir, ds_to_universal, args)
+    # An engine looks for its own stage's file name (ZeRO-3: zero_pp_rank_0_mp_rank_00_model_states.pt,
+    # else mp_rank_00_model_states.pt); universal loading reads only metadata from it, so either serves.
+    z3, z12 = out / "zero_pp_rank_0_mp_rank_00_model_states.pt", out / "mp_rank_00_model_states.pt"
+    if z3.is_file() and not z12.is_file():
+        shutil.copy2(z3, z12)
+    elif z12.is_file() and not z3.is_file():
+        shutil.copy2(z12, z3)
+    _bridge_zero_stages(out / "zero")
+
+
+def _bridge_zero_stages(zero: Path) -> None:
+    """ds_to_universal writes the optimizer's step (and version) where the source stage's loader reads
+    them; put them where the other stages' loaders read them too, so that ZeRO-1/2 <-> ZeRO-3 works
+    (DeepSpeed 0.19: ZeRO-3 reads optimizer_state.pt's optimizer_state_dict.state[0].step, ZeRO-1/2
+    reads PARAM/step.pt and asserts on optimizer_state.pt's ds_version)."""
+    params = sorted(p for p in zero.iterdir() if p.is_dir())
+    global_state = zero / "optimizer_state.pt"
+    sd = torch.load(global_state, map_location="cpu", weights_only=False)
+    if "optimizer_state_dict" not in sd:  # from ZeRO-1/2
+        step = torch.load(params[0] / "step.pt", map_location="cpu", weights_only=False)
+        sd["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": sd["param_groups"]}
+        torch.save(sd, global_state)
+        return
+    step = sd["optimizer_state_dict"]["state"][0]["step"]  # from ZeRO-3
+    step = step if torch.is_tensor(step) else torch.tensor(float(step))
+    # ZeRO-3 writes each state as a flat tensor; ZeRO-1/2 read {"param": tensor of the real shape}.
+    model_states = torch.load(zero.parent / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu",
+                              weights_only=False)
+    shapes = {name: shape for group in model_states["param_shapes"] for name, shape in group.items()}
+    for p in params:
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            value = torch.load(p / f"{key}.pt", map_location="cpu", weights_only=False)
+            if torch.is_tensor(value):
+                torch.save({"param": value.view(shapes[p.name])}, p / f"{key}.pt")
+    if "ds_version" not in sd:  # ZeRO-1/2's loader asserts on it; ZeRO-3 keeps it elsewhere
+        sd["ds_version"] = deepspeed.__version__
+        torch.save(sd, global_state)
+    for p in params:
+        if not (p / "step.pt").is_file():
+            torch.save(step, p / "step.pt")
+
+
+def full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 master copy of `param`, assembled from the partitions (collective under ZeRO-3)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return safe_get_full_fp32_param(param)
+
+
+def consolidate(checkpoints: Path, tag: str) -> dict[str, torch.Tensor]:
+    """fp32 weights of checkpoints/tag on disk (any ZeRO stage, any world size), without an engine."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = _deepspeed_call("consolidate", None, get_fp32_state_dict_from_zero_checkpoint, str(checkpoints),
+                            tag=tag)
+    return {k: v.float().contiguous() for k, v in state.items()}

@@ -1,0 +1,75 @@
+"""One writer per run directory: a POSIX record lock on RUN_DIR/lock, held for the life of the job.
+
+    holder = lock_run_dir(run_dir)      # rank 0, before anything is written into run_dir
+
+The lock is `fcntl.lockf` on an open file: the kernel releases it when the process that holds it ends,
+however it ends (SIGKILL, OOM, a node's job step torn down), so a lock left by a dead job never blocks
+its requeue and there is nothing to clean up by hand. The file holds who took it (host, pid, Slurm job
+id, time) so that a second job can say who is writing. A requeue of the same Slurm job may start while
+the previous attempt's processes are still exiting: it waits for them (up to `SAME_JOB_WAIT_S`).
+On NFS the lock goes through the server's lock manager (NFSv4 leases; v3 needs lockd).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+LOCK_FILE = "lock"
+SAME_JOB_WAIT_S = 120.0
+
+_held: dict[str, int] = {}  # run dir -> open file descriptor (closing it would release the lock)
+
+
+class RunDirLocked(RuntimeError):
+    """Another job writes this run directory; the message names it and the holder."""
+
+
+def _me() -> dict[str, object]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _describe(holder: dict) -> str:
+    job = f", Slurm job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
+    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}{job}, since {holder.get('since', '?')}"
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        data = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def lock_run_dir(run_dir: Path) -> dict[str, object]:
+    """Take the run directory's lock for this process (idempotent); RunDirLocked if another job holds it."""
+    run_dir = Path(run_dir)
+    key = str(run_dir.resolve())
+    if key in _held:
+        return _read_holder(_held[key])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    me, deadline = _me(), time.monotonic() + SAME_JOB_WAIT_S
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            holder = _read_holder(fd)
+            same_job = me["slurm_job_id"] is not None and holder.get("slurm_job_id") == me["slurm_job_id"]
+            if not same_job or time.monotonic() > deadline:
+                os.close(fd)
+                raise RunDirLocked(f"{run_dir} is being written by another job ({_describe(holder)}): one job "
+                                   f"per run directory. Wait for it to end, stop it, or use another run.dir "
+                                   f"(the lock is {run_dir / LOCK_FILE}; it goes when its holder exits)") from None
+            time.sleep(1.0)  # our own previous attempt (a requeue) is still exiting
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+    _held[key] = fd
+    return me

@@ -1,0 +1,236 @@
+"""Start or resume a run: what is decided, and what is restored, in this order.
+
+Before DeepSpeed starts (`plan`; rank 0 decides, every rank learns the answer):
+  1. Lock the run directory (rank 0, `pipeline.train.lock`): a second job on it stops here, before it
+     has written anything. A lock left by a dead job is gone with its process: a requeue takes it.
+  2. Find the checkpoint: the newest tag of RUN_DIR/checkpoints that is complete (complete.json written
+     after every rank wrote, each file it lists present at its recorded size) and whose
+     trainer_state.json reads. Each newer tag skipped is named, with why. `latest` is never read.
+  3. No complete tag: a fresh start; but a checkpoints/ folder holding tags none of which is usable is
+     refused (the first save would prune them).
+  4. Refuse a checkpoint of another model (its shape keys) or another optimizer (train.optimizer,
+     layer decay switched on or off): their state cannot be carried over.
+  5. Choose how to load: same world size and ZeRO stage (or ZeRO-0 on both sides) loads the tag as
+     written, bit-exact; otherwise rank 0 converts it to DeepSpeed's universal format and all load that.
+After the engine is built (`restore`, every rank):
+  6. Model, optimizer and schedule from DeepSpeed's files. If DeepSpeed cannot load a tag that passed
+     step 2, its traceback goes to RUN_DIR/errors/ and the next older complete tag of the same layout is
+     tried, named in the log.
+  7. The hyperparameters the config changed (`optim.RESUMABLE_HPARAMS`) replace the checkpoint's, named.
+  8. The data position (layout-free: the same samples follow on any world size).
+  9. Every rank's RNG, on the same world size (on another: the same samples, other dropout draws).
+ 10. The MLflow run: `pipeline.tracking` continues the run named in RUN_DIR/mlflow_run_id.
+A fine-tune's source is decided once, at its first start, and recorded in RUN_DIR/config.yaml; a restart
+reads it from there (`pipeline.launch.recorded_finetune_source`) and, resuming, loads no source weights.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from pipeline.config import Config, to_dict
+from pipeline.dist import DistEnv
+from pipeline.train import checkpoint as ckpt
+from pipeline.train import ds_compat
+from pipeline.train.ds_compat import DeepSpeedFailed
+from pipeline.train.lock import RunDirLocked, lock_run_dir
+from pipeline.train.optim import RESUMABLE_HPARAMS, apply_hparams
+
+SHAPE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
+              "num_classes", "representation_size")
+
+
+class TrainError(RuntimeError):
+    """A condition the user must act on (wrong checkpoint, diverged run); the message says what."""
+
+
+@dataclass
+class ResumePlan:
+    """What a restart loads: a tag of RUN_DIR/checkpoints, or its universal conversion (other layout)."""
+
+    tag: str
+    state: ckpt.TrainerState
+    root: Path  # RUN_DIR/checkpoints, or RUN_DIR/universal when the layout changed
+    universal: bool
+    fallbacks: list[str]  # older complete tags of the same layout, newest first (step 6)
+
+
+def log(env: DistEnv, msg: str) -> None:
+    if env.is_main:
+        print(msg, flush=True)
+
+
+def _on_rank0(env: DistEnv, fn) -> Any:
+    """fn() on rank 0; its result, or the TrainError/RunDirLocked it raised, on every rank."""
+    result: Any = None
+    if env.is_main:
+        try:
+            result = fn()
+        except (TrainError, RunDirLocked) as e:
+            result = e
+    if dist.is_initialized() and env.world_size > 1:
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        result = box[0]
+    if isinstance(result, (TrainError, RunDirLocked)):
+        raise result
+    return result
+
+
+# ----------------------------------------------------------------------------- 1-5: before DeepSpeed
+
+
+def plan(cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> ResumePlan | None:
+    run_dir = Path(cfg.run.dir)
+
+    def lock_and_find() -> tuple[list[str], list[str]]:
+        lock_run_dir(run_dir)  # 1
+        return find_complete(run_dir)  # 2
+
+    usable, skipped = _on_rank0(env, lock_and_find)
+    for line in skipped:
+        log(env, f"resume: skipping {line}")
+    if not usable:  # 3
+        if skipped:
+            raise TrainError(f"{ckpt.checkpoint_dir(run_dir)} holds checkpoints but none is complete ("
+                             + "; ".join(skipped) + "): starting from step 0 here would delete them. Move them "
+                             "away (or restore the missing files) and start again, or use a new run.dir.")
+        return None
+    tag = usable[0]
+    state = ckpt.TrainerState.read(ckpt.checkpoint_dir(run_dir) / tag)
+    check_same_model(state, model_kwargs, ckpt.checkpoint_dir(run_dir) / tag)  # 4
+    check_resumable_hparams(state, cfg, ckpt.checkpoint_dir(run_dir) / tag)
+    same = [t for t in usable[1:] if _layout(ckpt.TrainerState.read(ckpt.checkpoint_dir(run_dir) / t))
+            == _layout(state)]
+    stage = cfg.deepspeed.zero_stage  # 5
+    if (state.world_size == env.world_size and state.zero_stage == stage) or (state.zero_stage == 0 == stage):
+        # Without ZeRO every rank holds the whole optimizer state: DeepSpeed loads it on any world size.
+        return ResumePlan(tag, state, ckpt.checkpoint_dir(run_dir), universal=False, fallbacks=same)
+    if 0 in (state.zero_stage, stage):
+        raise TrainError(f"{ckpt.checkpoint_dir(run_dir) / tag} was written at ZeRO-{state.zero_stage} on "
+                         f"{state.world_size} ranks; this job runs ZeRO-{stage} on {env.world_size}. DeepSpeed "
+                         f"converts between layouts only for ZeRO 1-3: resume with "
+                         f"deepspeed.zero_stage={state.zero_stage}, or start a new run.dir.")
+    why = "; ".join(x for x in (
+        f"world size {state.world_size} -> {env.world_size}" if state.world_size != env.world_size else "",
+        f"ZeRO-{state.zero_stage} -> ZeRO-{stage}" if state.zero_stage != stage else "") if x)
+    _on_rank0(env, lambda: convert(env, run_dir, tag, state, why))
+    return ResumePlan(tag, state, ckpt.universal_dir(run_dir), universal=True, fallbacks=[])
+
+
+def find_complete(run_dir: Path) -> tuple[list[str], list[str]]:
+    """(usable tags newest first, "TAG: why not" for each tag newer than the newest usable one)."""
+    usable, skipped = [], []
+    for tag in ckpt.all_tags(run_dir):
+        tag_dir = ckpt.checkpoint_dir(run_dir) / tag
+        why = ckpt.check_tag(tag_dir)
+        if why is None:
+            try:
+                ckpt.TrainerState.read(tag_dir)
+            except ckpt.CheckpointError as e:
+                why = str(e)
+        if why is None:
+            usable.append(tag)
+        elif not usable:
+            skipped.append(f"{tag_dir}: {why}")
+    return usable, skipped
+
+
+def _layout(state: ckpt.TrainerState) -> tuple[int, int]:
+    return state.world_size, state.zero_stage
+
+
+def check_same_model(state: ckpt.TrainerState, model_kwargs: dict[str, Any], tag_dir: Path) -> None:
+    diff = [f"{k}: {state.model.get(k)} (checkpoint) vs {plain(model_kwargs.get(k))} (config)"
+            for k in SHAPE_KEYS if plain(state.model.get(k)) != plain(model_kwargs.get(k))]
+    if diff:
+        raise TrainError(f"{tag_dir} was trained with a different model; refusing to resume: " + "; ".join(diff)
+                         + ". Use a new run.dir or the matching config.")
+
+
+def check_resumable_hparams(state: ckpt.TrainerState, cfg: Config, tag_dir: Path) -> None:
+    """What a resumed optimizer cannot follow is refused: another optimizer, or layer decay switched on
+    or off (the parameter groups, and so the saved optimizer state, differ)."""
+    saved = state.config["train"]
+    if saved["optimizer"] != cfg.train.optimizer:
+        raise TrainError(f"{tag_dir} was trained with train.optimizer={saved['optimizer']}, the config says "
+                         f"{cfg.train.optimizer}: its optimizer state cannot be carried over. Resume with "
+                         f"train.optimizer={saved['optimizer']} or start a new run.dir.")
+    if (saved["layer_decay"] is None) != (cfg.train.layer_decay is None):
+        raise TrainError(f"{tag_dir} was trained with train.layer_decay={_yaml(saved['layer_decay'])}, the "
+                         f"config says {_yaml(cfg.train.layer_decay)}: switching layer decay on or off changes the "
+                         f"parameter groups of the saved optimizer. Resume with train.layer_decay="
+                         f"{_yaml(saved['layer_decay'])} or start a new run.dir.")
+
+
+def convert(env: DistEnv, run_dir: Path, tag: str, state: ckpt.TrainerState, why: str) -> None:
+    """Rank 0: the tag to a universal checkpoint (DeepSpeed's converter; its traceback to RUN_DIR/errors/)."""
+    t0 = time.perf_counter()
+    try:
+        out = ckpt.convert_to_universal(run_dir, tag)
+    except DeepSpeedFailed as e:
+        raise TrainError(f"{ckpt.checkpoint_dir(run_dir) / tag}: DeepSpeed could not convert it to its universal "
+                         f"format for the new layout ({why}): {e.first_line} (traceback: {e.traceback_file}). "
+                         f"Resume with {state.world_size} ranks and deepspeed.zero_stage={state.zero_stage}, or "
+                         f"start a new run.dir.") from None
+    log(env, f"resume: layout changed ({why}): converted {ckpt.checkpoint_dir(run_dir) / tag} to a universal "
+             f"checkpoint in {out} ({time.perf_counter() - t0:.1f} s); model and optimizer state are "
+             f"re-partitioned from it")
+
+
+# ----------------------------------------------------------------------------- 6-9: into the engine
+
+
+def restore(p: ResumePlan | None, cfg: Config, env: DistEnv, engine, optimizer, groups, scheduler,
+            train_loader, depth: int) -> int:
+    """Load the planned checkpoint into the built engine and loader; return the step to continue from."""
+    if p is None:
+        return 0
+    run_dir = Path(cfg.run.dir)
+    client, state, tag, failure = None, p.state, p.tag, None
+    for tag in [p.tag, *p.fallbacks]:  # 6
+        state = ckpt.TrainerState.read(ckpt.checkpoint_dir(run_dir) / tag) if tag != p.tag else p.state
+        try:
+            client = ds_compat.load_checkpoint(engine, p.root, tag, run_dir)
+            break
+        except DeepSpeedFailed as e:
+            log(env, f"resume: DeepSpeed could not load {p.root / tag}: {e.first_line} (traceback: "
+                     f"{e.traceback_file}); trying an older checkpoint")
+            failure = e
+    if client is None:
+        raise TrainError(f"{p.root / p.tag}: DeepSpeed could not load this checkpoint ({failure.first_line}; "
+                         f"traceback: {failure.traceback_file}), nor an older one of its layout "
+                         f"({state.world_size} ranks, ZeRO-{state.zero_stage}). Start a new run.dir.")
+    changed = changed_hparams(state, cfg)  # 7
+    if changed or p.universal:
+        # The checkpoint restored its own lr, weight decay and schedule; the config's values win.
+        apply_hparams(optimizer.param_groups, groups, scheduler, cfg.train, depth)
+    if changed:
+        log(env, "resume: overrides applied to the resumed optimizer and schedule: " + ", ".join(changed))
+    train_loader.load_state_dict(client["data"])  # 8
+    if state.world_size == env.world_size:  # 9
+        ckpt.set_rng_state(client["rng"][env.rank])
+    else:
+        log(env, f"note: checkpoint was written by {state.world_size} ranks, this job has "
+                 f"{env.world_size}: the same samples follow, but dropout's random draws differ")
+    log(env, f"resumed from {ckpt.checkpoint_dir(run_dir) / tag} at step {state.step}")
+    return state.step
+
+
+def changed_hparams(state: ckpt.TrainerState, cfg: Config) -> list[str]:
+    saved, now = state.config["train"], to_dict(cfg)["train"]
+    return [f"train.{k} {saved.get(k)} -> {now[k]}" for k in RESUMABLE_HPARAMS if plain(saved.get(k)) != now[k]]
+
+
+def plain(v: Any) -> Any:
+    """Tuples as lists: a value as it reads back from JSON."""
+    return list(v) if isinstance(v, (tuple, list)) else v
+
+
+def _yaml(v: Any) -> str:
+    return "null" if v is None else str(v)
