@@ -253,7 +253,9 @@ def init_distributed(timeout_s: float = 600) -> DistEnv:
 
     # Rank 0 hosts the store the others rendezvous at: a taken port would otherwise be a page of
     # DistNetworkError from every rank. Checked before, and recognised in, the init itself (a race).
-    if env.rank == 0 and env.world_size > 1 and _port_taken(env.master_port):
+    # (Under torchrun its agent hosts the store on MASTER_PORT itself: taken, and rightly so.)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if env.rank == 0 and env.world_size > 1 and not agent_store and _port_taken(env.master_port):
         raise PortInUse(env)
     try:
         deepspeed.init_distributed(

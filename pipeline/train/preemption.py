@@ -25,6 +25,7 @@ got the signal. This module imports nothing heavy at the top: installing the han
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -35,7 +36,7 @@ from typing import Any
 PREEMPTED_EXIT_CODE = 75  # ExitCode.PREEMPTED (pipeline.train.exit_codes); slurm/*.sh turns it into a requeue
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 # Command-line marks of the processes that start ranks: DeepSpeed's runner and per-node launcher, torchrun.
-LAUNCHER_MARKS = ("deepspeed.launcher", "bin/deepspeed", "torch.distributed.run", "torchrun",
+LAUNCHER_MARKS = ("deepspeed.launcher", "/deepspeed", "torch.distributed.run", "/torchrun",
                   "torch.distributed.launch")
 WATCH_EVERY_S = 1.0
 
@@ -77,10 +78,14 @@ def _launchers() -> list[tuple[int, float, str]]:
     try:
         proc = psutil.Process(os.getpid()).parent()
         while proc is not None and proc.pid > 1:
-            cmdline = " ".join(proc.cmdline())
-            if not any(mark in cmdline for mark in LAUNCHER_MARKS):
+            argv = proc.cmdline()
+            # A Python process running a launcher (`python .../bin/deepspeed`, `python -m torch.distributed.run`)
+            # or the launcher's own script; not `timeout deepspeed ...` or a shell that names one.
+            head = " ".join(argv[:4])
+            if not argv or not (os.path.basename(argv[0]).startswith(("python", "deepspeed", "torchrun"))
+                                and any(mark in head for mark in LAUNCHER_MARKS)):
                 break
-            found.append((proc.pid, proc.create_time(), cmdline.split(" -")[0][-60:]))
+            found.append((proc.pid, proc.create_time(), head[-80:]))
             proc = proc.parent()
     except psutil.Error:
         pass  # a parent that ended while we looked: the watch below sees it
@@ -96,7 +101,9 @@ def watch_launchers(every_s: float = WATCH_EVERY_S) -> threading.Thread | None:
 
     def gone(pid: int, started: float) -> bool:
         try:
-            return psutil.Process(pid).create_time() != started  # a reused pid is another process
+            proc = psutil.Process(pid)
+            # A reused pid is another process; a zombie has ended (its parent has not reaped it yet).
+            return proc.create_time() != started or proc.status() == psutil.STATUS_ZOMBIE
         except psutil.Error:
             return True
 
@@ -115,6 +122,29 @@ def watch_launchers(every_s: float = WATCH_EVERY_S) -> threading.Thread | None:
     thread = threading.Thread(target=watch, name="watch-launchers", daemon=True)
     thread.start()
     return thread
+
+
+@contextlib.contextmanager
+def exit_at_once_on_signal(what: str, every_s: float = 0.2):
+    """While the block runs (joining the process group: nothing to save yet, and a rank may wait there
+    for peers that are gone), a signal ends the process at once with 75 instead of at the next step.
+    A thread watches the flag: the main thread may be blocked inside C++ (the rendezvous store)."""
+    done = threading.Event()
+
+    def guard() -> None:
+        while not done.wait(every_s):
+            if _received is not None:
+                print(f"preempted while {what}: nothing to save; exiting with {PREEMPTED_EXIT_CODE}",
+                      file=sys.stderr, flush=True)
+                os._exit(PREEMPTED_EXIT_CODE)
+
+    thread = threading.Thread(target=guard, name="exit-on-signal", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def received() -> int | None:

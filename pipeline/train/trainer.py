@@ -30,7 +30,7 @@ from pipeline.train import resume
 from pipeline.train.exit_codes import ExitCode
 from pipeline.train.metrics import ThroughputMeter, device_peak_flops, topk_correct
 from pipeline.train.optim import build_optimizer, build_scheduler, param_groups, peak_group_lr
-from pipeline.train.preemption import Preemption
+from pipeline.train.preemption import Preemption, exit_at_once_on_signal
 
 # Agree on preemption every N optimizer steps (an all-reduce of one int; `python launch/bench.py preemption` measures its cost).
 PREEMPTION_CHECK_EVERY = 1
@@ -73,7 +73,8 @@ def build_model(cfg: Config, model_kwargs: dict[str, Any], ds_config: dict[str, 
 
 
 def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> Setup:
-    env = init_distributed()
+    with exit_at_once_on_signal("joining the process group"):
+        env = init_distributed()
     run_dir = Path(cfg.run.dir)
     info = read_dataset_info(cfg.data.path)
     model_kwargs = model_kwargs_from_config(cfg.model, info.num_classes)

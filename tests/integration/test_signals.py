@@ -92,7 +92,10 @@ def test_sigterm_ends_in_a_checkpoint_and_exit_75_of_every_rank(shards, tmp_path
                     + out[-4000:])
     proc.wait(timeout=60)
     assert signalled.is_set(), out[-3000:]
-    assert "DataLoader worker" not in out and "Traceback" not in out, out[-4000:]
+    assert "DataLoader worker" not in out, out[-4000:]
+    # torchrun answers a signal to itself with a traceback of its own (SignalException); the ranks print none.
+    own = 1 if how == "torchrun" and "SignalException: Process" in out else 0
+    assert out.count("Traceback") == own, out[-4000:]
     assert out.count("preempted: checkpoint at step") == 1, out[-4000:]  # rank 0 says it once
     tag = latest_tag(run_dir)
     assert tag is not None and check_tag(run_dir / "checkpoints" / tag) is None
