@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.config import DataConfig
+from pipeline.train.preemption import block_in_worker
 
 from . import tario
 from .bad import bad_fraction_message, count_bad, merge_counters, new_counters
@@ -103,7 +104,8 @@ class EvalLoader:
         loader = DataLoader(self.stream, batch_size=None, collate_fn=as_is, num_workers=self.num_workers,
                             pin_memory=self.pin_memory,
                             prefetch_factor=self.cfg.prefetch_factor if self.num_workers > 0 else None,
-                            generator=torch.Generator().manual_seed(0))
+                            generator=torch.Generator().manual_seed(0),
+                            worker_init_fn=block_in_worker)  # a SIGTERM to the process group is the rank's
         for item in loader:
             self._worker_counters[item["worker"]] = item["counters"]
             msg = bad_fraction_message(merge_counters(list(self._worker_counters.values())),

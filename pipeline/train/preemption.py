@@ -9,7 +9,7 @@ dying with the default action (which Slurm counts as a failure and does not requ
 However the job was started, the signal reaches this flag:
   - to a rank (srun, `kill`): the handler;
   - to the process group (Ctrl-C aside: `kill -TERM -PGID`, `timeout`, a container runtime): the handler
-    in each rank; DataLoader workers block SIGTERM/SIGUSR1 (`_block_in_forked_child`), else torch's
+    in each rank; DataLoader workers block SIGTERM/SIGUSR1 (`block_in_worker`), else torch's
     worker handler dies on a SIGTERM not sent by its parent and the rank fails with "DataLoader worker
     killed by signal" instead of checkpointing;
   - to torchrun or to DeepSpeed's per-node launcher (deepspeed.launcher.launch): they pass SIGTERM on
@@ -50,10 +50,11 @@ def _handle(signum: int, frame: Any) -> None:
         _received = signum
 
 
-def _block_in_forked_child() -> None:
-    """In a forked child (a DataLoader worker): leave SIGTERM/SIGUSR1 pending instead of dying of them.
-    The rank decides what a signal means; its workers end when it shuts them down or when it dies
-    (torch's worker watchdog)."""
+def block_in_worker(worker_id: int = 0) -> None:
+    """DataLoader `worker_init_fn`: leave SIGTERM/SIGUSR1 pending in the worker instead of dying of them
+    (torch's worker handler exits on a SIGTERM its parent did not send, and the rank then fails with
+    "DataLoader worker killed by signal"). The rank decides what a signal means; its workers end when it
+    shuts them down or dies (torch's worker watchdog)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
 
 
@@ -65,7 +66,6 @@ def install_signal_handlers() -> None:
         signal.signal(sig, _handle)
     if not _installed:
         _installed = True
-        os.register_at_fork(after_in_child=_block_in_forked_child)
         watch_launchers()
 
 
