@@ -40,6 +40,8 @@ class SplitInfo:
     """Samples per shard, in the order of `shards`."""
     shard_bytes: list[int | None] = field(default_factory=list)
     """Size of each shard file when dataset.json was written (None where unknown)."""
+    shard_sha256: list[str | None] = field(default_factory=list)
+    """Digest of each shard's bytes recorded by make_shards (None where unknown: remote shards indexed by others)."""
 
 
 @dataclass
@@ -133,7 +135,7 @@ def _parse_dataset_json(data: dict[str, Any], folder: Path, where_path: Path) ->
         shards_raw = _require(raw, "shards", list, w)
         if not shards_raw:
             raise DataError(f"{w} lists no shards")
-        shards, counts, sizes = [], [], []
+        shards, counts, sizes, digests = [], [], [], []
         for entry in shards_raw:
             if isinstance(entry, str):  # a bare name: count unknown
                 raise DataError(f"{w}: shard entry '{entry}' has no num_samples; re-index with make_shards.py")
@@ -142,11 +144,12 @@ def _parse_dataset_json(data: dict[str, Any], folder: Path, where_path: Path) ->
             shards.append(resolve_shard(folder, str(_require(entry, "name", str, w))))
             counts.append(int(_require(entry, "num_samples", int, w)))
             sizes.append(entry.get("bytes"))
+            digests.append(entry.get("sha256"))
         num_samples = _require(raw, "num_samples", int, w)
         if num_samples != sum(counts):
             raise DataError(f"{w}: num_samples is {num_samples} but its shards hold {sum(counts)} "
                             f"(sum of the shards' num_samples)")
-        splits[name] = SplitInfo(num_samples, shards, counts, sizes)
+        splits[name] = SplitInfo(num_samples, shards, counts, sizes, digests)
     return DatasetInfo(num_classes, class_names, splits, str(data.get("image_format", "jpg")),
                        str(data.get("label_key", "cls")), str(folder))
 

@@ -16,6 +16,7 @@ dataset.json describing shards that are not all there.
 from __future__ import annotations
 
 import glob
+import hashlib
 import io
 import os
 import tarfile
@@ -58,6 +59,13 @@ class ShardRecord:
     name: str
     num_samples: int
     bytes: int
+    sha256: str
+    """Digest of the shard's bytes: the data state's fingerprint covers it (a rewritten shard is refused on resume)."""
+
+
+def file_sha256(path: str | Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class ShardWriter:
@@ -102,7 +110,7 @@ class ShardWriter:
         # The index first: a shard under its name always has its index (a crash leaves at most an index).
         write_index(str(final) + INDEX_SUFFIX, encode_index(self._samples, size))
         os.replace(self._tmp, final)
-        self.records.append(ShardRecord(name, self._count, size))
+        self.records.append(ShardRecord(name, self._count, size, file_sha256(final)))  # just written: page cache
         self._tar = self._file = self._tmp = None
 
     def write(self, key: str, members: dict[str, bytes]) -> None:
@@ -246,7 +254,8 @@ def write_dataset(source: Source, out_dir: str | Path, max_samples_per_shard: in
                 raise DataError(f"split '{split}' of {source.name} has no readable images")
             splits_json[split] = {
                 "num_samples": n,
-                "shards": [{"name": r.name, "num_samples": r.num_samples, "bytes": r.bytes} for r in records],
+                "shards": [{"name": r.name, "num_samples": r.num_samples, "bytes": r.bytes, "sha256": r.sha256}
+                           for r in records],
             }
     image_format = formats.pop() if len(formats) == 1 else (source.image_format if not formats else "mixed")
     write_json_atomic(out / DATASET_JSON, {
@@ -333,6 +342,7 @@ def index_shards(splits: dict[str, str], out_dir: str | Path, label_key: str = "
                 entry: dict[str, Any] = {"name": _relative_to(shard, out), "num_samples": n}
                 if not is_remote(shard):
                     entry["bytes"] = os.stat(shard).st_size
+                    entry["sha256"] = file_sha256(shard)
                 entries.append(entry)
                 bar.update(1)
             splits_json[split] = {"num_samples": sum(e["num_samples"] for e in entries), "shards": entries}

@@ -58,6 +58,7 @@ class TrainStream(IterableDataset):
         super().__init__()
         self.shards, self.counts = list(split.shards), list(split.shard_counts)
         self.shard_bytes = list(split.shard_bytes or [None] * len(self.shards))
+        self.shard_sha256 = list(split.shard_sha256 or [None] * len(self.shards))
         self.order = GlobalOrder(self.counts, seed, micro * accum * world_size, cfg.partitions, cfg.shuffle_span)
         self.cfg, self.img_size, self.seed = cfg, img_size, seed
         self.micro, self.accum, self.rank, self.world_size = micro, accum, rank, world_size
@@ -268,9 +269,12 @@ class TrainLoader:
         s = self.stream
         # Names and counts, not full paths: the same shards mounted elsewhere still resume.
         names = [(sh.rsplit("/", 1)[-1], n) for sh, n in zip(s.shards, s.counts)]
+        # The shards' content (make_shards' digests in dataset.json): the same names over rewritten shards
+        # would be other samples at the same positions.
+        content = hashlib.sha256(repr(s.shard_sha256).encode()).hexdigest()[:16] if any(s.shard_sha256) else None
         return {"seed": s.seed, "global_batch_size": self.global_batch, "partitions": s.order.partitions,
                 "shuffle_span": s.order.span, "num_samples": s.order.n,
-                "shards": hashlib.sha256(repr(names).encode()).hexdigest()[:16]}
+                "shards": hashlib.sha256(repr(names).encode()).hexdigest()[:16], "shard_content": content}
 
     def counters(self) -> dict[str, Any]:
         """This rank's bad-data counters (sum them across ranks with `merge_counters` for the state)."""
@@ -294,6 +298,10 @@ class TrainLoader:
             raise DataError(f"data loader state has version {version}, expected {STATE_VERSION} ({why}: the "
                             f"checkpoint's position means other samples now); use a new run.dir")
         diff = {k: (state.get(k), v) for k, v in self.fingerprint().items() if state.get(k) != v}
+        if list(diff) == ["shard_content"]:
+            raise DataError("cannot continue the data stream: the shards were rewritten since the checkpoint (the "
+                            "sha256 digests in dataset.json differ; same names and counts, other bytes), so its "
+                            "position would mean other samples; restore the shards or use a new run.dir")
         if diff:
             what = ", ".join(f"{k}: {a} (checkpoint) vs {b}" for k, (a, b) in diff.items())
             raise DataError(f"cannot continue the data stream: the order depends on what changed ({what}); "

@@ -281,3 +281,22 @@ def test_eval_batches_equal_timm_per_image_transform(small: Path) -> None:
     got = torch.cat([images[valid] for images, _, valid in build_eval_loader(cfg, 8, 3)])
     assert got.shape == (len(expected), 3, 8, 8)
     torch.testing.assert_close(got, torch.stack(expected), atol=1e-5, rtol=0)
+
+
+def test_shards_rewritten_under_a_run_are_refused_on_resume(tmp_path: Path) -> None:
+    from pipeline.data.shards import file_sha256
+
+    write_dataset(synthetic_source(64, 2, 8, val_fraction=0.0), tmp_path, max_samples_per_shard=16, **QUIET)
+    info = json.loads((tmp_path / "dataset.json").read_text())
+    entry = info["splits"]["train"]["shards"][0]
+    assert entry["sha256"] == file_sha256(tmp_path / entry["name"])
+    cfg = DataConfig(path=str(tmp_path), num_workers=0, cache_dir=str(tmp_path / "cache"))
+    loader = build_train_loader(cfg, 8, 4, seed=0, ids_only=True)
+    next(loader)
+    state = loader.state_dict()
+    build_train_loader(cfg, 8, 4, seed=0, ids_only=True).load_state_dict(state)  # unchanged: fine
+    # the same names and counts, written again from another shuffle: other samples at the same positions
+    write_dataset(synthetic_source(64, 2, 8, val_fraction=0.0, seed=1), tmp_path, max_samples_per_shard=16,
+                  overwrite=True, **QUIET)
+    with pytest.raises(DataError, match=r"the shards were rewritten since the checkpoint \(the sha256 digests"):
+        build_train_loader(cfg, 8, 4, seed=0, ids_only=True).load_state_dict(state)
