@@ -347,6 +347,17 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def accumulation_steps(global_batch: int, world_size: int, micro: int) -> int:
+    """The micro batches per rank that make `global_batch` on `world_size` ranks; ConfigError naming the
+    numbers when the layout cannot make it. The one place the layout arithmetic lives (the train loader
+    calls it too)."""
+    if global_batch % (micro * world_size):
+        raise ConfigError(f"train.global_batch_size={global_batch} is not a multiple of train.micro_batch_size="
+                          f"{micro} x world size {world_size} = {micro * world_size}; pick a micro batch that "
+                          f"divides {global_batch // world_size if global_batch % world_size == 0 else global_batch}")
+    return global_batch // (micro * world_size)
+
+
 def resolve_batch(train: TrainConfig, world_size: int) -> tuple[int, int]:
     """(global batch, accumulation steps) on `world_size` ranks; ConfigError naming the numbers if the
     layout cannot make the global batch."""
@@ -355,11 +366,7 @@ def resolve_batch(train: TrainConfig, world_size: int) -> tuple[int, int]:
         accum = train.grad_accum_steps or 1
         return m * accum * world_size, accum
     g = train.global_batch_size
-    if g % (m * world_size):
-        raise ConfigError(f"train.global_batch_size={g} is not a multiple of train.micro_batch_size={m} x "
-                          f"world size {world_size} = {m * world_size}; pick a micro batch that divides "
-                          f"{g // world_size if g % world_size == 0 else g}")
-    accum = g // (m * world_size)
+    accum = accumulation_steps(g, world_size, m)
     if train.grad_accum_steps is not None and train.grad_accum_steps != accum:
         raise ConfigError(f"train.grad_accum_steps={train.grad_accum_steps} contradicts train.global_batch_size={g} "
                           f"/ (micro_batch_size {m} x world size {world_size}) = {accum}; leave it unset")

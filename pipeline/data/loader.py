@@ -12,14 +12,14 @@ slot when evaluating; past `data.max_bad_fraction` of the samples read (after 10
 
 from __future__ import annotations
 
-from pipeline.config import DataConfig, image_size
+from pipeline.config import DataConfig, accumulation_steps, image_size
 
 from .bad import bad_fraction_message, merge_counters, new_counters
 from .eval import EvalLoader, EvalStream
 from .index import needs_copy
 from .info import DataError, DatasetInfo, read_dataset_info
 from .nodes import node_place
-from .order import GlobalOrder, check_layout
+from .order import GlobalOrder
 from .stream import STATE_VERSION, TrainLoader, TrainStream
 
 __all__ = ["STATE_VERSION", "EvalLoader", "TrainLoader", "bad_fraction_message", "build_eval_loader",
@@ -52,7 +52,7 @@ def build_train_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_s
     if seed < 0:
         raise DataError(f"train.seed must be >= 0, got {seed}")
     global_batch = global_batch_size or batch_size * world_size
-    accum = check_layout(global_batch, world_size, batch_size)
+    accum = accumulation_steps(global_batch, world_size, batch_size)
     info = info or read_dataset_info(cfg.path)
     split = info.split(cfg.train_split)
     if split.num_samples == 0:

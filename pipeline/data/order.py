@@ -221,11 +221,3 @@ def micro_batch_positions(j: int, rank: int, world_size: int, micro: int, accum:
     step, a = divmod(j, accum)
     start = step * micro * accum * world_size + rank * micro * accum + a * micro
     return range(start, start + micro)
-
-
-def check_layout(global_batch: int, world_size: int, micro: int) -> int:
-    """The accumulation steps that make `global_batch` on this layout; ValueError naming the numbers."""
-    if global_batch % (world_size * micro):
-        raise ValueError(f"train.global_batch_size={global_batch} is not a multiple of world size {world_size} "
-                         f"x train.micro_batch_size={micro} = {world_size * micro}")
-    return global_batch // (world_size * micro)

@@ -165,8 +165,8 @@ def test_same_images_per_step_on_another_layout_with_workers(synth: Path) -> Non
 
 
 def test_layout_that_cannot_make_the_global_batch_is_a_one_line_error(synth: Path) -> None:
-    with pytest.raises(ValueError, match=r"global_batch_size=10 is not a multiple of world size 3 x "
-                                         r"train.micro_batch_size=2 = 6"):
+    with pytest.raises(ConfigError, match=r"global_batch_size=10 is not a multiple of train.micro_batch_size=2 x "
+                                          r"world size 3 = 6"):
         build_train_loader(cfg_for(synth), IMG, 2, seed=0, rank=0, world_size=3, global_batch_size=10)
     with pytest.raises(ConfigError, match="global_batch_size=64 is not a multiple of train.micro_batch_size=24"):
         from pipeline.config import resolve_batch
