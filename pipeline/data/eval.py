@@ -21,7 +21,7 @@ from pipeline.config import DataConfig
 from pipeline.train.preemption import block_in_worker
 
 from . import tario
-from .bad import bad_fraction_message, count_bad, merge_counters, new_counters
+from .bad import Counters, merge_counters
 from .index import Indexes
 from .info import BadDataError, SplitInfo
 from .transforms import BatchNormalizer, as_is, empty_batch, eval_transform
@@ -47,10 +47,10 @@ class EvalStream(IterableDataset):
         try:
             img, label = tario.decode(indexes.load(shard, i - int(self.starts[s])), self.label_key, self.num_classes)
         except tario.SampleError as e:
-            count_bad(counters, e.kind, shard, str(e))
-            counters["read"] += 1
+            counters.count_bad(e.kind, shard, str(e))
+            counters.read += 1
             return None, 0
-        counters["read"] += 1
+        counters.read += 1
         return self.transform(img), label
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -58,7 +58,7 @@ class EvalStream(IterableDataset):
         worker = info.id if info is not None else 0
         b0 = worker * self.num_batches // self.workers
         b1 = (worker + 1) * self.num_batches // self.workers
-        B, counters = self.batch_size, new_counters()
+        B, counters = self.batch_size, Counters()
         indexes = Indexes(self.cfg.cache_dir, self.cfg.cache_limit_gb)
         try:
             for b in range(b0, b1):
@@ -108,12 +108,12 @@ class EvalLoader:
                             worker_init_fn=block_in_worker)  # a SIGTERM to the process group is the rank's
         for item in loader:
             self._worker_counters[item["worker"]] = item["counters"]
-            msg = bad_fraction_message(merge_counters(list(self._worker_counters.values())),
-                                       self.cfg.max_bad_fraction, f"rank {self.rank} (eval)")
+            msg = merge_counters(list(self._worker_counters.values())).bad_fraction_message(
+                self.cfg.max_bad_fraction, f"rank {self.rank} (eval)")
             if msg is not None:
                 raise BadDataError(msg)
             yield item["images"], torch.from_numpy(item["targets"]), torch.from_numpy(item["valid"])
 
     def bad_counts(self) -> dict[str, int]:
         """Bad samples by kind in the current (or last) pass."""
-        return dict(sorted(merge_counters(list(self._worker_counters.values()))["bad"].items()))
+        return dict(sorted(merge_counters(list(self._worker_counters.values())).bad.items()))

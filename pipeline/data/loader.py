@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pipeline.config import DataConfig, accumulation_steps, image_size
 
-from .bad import bad_fraction_message, merge_counters, new_counters
+from .bad import Counters, merge_counters
 from .eval import EvalLoader, EvalStream
 from .index import needs_copy
 from .info import DataError, DatasetInfo, read_dataset_info
@@ -22,8 +22,8 @@ from .nodes import node_place
 from .order import GlobalOrder
 from .stream import STATE_VERSION, TrainLoader, TrainStream
 
-__all__ = ["STATE_VERSION", "EvalLoader", "TrainLoader", "bad_fraction_message", "build_eval_loader",
-           "build_train_loader", "merge_counters", "new_counters"]
+__all__ = ["STATE_VERSION", "Counters", "EvalLoader", "TrainLoader", "build_eval_loader", "build_train_loader",
+           "merge_counters"]
 
 
 def _label_key(cfg: DataConfig, info: DatasetInfo) -> str:

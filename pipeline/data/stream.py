@@ -38,7 +38,7 @@ from pipeline.config import DataConfig
 from pipeline.train.preemption import block_in_worker
 
 from . import tario
-from .bad import bad_fraction_message, count_bad, merge_counters, new_counters
+from .bad import Counters
 from .fetch import FetchAhead
 from .gpu_decode import CropDraw, GpuBatchDecoder, open_lazy, pack_batch, replace_bad
 from .index import Indexes, needs_copy
@@ -93,14 +93,14 @@ class TrainStream(IterableDataset):
             return out
         if self._indexes is None:
             self._indexes = Indexes(self.cfg.cache_dir, self.cfg.cache_limit_gb)
-        counters = new_counters()
+        counters = Counters()
         bytes0, index_bytes0 = self._indexes.bytes_read, self._indexes.index_bytes_read
         items: list[Any] = [self._sample(p, sid, counters, restore=not in_worker) for p, sid in zip(positions, ids)]
-        counters["read"] += len(items)
+        counters.read += len(items)
         items = [x if x is not None else self._replacement(p, counters, not in_worker)
                  for p, x in zip(positions, items)]
-        counters["bytes"] = self._indexes.bytes_read - bytes0
-        counters["index_bytes"] = self._indexes.index_bytes_read - index_bytes0
+        counters.bytes = self._indexes.bytes_read - bytes0
+        counters.index_bytes = self._indexes.index_bytes_read - index_bytes0
         targets = torch.tensor([label for _, label in items], dtype=torch.long)
         mix_seed = seed_for(MIXUP, self.seed, positions[0] // self.micro)
         if self.draw is not None:  # raw bytes + boxes; decoded and mixed up by TrainLoader.to_device
@@ -118,16 +118,16 @@ class TrainStream(IterableDataset):
         """The first good sample after a bad `position` among its partition's next draws, augmented as
         `position`'s would have been: a function of the position only, so the same on every layout, and
         read from the same partition, so from the same node's shards."""
-        scratch = new_counters()  # those bad samples are counted at their own positions
+        scratch = Counters()  # those bad samples are counted at their own positions
         p, d = (int(x[0]) for x in self.order.draws(np.asarray([position])))
         for q in range(d + 1, d + 1 + MAX_REPLACEMENT_SEARCH):
             sid = int(self.order.draw_ids(np.asarray([p]), np.asarray([q]))[0])
             item = self._sample(position, sid, scratch, restore)
             if item is not None:
                 return item
-        shard = max(counters["bad_shards"].items(), key=lambda kv: kv[1])[0]
+        shard = max(counters.bad_shards.items(), key=lambda kv: kv[1])[0]
         raise BadDataError(f"no good sample in the {MAX_REPLACEMENT_SEARCH} draws of partition {p} after bad "
-                           f"position {position} (shard '{shard}': {counters['causes'].get(shard, '')})")
+                           f"position {position} (shard '{shard}': {counters.causes.get(shard, '')})")
 
     def _sample(self, position: int, sid: int, counters: dict[str, Any], restore: bool) -> Any:
         """(augmented uint8 tensor, label) of one position, or None (counted) if it is bad."""
@@ -135,7 +135,7 @@ class TrainStream(IterableDataset):
         shard = self.shards[shard_no]
         try:
             raw = self._indexes.load(shard, local)
-            counters["sample_bytes"] += sum(len(b) for b in raw.members.values())
+            counters.sample_bytes += sum(len(b) for b in raw.members.values())
             if self.draw is not None:
                 _, data = tario.image_member(raw)
                 label = tario.parse_label(raw, self.label_key, self.num_classes)
@@ -143,7 +143,7 @@ class TrainStream(IterableDataset):
             else:
                 img, label = tario.decode(raw, self.label_key, self.num_classes)
         except tario.SampleError as e:
-            count_bad(counters, e.kind, shard, str(e))
+            counters.count_bad(e.kind, shard, str(e))
             return None
         with seeded(self.order.augment_seed(position), restore):
             if self.draw is not None:  # same RNG calls as self.transform: the same box and flip
@@ -171,7 +171,7 @@ class TrainLoader:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._j = 0  # micro batches handed out by this rank since position 0
         self._it: Iterator[dict[str, Any]] | None = None
-        self._counters = new_counters()  # this rank's, plus (rank 0) the counts restored from a checkpoint
+        self._counters = Counters()  # this rank's, plus (rank 0) the counts restored from a checkpoint
         self.last_ids: torch.Tensor | None = None
         self.decoder = (GpuBatchDecoder(stream.img_size, cfg.mean, cfg.std, cfg.interpolation)
                         if stream.gpu_decode else None)
@@ -218,9 +218,9 @@ class TrainLoader:
         self._add(item["counters"])
         return item["images"], torch.from_numpy(item["targets"])
 
-    def _add(self, counters: dict[str, Any]) -> None:
-        self._counters = merge_counters([self._counters, counters])
-        msg = bad_fraction_message(self._counters, self.cfg.max_bad_fraction, f"rank {self.stream.rank}")
+    def _add(self, counters: Counters) -> None:
+        self._counters = self._counters + counters
+        msg = self._counters.bad_fraction_message(self.cfg.max_bad_fraction, f"rank {self.stream.rank}")
         if msg is not None:
             self.close()
             raise BadDataError(msg)
@@ -234,10 +234,10 @@ class TrainLoader:
         out, bad = self.decoder(images, device)
         targets = targets.to(device, non_blocking=True)
         if bad:
-            extra = new_counters()
+            extra = Counters()
             shards = images["shards"].tolist()
             for k in bad:
-                count_bad(extra, tario.CORRUPT_IMAGE, self.stream.shards[shards[k]], "decode failed on the device")
+                extra.count_bad(tario.CORRUPT_IMAGE, self.stream.shards[shards[k]], "decode failed on the device")
             replace_bad(out, targets, bad)
             self._add(extra)
         if self.stream.mixup is not None:
@@ -276,18 +276,16 @@ class TrainLoader:
                 "shuffle_span": s.order.span, "num_samples": s.order.n,
                 "shards": hashlib.sha256(repr(names).encode()).hexdigest()[:16], "shard_content": content}
 
-    def counters(self) -> dict[str, Any]:
-        """This rank's bad-data counters (sum them across ranks with `merge_counters` for the state)."""
-        return merge_counters([self._counters])
+    def counters(self) -> Counters:
+        """This rank's bad-data counters (sum them across ranks, `+` or `merge_counters`, for the state)."""
+        return self._counters + Counters()  # a copy
 
-    def state_dict(self, counters: dict[str, Any] | None = None) -> dict[str, Any]:
+    def state_dict(self, counters: Counters | None = None) -> dict[str, Any]:
         """The layout-free state at the last step boundary; `counters`: all ranks' counts, summed."""
         p, n = self.position, self.stream.order.n
-        counters = dict(counters if counters is not None else self.counters())
-        for k in ("bytes", "index_bytes", "sample_bytes"):  # this process's I/O figures, not the run's state
-            counters.pop(k, None)
+        counters = counters if counters is not None else self.counters()
         return {"version": STATE_VERSION, "position": p, "epoch": p // n, "sample_in_epoch": p % n,
-                "counters": counters, **self.fingerprint()}
+                "counters": counters.to_state(), **self.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at `state`'s position, on any layout that makes the same global batch."""
@@ -309,23 +307,23 @@ class TrainLoader:
         self.close()
         self._j = int(state["position"]) // self.global_batch * self.accum
         # Counts are global: rank 0 carries them on, so that their sum over ranks stays right.
-        self._counters = merge_counters([state["counters"]]) if self.stream.rank == 0 else new_counters()
+        self._counters = Counters.from_state(state["counters"]) if self.stream.rank == 0 else Counters()
 
     def bad_counts(self) -> dict[str, int]:
         """Samples replaced, by kind, cumulative for this rank (rank 0: plus those restored)."""
-        return dict(sorted(self._counters["bad"].items()))
+        return dict(sorted(self._counters.bad.items()))
 
     def samples_read(self) -> int:
-        return int(self._counters["read"])
+        return self._counters.read
 
     def bytes_read(self) -> int:
         """Bytes read from shard files by this rank's workers (tar headers and member data)."""
-        return int(self._counters["bytes"])
+        return self._counters.bytes
 
     def index_bytes_read(self) -> int:
         """Bytes read from shard index files by this rank's workers (headers once per shard, a record per sample)."""
-        return int(self._counters["index_bytes"])
+        return self._counters.index_bytes
 
     def read_amplification(self) -> float:
         """Bytes read from the shards per byte of the samples handed out (1.0: nothing read twice)."""
-        return self._counters["bytes"] / max(1, self._counters["sample_bytes"])
+        return self._counters.bytes / max(1, self._counters.sample_bytes)

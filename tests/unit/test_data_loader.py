@@ -256,7 +256,7 @@ def test_resume_reads_and_decodes_only_the_samples_handed_out(synth: Path, monke
     restored.load_state_dict(state)
     assert same(take(restored, 3), expected)
     assert len(decoded) == 12  # only the 3 x 4 images handed out
-    assert restored.counters()["bytes"] <= 1.25 * restored.counters()["sample_bytes"] + 3 * 10 * 1024
+    assert restored.counters().bytes <= 1.25 * restored.counters().sample_bytes + 3 * 10 * 1024
 
 
 def test_pipe_shards_are_cached_locally_once_and_resume_exactly(tmp_path: Path) -> None:
