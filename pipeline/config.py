@@ -59,6 +59,8 @@ class ModelConfig:
     """Width of the paper's tanh pre-logits layer for pretraining; None for a plain linear head."""
     grad_checkpointing: bool = False
     """Recompute each block in backward to save activation memory (about 30% more compute)."""
+    objective: Literal["supervised", "mae"] = "supervised"
+    """What pretraining learns from: 'supervised' (labels, the classifier head) or 'mae' (masked autoencoding of the images alone, labels unused; the `mae` section; docs/mae.md)."""
 
 
 @dataclass
@@ -210,6 +212,26 @@ class TrackingConfig:
 
 
 @dataclass
+class MaeConfig:
+    mask_ratio: float = 0.75
+    """Fraction of each image's patches removed before the encoder (paper: 0.75)."""
+    norm_pix_loss: bool = True
+    """Predict each patch's pixels normalised by that patch's mean and standard deviation (paper: on, +0.5% fine-tuned top-1 with ViT-L)."""
+    decoder_embed_dim: int = 512
+    """Width of the decoder (paper: 512)."""
+    decoder_depth: int = 8
+    """Blocks of the decoder (paper: 8)."""
+    decoder_num_heads: int = 16
+    """Attention heads of the decoder (paper: 16)."""
+    knn_k: int = 20
+    """Evaluation: neighbours voting in the k-NN top-1 on the encoder's features (0 disables the k-NN; only where the validation split has labels)."""
+    knn_train_samples: int = 10000
+    """Evaluation: labelled training samples (the first of the train split) that make the k-NN memory."""
+    recon_images: int = 8
+    """Evaluation: validation images shown masked, reconstructed and original in the MLflow image artifact (0: none)."""
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/default"
     """Run directory: config.yaml, checkpoints/, metrics.jsonl, model.safetensors. An existing checkpoint here resumes."""
@@ -241,6 +263,8 @@ class Config:
     """The run directory."""
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     """Fine-tuning source (ignored by pretraining)."""
+    mae: MaeConfig = field(default_factory=MaeConfig)
+    """Masked autoencoder pretraining (used when model.objective is 'mae')."""
 
 
 def reference_markdown() -> str:
@@ -307,6 +331,13 @@ def validate(cfg: Config, where: str = "config") -> None:
          "'bilinear' or 'bicubic' when data.decode_device is 'cuda'"),
         ("model.drop_rate", 0 <= cfg.model.drop_rate < 1, "in [0, 1)"),
         ("model.drop_path_rate", 0 <= cfg.model.drop_path_rate < 1, "in [0, 1)"),
+        ("mae.mask_ratio", 0 <= cfg.mae.mask_ratio < 1, "in [0, 1)"),
+        ("mae.knn_k", cfg.mae.knn_k >= 0, ">= 0"),
+        ("mae.recon_images", cfg.mae.recon_images >= 0, ">= 0"),
+        ("data.mixup", cfg.model.objective != "mae" or (cfg.data.mixup == 0 and cfg.data.cutmix == 0),
+         "0 with model.objective 'mae' (as data.cutmix: mixing images has no meaning without labels)"),
+        ("model.representation_size", cfg.model.objective != "mae" or cfg.model.representation_size is None,
+         "null with model.objective 'mae' (the encoder has no classifier head)"),
     ]
     for key, ok, expected in checks:
         if not ok:

@@ -74,6 +74,7 @@ class EvalStream(IterableDataset):
                     targets.append(label)
                     valid.append(tensor is not None)
                 yield {"images": images, "targets": np.asarray(targets, dtype=np.int64),  # arrays: see as_is
+                       "ids": np.arange(self.lo + b * B, self.lo + (b + 1) * B, dtype=np.int64),
                        "valid": np.asarray(valid, dtype=bool), "counters": copy.deepcopy(counters),
                        "worker": worker}
         finally:
@@ -88,6 +89,7 @@ class EvalLoader:
         self.num_workers = min(cfg.num_workers, stream.workers if stream.num_batches else 0)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._worker_counters: dict[int, dict[str, Any]] = {}
+        self.last_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.stream.num_batches
@@ -112,6 +114,7 @@ class EvalLoader:
                 self.cfg.max_bad_fraction, f"rank {self.rank} (eval)")
             if msg is not None:
                 raise BadDataError(msg)
+            self.last_ids = torch.from_numpy(item["ids"])  # index in the split of each slot (padding: >= hi)
             yield item["images"], torch.from_numpy(item["targets"]), torch.from_numpy(item["valid"])
 
     def bad_counts(self) -> dict[str, int]:

@@ -102,12 +102,13 @@ def check_cache(order: GlobalOrder, shards: list[str], shard_bytes: list[int | N
 
 def build_eval_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_size: int, rank: int = 0,
                       world_size: int = 1, num_classes: int | None = None,
-                      info: DatasetInfo | None = None) -> EvalLoader:
-    """One exactly-once pass over the validation split, the same number of batches on every rank."""
+                      info: DatasetInfo | None = None, limit: int | None = None) -> EvalLoader:
+    """One exactly-once pass over the validation split, the same number of batches on every rank
+    (`limit`: over its first `limit` samples only)."""
     _check_placement(batch_size, rank, world_size)
     info = info or read_dataset_info(cfg.path)
     split = info.split(cfg.val_split)
-    n = split.num_samples
+    n = split.num_samples if limit is None else min(limit, split.num_samples)
     lo, hi = rank * n // world_size, (rank + 1) * n // world_size
     per_rank = -(-n // world_size)
     num_batches = -(-per_rank // batch_size)

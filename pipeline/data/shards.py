@@ -244,7 +244,9 @@ def write_dataset(source: Source, out_dir: str | Path, max_samples_per_shard: in
                         continue
                     ext, data = result
                     formats.add(ext)
-                    writer.write(f"{n:06d}", {ext: data, "cls": str(item.label).encode()})
+                    # A label-free source (label -1) writes the image alone: MAE needs no label.
+                    label = {"cls": str(item.label).encode()} if item.label >= 0 else {}
+                    writer.write(f"{n:06d}", {ext: data, **label})
                     n += 1
             except BaseException:
                 writer.abort()
@@ -261,7 +263,7 @@ def write_dataset(source: Source, out_dir: str | Path, max_samples_per_shard: in
     write_json_atomic(out / DATASET_JSON, {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "source": source.name,
         "num_classes": len(source.class_names), "class_names": source.class_names,
-        "image_format": image_format, "label_key": "cls", "splits": splits_json,
+        "image_format": image_format, "label_key": "cls" if source.class_names else "", "splits": splits_json,
     })
     seconds = time.perf_counter() - t0
     nbytes = sum(s["bytes"] for sp in splits_json.values() for s in sp["shards"])
@@ -347,9 +349,11 @@ def index_shards(splits: dict[str, str], out_dir: str | Path, label_key: str = "
                 bar.update(1)
             splits_json[split] = {"num_samples": sum(e["num_samples"] for e in entries), "shards": entries}
     if max_label < 0:
-        raise DataError(f"no sample in {', '.join(splits.values())} has an integer label at '{label_key}' "
-                        f"(set --label-key, e.g. json:label)")
-    if unlabelled_total:
+        # Shards of images alone: valid for MAE pretraining (num_classes 0; a supervised run refuses them).
+        log(f"note: no sample has an integer label at '{label_key}': indexed as label-free shards, for "
+            f"model.objective=mae (if the labels are elsewhere, set --label-key, e.g. json:label)")
+        label_key = ""
+    elif unlabelled_total:
         log(f"warning: {unlabelled_total} samples have no image or no integer label at '{label_key}'; "
             f"the loader will skip and count them")
     num_classes = max_label + 1

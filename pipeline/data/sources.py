@@ -146,7 +146,24 @@ def synthetic_source(num_samples: int = 1000, num_classes: int = 10, size: int |
 # image folder ---------------------------------------------------------------
 
 
+def _images_in(folder: Path, label: int) -> list[Item]:
+    items = []
+    for dirpath, _, files in sorted(os.walk(folder, followlinks=True)):
+        for f in sorted(files):
+            if Path(f).suffix.lower() in FOLDER_IMAGE_EXTS and not f.startswith("."):
+                items.append(Item(label, os.path.join(dirpath, f)))
+    return items
+
+
+def _is_label_free(root: Path) -> bool:
+    """Images directly in `root` and no sub-folders: a collection without classes (MAE pretrains on it)."""
+    entries = [e for e in root.iterdir() if not e.name.startswith(".")]
+    return not any(e.is_dir() for e in entries) and any(e.suffix.lower() in FOLDER_IMAGE_EXTS for e in entries)
+
+
 def _scan_class_folders(root: Path, class_names: list[str] | None = None) -> tuple[list[str], list[Item]]:
+    if class_names == [] or (class_names is None and _is_label_free(root)):
+        return [], _images_in(root, -1)  # label -1: written without a .cls member
     found = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     classes = class_names if class_names is not None else found
     if not classes:
@@ -156,13 +173,8 @@ def _scan_class_folders(root: Path, class_names: list[str] | None = None) -> tup
         raise DataError(f"'{root}' has class folders not in the training classes: {', '.join(unknown[:5])}")
     items = []
     for label, name in enumerate(classes):
-        folder = root / name
-        if not folder.is_dir():
-            continue
-        for dirpath, _, files in sorted(os.walk(folder, followlinks=True)):
-            for f in sorted(files):
-                if Path(f).suffix.lower() in FOLDER_IMAGE_EXTS and not f.startswith("."):
-                    items.append(Item(label, os.path.join(dirpath, f)))
+        if (root / name).is_dir():
+            items += _images_in(root / name, label)
     return classes, items
 
 

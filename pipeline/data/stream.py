@@ -173,6 +173,7 @@ class TrainLoader:
         self._it: Iterator[dict[str, Any]] | None = None
         self._counters = Counters()  # this rank's, plus (rank 0) the counts restored from a checkpoint
         self.last_ids: torch.Tensor | None = None
+        self.last_positions: range | None = None
         self.decoder = (GpuBatchDecoder(stream.img_size, cfg.mean, cfg.std, cfg.interpolation)
                         if stream.gpu_decode else None)
 
@@ -213,6 +214,7 @@ class TrainLoader:
         if self.fetcher is not None and self._j % self.accum == 0:
             self.fetcher.advance(self._j // self.accum)
         self.last_ids = torch.from_numpy(item["ids"])
+        self.last_positions = self.stream.positions(item["j"])  # global positions of this micro batch (MAE's masks)
         if self.stream.ids_only:
             return self.last_ids, self.last_ids
         self._add(item["counters"])

@@ -132,7 +132,10 @@ def decode_image(data: bytes) -> Image.Image:
 
 
 def parse_label(sample: RawSample, label_key: str, num_classes: int | None = None) -> int:
-    """The integer label at `label_key`: a member ('cls', 'txt') or 'json' / 'json:FIELD'."""
+    """The integer label at `label_key`: a member ('cls', 'txt') or 'json' / 'json:FIELD'; '' reads no
+    label and gives -1 (label-free shards, and MAE, which uses none)."""
+    if not label_key:
+        return -1
     ext, _, json_field = label_key.partition(":")
     if ext == "json" and not json_field:
         json_field = "label"

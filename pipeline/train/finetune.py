@@ -88,7 +88,8 @@ def prepare_finetune(cfg: Config, cli_model_keys: set[str] | frozenset[str] = fr
         model_cfg = dataclasses.replace(model_cfg, **arch)
         source_img_size = source_img_size or src.config.model.img_size
     # The paper replaces the pretraining head (and its tanh pre-logits) with one zero-initialised Linear.
-    model_cfg = dataclasses.replace(model_cfg, representation_size=None)
+    # An MAE source fine-tunes its encoder as a supervised ViT (its decoder is not loaded).
+    model_cfg = dataclasses.replace(model_cfg, representation_size=None, objective="supervised")
     cfg = dataclasses.replace(cfg, model=model_cfg,
                               finetune=FinetuneConfig(source=str(src.path), source_img_size=source_img_size))
     return cfg, lambda model: load_pretrained(model, src, source_img_size)

@@ -7,6 +7,7 @@ resume restores in which order, is `pipeline.train.resume`. Exit codes: `pipelin
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -23,10 +24,11 @@ from torch import nn
 from pipeline.config import Config, deepspeed_config, resolve_batch, save_config, to_dict
 from pipeline.data import DataError, build_eval_loader, build_train_loader, merge_counters, read_dataset_info
 from pipeline.dist import DistEnv, init_distributed
+from pipeline.model.mae import MaskedAutoencoderViT, mae_flops
 from pipeline.model.vit import VisionTransformer, model_flops, model_kwargs_from_config
 from pipeline.tracking import start_tracking
 from pipeline.train import checkpoint as ckpt
-from pipeline.train import resume
+from pipeline.train import mae, resume
 from pipeline.train.exit_codes import ExitCode
 from pipeline.train.metrics import ThroughputMeter, device_peak_flops, topk_correct
 from pipeline.train.optim import build_optimizer, build_scheduler, param_groups, peak_group_lr
@@ -49,6 +51,8 @@ class Setup:
     dtype: torch.dtype
     flops_per_image: float
     plan: resume.ResumePlan | None
+    is_mae: bool = False  # model.objective: mae (pipeline/train/mae.py)
+    knn_loader: Any = None  # MAE's k-NN memory: a labelled subset of train, visited like the eval split
 
 
 def log(env: DistEnv, msg: str) -> None:
@@ -62,12 +66,13 @@ def log(env: DistEnv, msg: str) -> None:
 def build_model(cfg: Config, model_kwargs: dict[str, Any], ds_config: dict[str, Any]) -> VisionTransformer:
     # Same seed on every rank: identical initial weights without a broadcast (ZeRO-3 broadcasts rank 0's).
     torch.manual_seed(cfg.train.seed)
+    model_class = MaskedAutoencoderViT if cfg.model.objective == "mae" else VisionTransformer
     if cfg.deepspeed.zero_stage == 3:
         # Parameters are partitioned as they are created: a model larger than one device still builds.
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
-            model = VisionTransformer(**model_kwargs)
+            model = model_class(**model_kwargs)
     else:
-        model = VisionTransformer(**model_kwargs)
+        model = model_class(**model_kwargs)
     model.set_grad_checkpointing(cfg.model.grad_checkpointing)
     return model
 
@@ -77,8 +82,12 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
         env = init_distributed()
     run_dir = Path(cfg.run.dir)
     info = read_dataset_info(cfg.data.path)
-    model_kwargs = model_kwargs_from_config(cfg.model, info.num_classes)
-    if model_kwargs["num_classes"] != info.num_classes:
+    is_mae = cfg.model.objective == "mae"
+    if not is_mae and info.num_classes == 0:
+        raise DataError(f"{cfg.data.path}: the shards have no labels (dataset.json: num_classes 0); supervised "
+                        f"training needs them: pretrain on them with model.objective=mae, or write labelled shards")
+    model_kwargs = mae.mae_model_kwargs(cfg) if is_mae else model_kwargs_from_config(cfg.model, info.num_classes)
+    if not is_mae and model_kwargs["num_classes"] != info.num_classes:
         raise DataError(f"model.num_classes={model_kwargs['num_classes']} but {cfg.data.path}/dataset.json has "
                         f"{info.num_classes} classes")
     plan = resume.plan(cfg, env, model_kwargs)  # locks run_dir; refuses a wrong checkpoint before DeepSpeed
@@ -100,15 +109,27 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
 
     img_size = model_kwargs["img_size"]
     # The loader hands out micro batches; loader.accum of them (DeepSpeed's accumulation) make a step.
-    train_loader = build_train_loader(cfg.data, img_size, cfg.train.micro_batch_size, seed=cfg.train.seed,
+    # MAE reads no labels: label-free shards train, and a labelled set's labels are not needed.
+    train_data = mae.label_free(cfg.data) if is_mae else cfg.data
+    train_loader = build_train_loader(train_data, img_size, cfg.train.micro_batch_size, seed=cfg.train.seed,
                                       rank=env.rank, world_size=env.world_size, info=info,
                                       global_batch_size=resolve_batch(cfg.train, env.world_size)[0])
-    eval_loader = build_eval_loader(cfg.data, img_size, cfg.train.eval_batch_size or cfg.train.micro_batch_size,
-                                    rank=env.rank, world_size=env.world_size, info=info)
+    eval_batch = cfg.train.eval_batch_size or cfg.train.micro_batch_size
+    labelled = info.num_classes > 0
+    eval_data = mae.label_free(cfg.data) if is_mae and not labelled else cfg.data
+    eval_loader = build_eval_loader(eval_data, img_size, eval_batch, rank=env.rank, world_size=env.world_size,
+                                    info=info)
+    knn_loader = None
+    if is_mae and labelled and cfg.mae.knn_k > 0:
+        # The k-NN memory: the first mae.knn_train_samples of the train split, eval transform, labels read.
+        knn_loader = build_eval_loader(dataclasses.replace(cfg.data, val_split=cfg.data.train_split), img_size,
+                                       eval_batch, rank=env.rank, world_size=env.world_size, info=info,
+                                       limit=cfg.mae.knn_train_samples)
     tracker = start_tracking(cfg, run_dir, env.is_main, env.world_size, tags=tags)
     dtype = torch.bfloat16 if cfg.deepspeed.bf16 else torch.float32
+    flops = mae_flops(model_kwargs, cfg.mae.mask_ratio) if is_mae else model_flops(model_kwargs)
     return Setup(env, engine, optimizer, groups, model_kwargs, train_loader, eval_loader, tracker, dtype,
-                 model_flops(model_kwargs), plan)
+                 flops, plan, is_mae, knn_loader)
 
 
 # ----------------------------------------------------------------------------- save
@@ -207,7 +228,12 @@ def micro_batch_loss(s: Setup, cfg: Config, data, meter: ThroughputMeter, guard:
         images, targets = next(data)
         wait = time.perf_counter() - t0
         images, targets = s.train_loader.to_device(images, targets, s.engine.device, s.dtype)  # data.decode_device
-        loss = loss_fn(s.engine(images).float(), targets, cfg.data.label_smoothing)
+        if s.is_mae:
+            # The mask of each sample is a function of its global position: the same on any layout.
+            noise = mae.train_noise(cfg.train.seed, s.train_loader.last_positions, s.engine.module.patch_embed.num_patches)
+            loss = s.engine(images, mask_ratio=cfg.mae.mask_ratio, noise=noise.to(s.engine.device))[0].float()
+        else:
+            loss = loss_fn(s.engine(images).float(), targets, cfg.data.label_smoothing)
         meter.add(images.shape[0], wait)
         if guard is None or guard.finite(s.env, loss, step):
             return loss
@@ -266,7 +292,16 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
             micro_count = 0
             s.tracker.log_metrics(metrics, step)
             _print_log(env, bar, _format(step, tc.steps, metrics))
-        if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+        if s.is_mae and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps):
+            metrics, image = mae.evaluate_mae(engine, s.eval_loader, s.knn_loader, cfg, s.dtype,
+                                              Path(cfg.run.dir) if env.is_main else None, step)
+            s.tracker.log_metrics(metrics, step)
+            if image is not None:
+                s.tracker.log_artifact(image, "reconstructions")
+            knn = f" | k-NN top-1 {100 * metrics['eval/knn_top1']:.2f}%" if "eval/knn_top1" in metrics else ""
+            _print_log(env, bar, f"eval step {step} | reconstruction loss {metrics['eval/recon_loss']:.4f}{knn}")
+            meter.reset()
+        elif (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
             metrics = evaluate(s)
             s.tracker.log_metrics(metrics, step)
             _print_log(env, bar, f"eval step {step} | loss {metrics['eval/loss']:.4f} | "

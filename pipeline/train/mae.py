@@ -1,0 +1,194 @@
+"""What MAE pretraining adds to the trainer: the model from the config, each sample's mask from its
+position in the global order, and the MAE evaluation (reconstruction loss, reconstructions as an image,
+k-NN top-1 of the encoder's features where the validation split has labels).
+
+Masks are drawn like augmentations (pipeline/data/order.py): the noise that decides which patches of the
+sample at global position p are kept is a function of (train.seed, p) only, so step t masks the same
+patches on 1 GPU or 64, with any micro batch, and after a resume. Validation masks are a function of
+(train.seed, the sample's index in the split): every evaluation of a run scores the same patches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pipeline.config import Config, DataConfig
+from pipeline.data.order import MASK, MASK_EVAL
+from pipeline.model.mae import MaskedAutoencoderViT, mae_kwargs
+
+# k-NN vote (Wu et al. 2018, as DINO evaluates): neighbours weighted by exp(cosine similarity / T).
+KNN_TEMPERATURE = 0.07
+
+
+def mae_model_kwargs(cfg: Config) -> dict[str, Any]:
+    """`MaskedAutoencoderViT` arguments from model.* (the encoder, as for a supervised ViT) and mae.*."""
+    m, mae = cfg.model, cfg.mae
+    img = m.img_size if isinstance(m.img_size, int) else (int(m.img_size[0]), int(m.img_size[1]))
+    return mae_kwargs(m.variant, img_size=img, patch_size=m.patch_size, embed_dim=m.embed_dim, depth=m.depth,
+                      num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, qkv_bias=m.qkv_bias,
+                      drop_path_rate=m.drop_path_rate, decoder_embed_dim=mae.decoder_embed_dim,
+                      decoder_depth=mae.decoder_depth, decoder_num_heads=mae.decoder_num_heads,
+                      norm_pix_loss=mae.norm_pix_loss)
+
+
+def label_free(data: DataConfig) -> DataConfig:
+    """The data config MAE trains with: labels are not read (label-free shards are valid; a labelled data
+    set's labels are unused, and a sample without one is not counted as bad)."""
+    return dataclasses.replace(data, label_key="")
+
+
+def mask_noise(namespace: int, seed: int, positions, num_patches: int) -> torch.Tensor:
+    """(len(positions), num_patches) float64 uniform noise, row i a function of (namespace, seed,
+    positions[i]) only. float64: ties among 196 float32 draws happen about once per thousand images, and
+    argsort breaks ties differently on different devices."""
+    rows = [np.random.Generator(np.random.PCG64(np.random.SeedSequence([namespace, seed, int(p)])))
+            .random(num_patches) for p in positions]
+    return torch.from_numpy(np.stack(rows))
+
+
+def train_noise(seed: int, positions, num_patches: int) -> torch.Tensor:
+    """The noise of the training samples at these global positions (the mask: the smallest 25% kept)."""
+    return mask_noise(MASK, seed, positions, num_patches)
+
+
+def eval_noise(seed: int, indices, num_patches: int) -> torch.Tensor:
+    """The noise of validation samples by their index in the split."""
+    return mask_noise(MASK_EVAL, seed, indices, num_patches)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def _unwrap(engine) -> MaskedAutoencoderViT:
+    return engine.module if hasattr(engine, "module") else engine
+
+
+@torch.no_grad()
+def evaluate_mae(engine, eval_loader, knn_loader, cfg: Config, dtype: torch.dtype, run_dir: Path | None,
+                 step: int) -> tuple[dict[str, float], Path | None]:
+    """Reconstruction loss over the validation split (each image's masked patches, fixed masks), the
+    reconstructions of its first `mae.recon_images` images as a PNG (rank 0 writes it; returned), and the
+    k-NN top-1 of the encoder's average-pooled features when `knn_loader` (a labelled train subset) is
+    given and the validation split has labels. Every rank runs the same number of forwards (ZeRO-3)."""
+    engine.eval()
+    model = _unwrap(engine)
+    device, n_patches = engine.device, model.patch_embed.num_patches
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # sum of per-image losses, images
+    shown: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    val_feats, val_labels = [], []
+    for images, targets, valid in eval_loader:
+        ids = eval_loader.last_ids
+        images = images.to(device, dtype, non_blocking=True)
+        noise = eval_noise(cfg.train.seed, ids.tolist(), n_patches).to(device)
+        _, pred, mask = engine(images, mask_ratio=cfg.mae.mask_ratio, noise=noise)
+        # Per image, as the official loss per batch: mean over its removed patches.
+        per_patch = ((pred.float() - model.target(images)) ** 2).mean(-1)
+        per_image = (per_patch * mask).sum(1) / mask.sum(1).clamp(min=1)
+        v = valid.to(device, torch.float64)
+        totals += torch.stack([(per_image.double() * v).sum(), v.sum()])
+        for k, i in enumerate(ids.tolist()):
+            if i < cfg.mae.recon_images and bool(valid[k]):
+                shown[i] = (images[k].float().cpu(), pred[k].float().cpu(), mask[k].cpu())
+        if knn_loader is not None:
+            val_feats.append(_features(engine, images))
+            val_labels.append(torch.where(valid.to(device), targets.to(device), -1))
+    metrics: dict[str, float] = {}
+    if knn_loader is not None:
+        mem_feats, mem_labels = [], []
+        for images, targets, valid in knn_loader:
+            mem_feats.append(_features(engine, images.to(device, dtype, non_blocking=True)))
+            mem_labels.append(torch.where(valid.to(device), targets.to(device), -1))
+        metrics.update(knn_top1(torch.cat(val_feats), torch.cat(val_labels), torch.cat(mem_feats),
+                                torch.cat(mem_labels), cfg.mae.knn_k))
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    engine.train()
+    metrics["eval/recon_loss"] = totals[0].item() / max(totals[1].item(), 1.0)
+    metrics["eval/samples"] = totals[1].item()
+    image = None
+    if shown and run_dir is not None:
+        image = save_reconstructions(model, [shown[i] for i in sorted(shown)], cfg.data,
+                                     run_dir / "reconstructions" / f"step{step:08d}.png")
+    return metrics, image
+
+
+def _features(engine, images: torch.Tensor) -> torch.Tensor:
+    """The encoder on the whole image, its patch tokens averaged and L2-normalised (what fine-tuning's
+    global pool sees): (N, D) float32."""
+    tokens = engine(images, encode_only=True)
+    return F.normalize(tokens[:, 1:].float().mean(1), dim=-1)
+
+
+def knn_top1(val_feats: torch.Tensor, val_labels: torch.Tensor, mem_feats: torch.Tensor, mem_labels: torch.Tensor,
+             k: int) -> dict[str, float]:
+    """Weighted k-NN top-1 over all ranks: the memory is gathered to every rank, each rank scores its own
+    validation samples, the hits are summed. Labels -1 mark padding and bad samples (excluded)."""
+    if dist.is_initialized():
+        mem_feats, mem_labels = _all_gather(mem_feats), _all_gather(mem_labels)
+    keep = mem_labels >= 0
+    mem_feats, mem_labels = mem_feats[keep], mem_labels[keep]
+    hits = torch.zeros(2, dtype=torch.float64, device=val_feats.device)
+    if len(mem_labels):
+        classes = int(mem_labels.max().item()) + 1
+        classes = max(classes, int(val_labels.max().item()) + 1)
+        sims, idx = (val_feats @ mem_feats.T).topk(min(k, len(mem_labels)), dim=1)
+        votes = torch.zeros(len(val_feats), classes, device=val_feats.device)
+        votes.scatter_add_(1, mem_labels[idx], (sims / KNN_TEMPERATURE).exp())
+        real = val_labels >= 0
+        hits += torch.stack([(votes.argmax(1) == val_labels)[real].sum().double(), real.sum().double()])
+    else:
+        hits[1] = (val_labels >= 0).sum()
+    if dist.is_initialized():
+        dist.all_reduce(hits)
+    return {"eval/knn_top1": hits[0].item() / max(hits[1].item(), 1.0)}
+
+
+def _all_gather(t: torch.Tensor) -> torch.Tensor:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.cat(out)
+
+
+def save_reconstructions(model: MaskedAutoencoderViT, shown: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                         data: DataConfig, path: Path) -> Path:
+    """One PNG, a row per image: the masked input (removed patches grey), the reconstruction (predicted
+    patches with the visible ones pasted back, as the paper's figures) and the original."""
+    from PIL import Image
+
+    rows = []
+    for image, pred, mask in shown:
+        img = image.unsqueeze(0)
+        if model.norm_pix_loss:  # the prediction is in per-patch normalised units: undo with the true patch's
+            patches = model.patchify(img)
+            mean, var = patches.mean(-1, keepdim=True), patches.var(-1, keepdim=True)
+            pred = pred.unsqueeze(0) * (var + 1e-6) ** 0.5 + mean
+        else:
+            pred = pred.unsqueeze(0)
+        removed = mask.view(1, -1, 1)
+        pasted = model.unpatchify(model.patchify(img) * (1 - removed) + pred * removed)
+        masked = model.unpatchify(model.patchify(img) * (1 - removed))
+        grey = model.unpatchify(removed.expand_as(pred).float()) > 0  # removed pixels
+        rows.append(torch.cat([_to_unit(masked, data, grey), _to_unit(pasted, data), _to_unit(img, data)], dim=3))
+    grid = torch.cat(rows, dim=2)[0]  # (3, rows x H, 3 x W)
+    pixels = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    small = Image.fromarray(pixels)
+    scale = max(1, 256 // max(1, shown[0][0].shape[-1]))  # tiny digits: enlarge to be seen
+    small.resize((small.width * scale, small.height * scale), Image.NEAREST).save(path)
+    return path
+
+
+def _to_unit(x: torch.Tensor, data: DataConfig, grey: torch.Tensor | None = None) -> torch.Tensor:
+    mean = torch.tensor(data.mean).view(1, 3, 1, 1)
+    std = torch.tensor(data.std).view(1, 3, 1, 1)
+    out = x * std + mean
+    if grey is not None:
+        out = torch.where(grey, torch.full_like(out, 0.5), out)
+    return out

@@ -1,0 +1,129 @@
+"""MAE pretraining around the model: the config, each sample's mask from its global position (the same on
+any layout and after a resume), label-free shards, the k-NN vote."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pipeline.config import ConfigError, DataConfig, load_config
+from pipeline.data import build_train_loader, read_dataset_info
+from pipeline.data.shards import index_shards, synthetic_source, write_dataset
+from pipeline.data.sources import folder_source
+from pipeline.train.mae import eval_noise, knn_top1, mae_model_kwargs, train_noise
+
+
+def test_config_selects_the_objective_and_builds_the_papers_decoder():
+    cfg = load_config("configs/pretrain/mae_demo.yaml")
+    assert cfg.model.objective == "mae" and cfg.mae.mask_ratio == 0.75
+    kwargs = mae_model_kwargs(load_config(None, ["model.objective=mae", "model.variant=vit_l16"]))
+    assert (kwargs["embed_dim"], kwargs["depth"], kwargs["decoder_embed_dim"], kwargs["decoder_depth"],
+            kwargs["decoder_num_heads"], kwargs["norm_pix_loss"]) == (1024, 24, 512, 8, 16, True)
+    with pytest.raises(ConfigError, match="unknown key 'mae.mask'"):
+        load_config(None, ["mae.mask=0.5"])
+    with pytest.raises(ConfigError, match="'mae.mask_ratio' must be in \\[0, 1\\)"):
+        load_config(None, ["mae.mask_ratio=1.0"])
+    with pytest.raises(ConfigError, match="'data.mixup' must be 0 with model.objective 'mae'"):
+        load_config(None, ["model.objective=mae", "data.cutmix=1.0"])
+    with pytest.raises(ConfigError, match="model.objective"):
+        load_config(None, ["model.objective=byol"])
+
+
+@pytest.mark.parametrize("recipe", ["mae_vit_b16", "mae_vit_l16"])
+def test_paper_recipes_load(recipe):
+    cfg = load_config(f"configs/pretrain/{recipe}.yaml")
+    assert cfg.model.objective == "mae" and cfg.train.betas == (0.9, 0.95) and cfg.train.weight_decay == 0.05
+    assert cfg.data.scale == (0.2, 1.0) and cfg.mae.norm_pix_loss
+    # base lr 1.5e-4 x batch / 256
+    assert cfg.train.lr == pytest.approx(1.5e-4 * cfg.train.global_batch_size / 256)
+
+
+def test_noise_is_a_function_of_seed_and_position_only():
+    a = train_noise(0, [5, 6, 7], 196)
+    assert a.shape == (3, 196) and a.dtype == torch.float64
+    assert torch.equal(a[1:], train_noise(0, [6, 7], 196))  # the same row whatever comes with it
+    assert not torch.equal(a, train_noise(1, [5, 6, 7], 196))  # the seed matters
+    assert not torch.equal(train_noise(0, [5], 196), eval_noise(0, [5], 196))  # its own stream
+    assert len(set(a[0].tolist())) == 196  # no ties to break
+
+
+def id_shards(folder: Path, n: int = 48) -> DataConfig:
+    write_dataset(synthetic_source(n, 4, 8), folder, max_samples_per_shard=10, progress=False, log=lambda s: None)
+    return DataConfig(path=str(folder), num_workers=0, shuffle_span=16)
+
+
+def masks_by_sample(cfg: DataConfig, world: int, micro: int, steps: int, G: int, start_step: int = 0):
+    """{step: {sample id: noise row}} over all ranks of a layout, as the trainer draws them."""
+    out: dict[int, dict[int, tuple]] = {}
+    for rank in range(world):
+        loader = build_train_loader(cfg, 8, micro, seed=3, rank=rank, world_size=world, global_batch_size=G,
+                                    ids_only=True)
+        if start_step:
+            loader.load_state_dict({**loader.state_dict(), "position": start_step * G})
+        for step in range(start_step, steps):
+            for _ in range(loader.accum):
+                ids, _ = next(loader)
+                noise = train_noise(3, loader.last_positions, 4)
+                for sid, row in zip(ids.tolist(), noise):
+                    out.setdefault(step, {})[sid] = tuple(row.tolist())
+    return out
+
+
+def test_a_samples_mask_is_the_same_on_1_and_2_ranks_and_after_a_resume(tmp_path):
+    cfg = id_shards(tmp_path)
+    G = 8
+    one = masks_by_sample(cfg, 1, 4, 5, G)  # 1 rank, 2 micro batches per step
+    two = masks_by_sample(cfg, 2, 4, 5, G)  # 2 ranks, 1 each
+    assert one == two
+    assert all(len(one[s]) == G for s in one)
+    resumed = masks_by_sample(cfg, 2, 2, 5, G, start_step=3)  # resumed at step 3 on another micro batch
+    assert {s: one[s] for s in (3, 4)} == resumed
+    assert one[0] != one[1]
+
+
+def png_bytes(seed: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_folder_without_classes_writes_label_free_shards(tmp_path):
+    images = tmp_path / "photos"
+    images.mkdir()
+    for i in range(20):
+        (images / f"img{i:02d}.png").write_bytes(png_bytes(i))
+    out = tmp_path / "shards"
+    write_dataset(folder_source(str(images), val_fraction=0.2), out, progress=False, log=lambda s: None)
+    info = read_dataset_info(out)
+    assert info.num_classes == 0 and info.class_names == [] and info.label_key == ""
+    assert info.splits["train"].num_samples == 16 and info.splits["val"].num_samples == 4
+    with tarfile.open(info.splits["train"].shards[0]) as tar:
+        names = tar.getnames()
+    assert names and all(n.endswith(".png") for n in names)  # no .cls member
+    # Shards written by others without labels index as label-free too.
+    reindexed = tmp_path / "indexed"
+    lines = []
+    index_shards({"train": f"{out}/train-*.tar"}, reindexed, progress=False, log=lines.append)
+    assert read_dataset_info(reindexed).num_classes == 0
+    assert any("label-free" in line for line in lines)
+    # And MAE's train stream reads them (labels come back as -1).
+    loader = build_train_loader(DataConfig(path=str(out), num_workers=0, label_key=""), 8, 4, seed=0)
+    images_batch, targets = next(loader)
+    assert images_batch.shape == (4, 3, 8, 8) and targets.tolist() == [-1] * 4
+    assert not loader.bad_counts()
+
+
+def test_knn_vote_by_hand():
+    mem = torch.nn.functional.normalize(torch.tensor([[1.0, 0], [0.9, 0.1], [0, 1.0], [0.1, 0.9], [0, 1]]), dim=1)
+    mem_labels = torch.tensor([0, 0, 1, 1, -1])  # the last is padding: ignored
+    val = torch.nn.functional.normalize(torch.tensor([[1.0, 0.05], [0.05, 1.0], [0.7, 0.7]]), dim=1)
+    # k=2: the first votes 0, the second 1 (the third, label -1, is padding and not scored)
+    assert knn_top1(val, torch.tensor([0, 1, -1]), mem, mem_labels, k=2)["eval/knn_top1"] == 1.0
+    assert knn_top1(val, torch.tensor([1, 1, -1]), mem, mem_labels, k=2)["eval/knn_top1"] == 0.5
+    assert knn_top1(val, torch.tensor([1, 0, -1]), mem, mem_labels, k=2)["eval/knn_top1"] == 0.0
