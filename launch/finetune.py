@@ -24,8 +24,7 @@ from pipeline.train.preemption import install_signal_handlers  # noqa: E402
 
 install_signal_handlers()
 
-from pipeline.launch import parse_args, run  # noqa: E402
+from pipeline.commands import finetune  # noqa: E402
 
 if __name__ == "__main__":
-    args = parse_args("finetune", sys.argv[1:])
-    sys.exit(run("finetune", args))
+    sys.exit(finetune(sys.argv[1:]))

@@ -22,8 +22,7 @@ from pipeline.train.preemption import install_signal_handlers  # noqa: E402
 
 install_signal_handlers()
 
-from pipeline.launch import parse_args, run  # noqa: E402
+from pipeline.commands import pretrain  # noqa: E402
 
 if __name__ == "__main__":
-    args = parse_args("pretrain", sys.argv[1:])
-    sys.exit(run("pretrain", args))
+    sys.exit(pretrain(sys.argv[1:]))

@@ -299,6 +299,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
+def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...], where: str = "command line") -> Config:
+    """`cfg` with `key=value` overrides applied, checked as strictly as a loaded file (a config built
+    as data, e.g. the fine-tune recipe on a source run's config, then the user's overrides)."""
+    tree = to_dict(cfg)
+    for text in overrides:
+        key, value = parse_override(text)
+        set_dotted(tree, key, value)
+    cfg = from_tree(Config, tree, where)
+    validate(cfg, where)
+    return cfg
+
+
 def validate(cfg: Config, where: str = "config") -> None:
     """Value checks the types cannot express; each names the key and the allowed range."""
     checks = [

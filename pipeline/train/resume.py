@@ -21,7 +21,7 @@ After the engine is built (`restore`, every rank):
   9. Every rank's RNG, on the same world size (on another: the same samples, other dropout draws).
  10. The MLflow run: `pipeline.tracking` continues the run named in RUN_DIR/mlflow_run_id.
 A fine-tune's source is decided once, at its first start, and recorded in RUN_DIR/config.yaml; a restart
-reads it from there (`pipeline.launch.recorded_finetune_source`) and, resuming, loads no source weights.
+reads it from there (`pipeline.commands.recorded_finetune_source`) and, resuming, loads no source weights.
 """
 
 from __future__ import annotations

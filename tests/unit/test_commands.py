@@ -1,4 +1,4 @@
-"""pipeline/launch.py's defaults: `launch/finetune.py --res 384` with no --from and no --config."""
+"""pipeline/commands.py's defaults: `launch/finetune.py --res 384` with no --from and no --config."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline.commands import check_data, finetune_config, finished_pretrain_runs, parse_finetune_args
 from pipeline.config import Config, load_config, save_config
-from pipeline.launch import check_data, finished_pretrain_runs, parse_args, resolve_finetune_defaults
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,16 +39,20 @@ def test_newest_finished_pretraining_run_is_the_default_source(tmp_path, capsys)
     make_run(tmp_path, "newer-finetune", kind="finetune")
     make_run(tmp_path, "new", age_s=10)
     assert [r.name for r in finished_pretrain_runs()] == ["new", "old"]
-    args = parse_args("finetune", ["--res", "64", "--config", "configs/finetune/demo.yaml"])
-    assert resolve_finetune_defaults(args) == []  # --config given: only --from is filled in
-    assert Path(args.source) == Path("runs/new")
+    (tmp_path / "configs" / "finetune").mkdir(parents=True)
+    (tmp_path / "configs" / "finetune" / "demo.yaml").write_text((REPO / "configs/finetune/demo.yaml").read_text())
+    args = parse_finetune_args(["--res", "64", "--config", "configs/finetune/demo.yaml"])
+    cfg, where = finetune_config(args)  # --config given: only --from is filled in
+    assert Path(args.source) == Path("runs/new") and cfg.finetune.source == "runs/new"
+    assert where == "configs/finetune/demo.yaml" and cfg.train == load_config(REPO / "configs/finetune/demo.yaml").train
+    assert cfg.run.kind == "finetune" and cfg.model.img_size == 64
     out = capsys.readouterr().out
     assert "--from runs/new: the newest finished pretraining run" in out and "runs/old" in out
 
 
 def test_nothing_to_start_from_is_one_line(capsys):
     with pytest.raises(SystemExit) as stop:
-        resolve_finetune_defaults(parse_args("finetune", ["--res", "384"]))
+        finetune_config(parse_finetune_args(["--res", "384"]))
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pass --from" in err
@@ -56,9 +60,8 @@ def test_nothing_to_start_from_is_one_line(capsys):
 
 def test_without_config_the_paper_recipe_on_the_source_architecture_and_data(tmp_path):
     source = make_run(tmp_path, "demo")
-    args = parse_args("finetune", ["--res", "64", "train.steps=7"])
-    defaults = resolve_finetune_defaults(args)
-    cfg = load_config(None, [*defaults, *args.overrides, "run.kind=finetune", "model.img_size=64"])
+    args = parse_finetune_args(["--res", "64", "train.steps=7"])
+    cfg, _ = finetune_config(args)  # built as data: the recipe's train section on the source's config
     recipe = yaml.safe_load((REPO / "configs/finetune/vit_b16_384.yaml").read_text())["train"]
     src = load_config(source / "config.yaml")
     assert (cfg.model.embed_dim, cfg.model.depth, cfg.model.patch_size) == (96, 4, 4)   # the source's
@@ -68,7 +71,31 @@ def test_without_config_the_paper_recipe_on_the_source_architecture_and_data(tmp
     assert cfg.train.steps == 7                                                          # overrides win
     assert cfg.tracking.experiment == src.tracking.experiment
     assert cfg.run.dir == "runs/demo-ft64" and cfg.model.img_size == 64
+    assert (cfg.run.kind, Path(cfg.finetune.source)) == ("finetune", Path("runs/demo"))
     assert isinstance(cfg, Config)
+
+
+def test_a_wrong_override_on_the_recipe_is_one_line(tmp_path, capsys):
+    make_run(tmp_path, "demo")
+    with pytest.raises(SystemExit) as stop:
+        finetune_config(parse_finetune_args(["--res", "64", "train.lrr=1"]))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown key 'train.lrr'" in err
+
+
+def test_a_restart_keeps_the_source_recorded_at_the_first_start(tmp_path, capsys):
+    first = make_run(tmp_path, "first", age_s=100)
+    ft_dir = tmp_path / "runs" / "ft"
+    ft_dir.mkdir()
+    cfg = load_config(REPO / "configs/finetune/demo.yaml", ["run.kind=finetune", f"finetune.source={first}",
+                                                             "run.dir=runs/ft"])
+    save_config(cfg, ft_dir / "config.yaml")
+    make_run(tmp_path, "newer")  # finished since: it must not become the restarted run's source
+    args = parse_finetune_args(["--res", "64", "run.dir=runs/ft"])
+    cfg, where = finetune_config(args)
+    assert cfg.finetune.source == str(first) and where == "runs/ft/config.yaml"
+    assert "recorded in runs/ft/config.yaml" in capsys.readouterr().out
 
 
 def test_missing_shards_name_the_command(capsys):

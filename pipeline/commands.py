@@ -1,0 +1,280 @@
+"""The two training commands, `launch/pretrain.py` and `launch/finetune.py`: a command line becomes one
+run config, then one run that ends in an exit code of `pipeline.train.exit_codes`.
+
+    pretrain(argv) -> int     # --config (default: the demo) + key=value overrides
+    finetune(argv) -> int     # --from / --config / --res, each with a default (below) + key=value overrides
+
+Defaults, so that the design card's commands work as typed:
+  - `launch/pretrain.py` without --config trains the demo (DEFAULT_PRETRAIN_CONFIG);
+  - `launch/finetune.py --res 384` without --from fine-tunes the newest finished pretraining run under
+    runs/, and without --config uses the paper's recipe (the train section of FINETUNE_RECIPE and its
+    dropout) on that run's config: its architecture, data set, DeepSpeed and tracking settings
+    (`recipe_on_source`, built as data with `dataclasses.replace`);
+  - a fine-tune restarted on its run directory (a requeue) keeps the source recorded at its first start.
+The user's `key=value` overrides are applied last and win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from pipeline.config import Config, ConfigError, FinetuneConfig, apply_overrides, load_or_exit
+from pipeline.train.preemption import install_signal_handlers
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PRETRAIN_CONFIG = "configs/pretrain/demo.yaml"
+FINETUNE_RECIPE = "configs/finetune/vit_b16_384.yaml"  # the paper's fine-tuning recipe (Appendix B.1.1)
+RUNS = Path("runs")
+
+
+def _parser(kind: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"launch/{kind}.py", description=f"{kind} a Vision Transformer")
+    # The DeepSpeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=3e-4")
+    return parser
+
+
+def parse_pretrain_args(argv: list[str]) -> argparse.Namespace:
+    parser = _parser("pretrain")
+    parser.add_argument("--config", help=f"YAML run config (default: {DEFAULT_PRETRAIN_CONFIG})")
+    return parser.parse_args(argv)
+
+
+def parse_finetune_args(argv: list[str]) -> argparse.Namespace:
+    parser = _parser("finetune")
+    parser.add_argument("--config", help=f"YAML run config (default: the paper's recipe, {FINETUNE_RECIPE}, "
+                                         "with the source run's architecture and data)")
+    parser.add_argument("--from", dest="source", help="run directory, .safetensors, or timm .pth/.bin "
+                                                      f"(default: the newest finished pretraining run in {RUNS}/)")
+    parser.add_argument("--res", help="fine-tuning resolution: 384 or 384x512 (height x width)")
+    return parser.parse_args(argv)
+
+
+def parse_res(text: str) -> int | list[int]:
+    """'384' -> 384, '384x512' -> [384, 512]."""
+    try:
+        parts = [int(p) for p in text.lower().split("x")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2) or min(parts, default=0) <= 0:
+        _fail(f"--res '{text}': expected a size like 384 or 384x512")
+    return parts[0] if len(parts) == 1 else parts
+
+
+def _is_main() -> bool:
+    """Rank 0 (or a single process): the one that explains the defaults it picked."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def _say(msg: str) -> None:
+    if _is_main():
+        print(msg, flush=True)
+
+
+def _fail(msg: str) -> None:
+    if _is_main():
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+# ----------------------------------------------------------------------------- pretraining
+
+
+def pretrain_config(args: argparse.Namespace) -> tuple[Config, str]:
+    """(the run config, the file to name in messages)."""
+    config = args.config
+    if config is None:
+        config = DEFAULT_PRETRAIN_CONFIG if Path(DEFAULT_PRETRAIN_CONFIG).is_file() else str(
+            ROOT / DEFAULT_PRETRAIN_CONFIG)
+        _say(f"no --config: using {config} (the demo; e.g. --config configs/pretrain/vit_b16_i21k.yaml for ViT-B/16)")
+    cfg = load_or_exit(config, args.overrides)
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, kind="pretrain")), config
+
+
+def pretrain(argv: list[str]) -> int:
+    cfg, where = pretrain_config(parse_pretrain_args(argv))
+    return run(cfg, where)
+
+
+# ----------------------------------------------------------------------------- fine-tuning
+
+
+def _run_kind(run_dir: Path) -> str | None:
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        return (cfg.get("run") or {}).get("kind", "pretrain")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+
+
+def finished_pretrain_runs(runs: Path = RUNS) -> list[Path]:
+    """Run directories under `runs` holding a pretraining run that ran to the end (it exported
+    model.safetensors, which the trainer writes last), newest first."""
+    found = [d for d in runs.glob("*/") if (d / "model.safetensors").is_file() and _run_kind(d) == "pretrain"]
+    return sorted(found, key=lambda d: (d / "model.safetensors").stat().st_mtime, reverse=True)
+
+
+def recorded_finetune_source(run_dir: Path | None) -> str | None:
+    """The source a fine-tune run recorded at its first start (RUN_DIR/config.yaml's finetune.source)."""
+    if run_dir is None or _run_kind(run_dir) != "finetune":
+        return None
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    return (cfg.get("finetune") or {}).get("source")
+
+
+def newest_source() -> str:
+    """No --from: the newest finished pretraining run under runs/, said with why."""
+    runs = finished_pretrain_runs()
+    if not runs:
+        _fail(f"nothing to fine-tune: no finished pretraining run (with model.safetensors) in {RUNS.resolve()}/; "
+              "pass --from RUN_DIR | FILE.safetensors | FILE.pth")
+    stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime((runs[0] / "model.safetensors").stat().st_mtime))
+    others = f"; {len(runs) - 1} older: {', '.join(str(r) for r in runs[1:4])}" if len(runs) > 1 else ""
+    _say(f"--from {runs[0]}: the newest finished pretraining run in {RUNS}/ (model.safetensors written {stamp}{others})")
+    return str(runs[0])
+
+
+def recipe_on_source(source_cfg: Config, recipe: Config, res_name: str, source_name: str) -> Config:
+    """The paper's recipe on a pretraining run's config: the recipe's train section as written (derived
+    values such as the batch split are derived again) and its dropout; everything else (architecture,
+    data set, DeepSpeed, tracking) is the source run's; the run directory runs/<source>-ft<res>."""
+    model = dataclasses.replace(source_cfg.model, drop_rate=recipe.model.drop_rate,
+                                drop_path_rate=recipe.model.drop_path_rate, img_size=recipe.model.img_size)
+    run = dataclasses.replace(source_cfg.run, dir=str(RUNS / f"{source_name}-ft{res_name}"))
+    return dataclasses.replace(source_cfg, model=model, train=recipe.train, run=run, finetune=FinetuneConfig())
+
+
+def finetune_config(args: argparse.Namespace) -> tuple[Config, str]:
+    """(the run config, what to name in messages): --from, --config and --res resolved as the module says."""
+    # The run directory as the command would make it, to find a fine-tune already started there.
+    probe = load_or_exit(args.config, args.overrides) if args.config else None
+    run_dir = Path(probe.run.dir) if probe is not None else _run_dir_override(args.overrides)
+    recorded = recorded_finetune_source(run_dir)
+    if recorded is not None:  # a restart: the source decided at the first start, its config the base
+        if args.source and Path(args.source).expanduser().resolve() != Path(recorded).resolve():
+            _fail(f"--from {args.source}: {run_dir} is a fine-tune of {recorded} (recorded in {run_dir}/config.yaml "
+                  f"at its first start); drop --from to continue it, or use a new run.dir")
+        _say(f"--from {recorded}: recorded in {run_dir}/config.yaml at this run's first start")
+        args.source, where = recorded, args.config or str(run_dir / "config.yaml")
+        cfg = probe or load_or_exit(where, args.overrides)
+    else:
+        args.source = args.source or newest_source()
+        if args.config:
+            cfg, where = probe, args.config
+        else:
+            cfg, where = _recipe_config(args)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, kind="finetune"),
+                              finetune=dataclasses.replace(cfg.finetune, source=args.source))
+    if args.res:
+        res = parse_res(args.res)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, img_size=tuple(res) if isinstance(res, list)
+                                                                  else res))
+    return cfg, where
+
+
+def _run_dir_override(overrides: list[str]) -> Path | None:
+    """run.dir=... on the command line (the last one wins), before anything else is known."""
+    found = None
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and key.strip() == "run.dir":
+            found = Path(value.strip())
+    return found
+
+
+def _recipe_config(args: argparse.Namespace) -> tuple[Config, str]:
+    source = Path(args.source)
+    source_cfg_path = source / "config.yaml" if source.is_dir() else source.parent / "config.yaml"
+    if not source_cfg_path.is_file():
+        _fail(f"--from {args.source} has no config.yaml beside it to take the architecture and data set from; "
+              "pass --config configs/finetune/... as well")
+    recipe = load_or_exit(ROOT / FINETUNE_RECIPE)
+    res_name = (args.res or str(recipe.model.img_size)).lower()
+    base = recipe_on_source(load_or_exit(source_cfg_path), recipe, res_name, source_cfg_path.parent.resolve().name)
+    try:
+        cfg = apply_overrides(base, args.overrides)
+    except ConfigError as e:
+        _fail(str(e))
+    _say(f"no --config: the paper's fine-tuning recipe (train section of {FINETUNE_RECIPE}) with the "
+         f"architecture and data of {source_cfg_path} (data.path={cfg.data.path}), run dir {cfg.run.dir}")
+    return cfg, f"the source run's config ({source_cfg_path})"
+
+
+def finetune(argv: list[str]) -> int:
+    args = parse_finetune_args(argv)
+    cfg, where = finetune_config(args)
+    # model.* keys typed on the command line: a fine-tune refuses those its source decides (not ignored).
+    cli_model_keys = {k.partition("=")[0].strip()[len("model."):] for k in args.overrides
+                      if k.strip().startswith("model.")}
+    return run(cfg, where, cli_model_keys)
+
+
+# ----------------------------------------------------------------------------- checks and the run
+
+
+def check_data(path: str, config: str) -> None:
+    """Missing shards are the first thing a new user meets: one line with the command that makes them."""
+    if "://" in path or path.startswith("pipe:"):
+        return
+    p = Path(path)
+    if p.is_file() or (p / "dataset.json").is_file() or (p / "_info.json").is_file():
+        return
+    source = "digits" if p.name == "digits" else "folder:/path/to/images"
+    _fail(f"data.path '{path}' ({config}) has no shards (no dataset.json in {p.resolve()}); write them with: "
+          f"python launch/make_shards.py --source {source} --out {path}")
+
+
+def check_variant(cfg: Config) -> None:
+    """An unknown model.variant is a config error: say so before distributed init, with the valid ones."""
+    from pipeline.model.vit import VARIANTS
+
+    if cfg.model.variant not in VARIANTS:
+        _fail(f"model.variant='{cfg.model.variant}' is not a known variant; choose one of: {', '.join(VARIANTS)}")
+
+
+def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
+    """Train `cfg` (a fine-tune when cfg.run.kind says so); a user error is one line and its exit code."""
+    install_signal_handlers()  # before anything slow (the launch scripts already did; idempotent)
+    check_variant(cfg)
+    check_data(cfg.data.path, where)
+    # Imported after the config is read: a typo is reported at once, not after DeepSpeed's import.
+    from pipeline.data import BadDataError, DataError
+    from pipeline.dist import PortInUse
+    from pipeline.model.weights import WeightsError
+    from pipeline.train.checkpoint import CheckpointError
+    from pipeline.train.exit_codes import ExitCode
+    from pipeline.train.lock import RunDirLocked
+    from pipeline.train.resume import TrainError
+    from pipeline.train.trainer import fit
+
+    try:
+        prepare = None
+        if cfg.run.kind == "finetune":
+            from pipeline.train.finetune import prepare_finetune
+
+            cfg, prepare = prepare_finetune(cfg, cli_model_keys or set())
+        return fit(cfg, prepare)
+    except (ConfigError, RunDirLocked, PortInUse) as e:  # e.g. fine-tuning without --from
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return ExitCode.USAGE
+    except (DataError, BadDataError, WeightsError, TrainError, CheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return ExitCode.ERROR
+    finally:
+        _shutdown()
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
