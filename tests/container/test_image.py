@@ -29,6 +29,7 @@ BASE_IMAGE = "localhost/vit-pipeline-base:cpu"
 WORKDIR = "workspace/vit-pipeline"   # the Dockerfile's WORKDIR, relative to the image's root
 USER_UID = 1000                      # the Dockerfile's default USER_UID
 RUN_DIR = "runs/demo-pretrain"       # configs/pretrain/demo.yaml's run.dir
+WORK = Path(os.environ.get("VIT_PIPELINE_IMAGE_WORK", "/var/tmp/vit-pipeline-image"))  # build_cpu_image.sh's
 EXTENSIONS = "/tmp/torch_extensions"  # where the test mounts a host cache of DeepSpeed's JIT-built ops
 
 
@@ -48,7 +49,7 @@ pytestmark = [pytest.mark.container, pytest.mark.timeout(3600)]
 
 
 def _run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, **kw)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd[:4])} ... exited {proc.returncode}\n"
                     f"--- stdout (tail)\n{proc.stdout[-6000:]}\n--- stderr (tail)\n{proc.stderr[-6000:]}")
@@ -88,7 +89,7 @@ def _extensions_cache() -> str:
     base_id = _run(["podman", "image", "inspect", "--format", "{{.Id}}", BASE_IMAGE], timeout=60).stdout.strip()
     ds = [line.split("==")[1] for line in (ROOT / "constraints.txt").read_text().splitlines()
           if line.startswith("deepspeed==")][0]
-    cache = Path(os.environ.get("VIT_PIPELINE_IMAGE_WORK", "/var/tmp/vit-pipeline-image")) / "torch_extensions" / f"{base_id[:12]}-ds{ds}"
+    cache = WORK / "torch_extensions" / f"{base_id[:12]}-ds{ds}"
     cache.mkdir(parents=True, exist_ok=True)
     os.chown(cache, USER_UID, USER_UID)
     return f"{cache}:{EXTENSIONS}"
@@ -144,6 +145,7 @@ def test_demo_trains_inside_the_image(image, container):
     out = container.sh(f"export TORCH_EXTENSIONS_DIR={EXTENSIONS}; OMP_NUM_THREADS=1 deepspeed --num_gpus 2 --master_port {free_port()} "
                        "launch/pretrain.py --config configs/pretrain/demo.yaml train.steps=20 2>&1",
                        timeout=900)
+    (WORK / "test-run.log").write_text(out)   # the run's output, for a look afterwards
 
     work = container.root / WORKDIR
     run = work / RUN_DIR
