@@ -5,8 +5,9 @@ No Docker engine or registry here: buildah builds the real Dockerfile on a deboo
 (docker/cpu-base.Dockerfile, torch as constraints.txt pins it) and `buildah run --isolation chroot`
 runs commands in the image's file system (`podman run` cannot start a container in this sandbox).
 Skips with one line where buildah, podman or debootstrap are missing (tests/container/install_podman.sh,
-called by `make test`, installs them as root). Cold: ~10 minutes (debootstrap, a CUDA torch from PyPI,
-DeepSpeed built from source); warm, with only code changed: the COPY layers and the run.
+called by `make test`, installs them as root). Cold, about 21 minutes on 2 busy cores (debootstrap, a
+CUDA torch from PyPI, the dependencies, DeepSpeed's JIT op); with only code changed, about 4 minutes
+(the COPY layers and the run). Measurements: docker/README.md.
 """
 
 from __future__ import annotations
