@@ -6,6 +6,7 @@
     python launch/bench.py gpu             # the GPU figures (B/16, L/16, B/16@384; e2e; checks); needs a GPU
     python launch/bench.py preemption      # the per-step preemption agreement (2 ranks, one all-reduce)
     python launch/bench.py scale --nodes 512   # what 1..512 nodes fetch and read per epoch (order only, no data)
+    python launch/bench.py fetch           # local disk vs rate-limited HTTP, with and without fetch ahead
     python launch/bench.py all             # every benchmark (gpu only where there is a GPU), then render
     python launch/bench.py render          # docs/benchmarks.md from results/benchmarks.csv
 
@@ -44,6 +45,13 @@ def bench_scale(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.scale import bench_scale as run
 
     return run(args)
+
+
+def bench_fetch(args: argparse.Namespace) -> dict[str, Any]:
+    """Training steps fed from local disk vs rate-limited HTTP with and without fetch ahead: images/s, data wait."""
+    from benchmarks.fetch import bench_fetch as run
+
+    return run(args, print_table)
 
 
 def bench_preemption(args: argparse.Namespace) -> dict[str, Any]:
@@ -85,7 +93,7 @@ def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
 
 BENCHES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "loader": bench_loader, "model": bench_model, "engine": bench_engine, "e2e": bench_e2e, "gpu": bench_gpu,
-    "preemption": bench_preemption, "scale": bench_scale,
+    "preemption": bench_preemption, "scale": bench_scale, "fetch": bench_fetch,
 }
 
 
@@ -99,7 +107,7 @@ def _bench_args(module: str, name: str) -> Callable[[argparse.ArgumentParser], N
 
 ARGS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "loader": _bench_args("loader", "loader"), "preemption": _bench_args("preemption", "preemption"),
-    "scale": _bench_args("scale", "scale"),
+    "scale": _bench_args("scale", "scale"), "fetch": _bench_args("fetch", "fetch"),
     **{name: _bench_args("cli", name) for name in ("model", "engine", "e2e", "gpu")}}
 
 

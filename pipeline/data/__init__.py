@@ -1,4 +1,23 @@
-"""Data: WebDataset shards (write, read), the elastic resumable train stream and the exactly-once eval pass."""
+"""Data: WebDataset shards (write, read), the elastic resumable train stream and the exactly-once eval pass.
+
+Writing (launch/make_shards.py):
+    sources.py     what to write: an image folder, scikit-learn's digits, synthetic images
+    shards.py      ShardWriter (shard + its index + digest), write_dataset, index_shards -> dataset.json
+Reading (the trainer):
+    info.py        dataset.json / timm's _info.json, checked against the shards
+    order.py       the global order: partitions, passes, which sample a position holds
+    nodes.py       which node this process is on (what its cache must hold)
+    index.py       per-shard index files, random access to samples, the node's cache of remote shards
+    fetch.py       fetch ahead: the rank's next shards into the cache, in the background
+    tario.py       tar members -> image and label; streaming a shard from its start
+    bad.py         bad-data counters and the stop rule
+    stream.py      the train stream (TrainStream in workers, TrainLoader in the rank) and its state
+    eval.py        the exactly-once eval pass
+    transforms.py  timm's train/eval transforms, Mixup/CutMix, normalisation
+    gpu_decode.py  data.decode_device=cuda: decode and crop on the GPU
+    loader.py      the builders: build_train_loader (with the cache check), build_eval_loader
+    scale.py       what a layout fetches and reads, from the order alone (launch/bench.py scale)
+"""
 
 from .info import BadDataError, DataError, DatasetInfo, SplitInfo, read_dataset_info
 from .loader import EvalLoader, TrainLoader, build_eval_loader, build_train_loader, merge_counters
