@@ -16,6 +16,7 @@ worker forked from a process while one of its threads held such a lock would hol
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 from typing import Any
 
 import numpy as np
@@ -58,7 +59,14 @@ def plan(order: GlobalOrder, shard_bytes: list[int], rank: int, world_size: int,
 
 
 def _loop(order: GlobalOrder, shards: list[str], shard_bytes: list[int], rank: int, world_size: int,
-          cache_dir: str | None, limit: int, budget: int, step: Any, stop: Any) -> None:
+          cache_dir: str | None, limit: int, budget: int, step: Any, stop: Any, ready: Any) -> None:
+    # Forked from the rank: its Python signal handlers (preemption: SIGTERM/SIGUSR1 only raise a flag) came
+    # along. This helper must end on terminate() (multiprocessing ends daemonic children with SIGTERM at the
+    # rank's exit) and leave preemption and Ctrl-C to the rank.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ready.set()
     while not stop.is_set():
         at = step.value
         for s in plan(order, shard_bytes, rank, world_size, at, budget):
@@ -82,9 +90,10 @@ class FetchAhead:
         ctx = mp.get_context("fork")
         self._step = ctx.Value("q", 0, lock=False)
         self._stop = ctx.Event()
+        self.ready = ctx.Event()  # set once the process has its own signal dispositions
         self.process = ctx.Process(target=_loop, daemon=True, name=f"fetch-ahead-rank{rank}",
                                    args=(order, shards, sizes, rank, world_size, cache_dir, limit, budget,
-                                         self._step, self._stop))
+                                         self._step, self._stop, self.ready))
         self.process.start()
 
     def advance(self, step: int) -> None:

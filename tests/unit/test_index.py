@@ -157,3 +157,21 @@ def test_fetch_ahead_copies_the_coming_shards_within_the_budget(shards: Path, tm
         if loader.fetcher is not None:
             loader.fetcher.stop()
             assert not loader.fetcher.process.is_alive()
+
+
+def test_the_fetch_process_ends_on_terminate_whatever_the_ranks_signal_handlers(tmp_path: Path) -> None:
+    import signal
+
+    from pipeline.data.fetch import FetchAhead
+    from pipeline.data.order import GlobalOrder
+
+    old = signal.signal(signal.SIGTERM, lambda *a: None)  # as the rank's preemption handler: SIGTERM raises a flag
+    try:
+        fetcher = FetchAhead(GlobalOrder([16] * 4, seed=0, global_batch=8), ["pipe:false"] * 4, [None] * 4, 0, 1,
+                             str(tmp_path), 1 << 20, 1 << 20)
+        assert fetcher.ready.wait(timeout=30)
+        fetcher.process.terminate()
+        fetcher.process.join(timeout=10)
+        assert fetcher.process.exitcode == -signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, old)
