@@ -255,26 +255,41 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
     from pipeline.train.resume import TrainError
     from pipeline.train.trainer import fit
 
+    together = False  # every rank leaves at the same point (set when fit returns normally)
     try:
         prepare = None
         if cfg.run.kind == "finetune":
             from pipeline.train.finetune import prepare_finetune
 
             cfg, prepare = prepare_finetune(cfg, cli_model_keys or set())
-        return fit(cfg, prepare)
+        code = fit(cfg, prepare)
+        together = code in (ExitCode.OK, ExitCode.PREEMPTED)
+        return code
     except (ConfigError, RunDirLocked, PortInUse) as e:  # e.g. fine-tuning without --from
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        _error(e, shared=not isinstance(e, PortInUse))
         return ExitCode.USAGE
     except (DataError, BadDataError, WeightsError, TrainError, CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        _error(e, shared=isinstance(e, (TrainError, CheckpointError)))
         return ExitCode.ERROR
     finally:
-        _shutdown()
+        _shutdown(together)
 
 
-def _shutdown() -> None:
+def _error(e: BaseException, shared: bool) -> None:
+    """One line on stderr. An error every rank reached together (decided on rank 0 and broadcast, or
+    about files all ranks share) is said once, by rank 0; another rank's own error by that rank."""
+    if _is_main() or not shared:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+
+
+def _shutdown(together: bool) -> None:
+    """Leave the process group. Ranks that stop together (done, preempted) first meet at a barrier: a rank
+    that tears its gloo connections down while a peer still uses them can make that peer abort at exit
+    ("terminate called without an active exception")."""
     import torch.distributed as dist
 
     if dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
     sys.stdout.flush()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pipeline.train.checkpoint import check_tag
+from pipeline.train.checkpoint import check_tag, latest_tag
 from tests.integration.runs import ROOT, TINY, command, env, make_synthetic_shards, run
 
 pytestmark = pytest.mark.dist
@@ -40,11 +40,11 @@ def one_line_error(out) -> str:
 
 @pytest.fixture(scope="module")
 def trained(shards, tmp_path_factory):
-    """A finished 20-step run: complete tags step_0000015 and step_0000020 (keep_last=2)."""
+    """A finished 20-step run: complete tags step_0000010, step_0000015 and step_0000020 (keep_last=3)."""
     run_dir = tmp_path_factory.mktemp("trained") / "run"
-    out = run("pretrain.py", CONFIG, base(shards, run_dir, 20), ranks=1)
+    out = run("pretrain.py", CONFIG, [*base(shards, run_dir, 20), "train.keep_last=3"], ranks=1)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert tags(run_dir) == ["step_0000015", "step_0000020"]
+    assert tags(run_dir) == ["step_0000010", "step_0000015", "step_0000020"]
     for tag in tags(run_dir):
         assert check_tag(run_dir / "checkpoints" / tag) is None
         assert (run_dir / "checkpoints" / tag / "complete.json").is_file()
@@ -58,41 +58,31 @@ def test_lost_latest_resumes_from_the_newest_complete_tag_and_deletes_nothing_ne
     out = run("pretrain.py", CONFIG, base(shards, run_dir, 22), ranks=1)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'step_0000020'} at step 20" in out.stdout
-    assert tags(run_dir) == ["step_0000020", "step_0000022"]
+    assert tags(run_dir) == ["step_0000020", "step_0000022"]  # keep_last=2: 10 and 15 pruned, nothing newer
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000022"
 
 
-def test_truncated_newest_tag_is_skipped_by_name_and_the_older_one_resumes(shards, trained, tmp_path):
+def test_truncated_and_unloadable_tags_are_skipped_by_name_and_an_older_one_resumes(shards, trained, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
-    newest = run_dir / "checkpoints" / "step_0000020"
+    newest, second = run_dir / "checkpoints" / "step_0000020", run_dir / "checkpoints" / "step_0000015"
     states = newest / "mp_rank_00_model_states.pt"
     states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])  # a node died mid-copy
     state = newest / "trainer_state.json"
     state.write_text(state.read_text()[: len(state.read_text()) // 2])  # and a quota cut this one short
-    out = run("pretrain.py", CONFIG, base(shards, run_dir, 20), ranks=1)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert f"resume: skipping {newest}: " in out.stdout and "complete.json recorded" in out.stdout, out.stdout
-    assert f"resumed from {run_dir / 'checkpoints' / 'step_0000015'} at step 15" in out.stdout
-    assert check_tag(newest) is None  # step 20 written again, whole
-    assert json.loads((newest / "trainer_state.json").read_text())["step"] == 20
-
-
-def test_a_tag_deepspeed_cannot_load_falls_back_and_keeps_the_traceback(shards, trained, tmp_path):
-    run_dir = tmp_path / "run"
-    shutil.copytree(trained, run_dir)
-    newest = run_dir / "checkpoints" / "step_0000020"
-    states = newest / "mp_rank_00_model_states.pt"
+    states = second / "mp_rank_00_model_states.pt"
     data = bytearray(states.read_bytes())
     data[-512:] = bytes(512)  # same size, zip directory garbled: only loading can tell
     states.write_bytes(bytes(data))
-    os.utime(states)
     out = run("pretrain.py", CONFIG, base(shards, run_dir, 20), ranks=1)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert f"resume: DeepSpeed could not load {newest}" in out.stdout, out.stdout[-3000:]
-    assert f"resumed from {run_dir / 'checkpoints' / 'step_0000015'} at step 15" in out.stdout
+    assert f"resume: skipping {newest}: " in out.stdout and "complete.json recorded" in out.stdout, out.stdout
+    assert f"resume: DeepSpeed could not load {second}" in out.stdout, out.stdout[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_0000010'} at step 10" in out.stdout
     traces = list((run_dir / "errors").glob("load-*.txt"))
-    assert traces and "Traceback" in traces[0].read_text()
+    assert traces and "Traceback" in traces[0].read_text()  # DeepSpeed's, in full, beside the one line
+    assert check_tag(newest) is None  # step 20 written again, whole
+    assert json.loads((newest / "trainer_state.json").read_text())["step"] == 20
 
 
 def test_a_fresh_start_among_checkpoints_it_cannot_use_is_refused(shards, trained, tmp_path):
@@ -104,7 +94,7 @@ def test_a_fresh_start_among_checkpoints_it_cannot_use_is_refused(shards, traine
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     line = one_line_error(out)
     assert "holds checkpoints but none is complete" in line and "step_0000020: no complete.json" in line
-    assert tags(run_dir) == ["step_0000015", "step_0000020"]  # nothing deleted
+    assert tags(run_dir) == ["step_0000010", "step_0000015", "step_0000020"]  # nothing deleted
 
 
 def test_a_second_job_on_the_same_run_dir_stops_and_a_dead_holder_does_not_block(shards, tmp_path):
@@ -121,12 +111,16 @@ def test_a_second_job_on_the_same_run_dir_stops_and_a_dead_holder_does_not_block
         line = one_line_error(second)
         assert f"{run_dir} is being written by another job" in line and f"pid {first.pid}" in line, line
         assert first.poll() is None  # the first job trains on, untouched
+        for line in first.stdout:  # until its checkpoint at step 5 is written
+            if "step 6/400" in line:
+                break
     finally:
         first.send_signal(signal.SIGKILL)  # dies holding the lock, as on an OOM kill
         first.wait()
-    third = run("pretrain.py", CONFIG, base(shards, run_dir, 7), ranks=1)  # the requeue
+    step = int(latest_tag(run_dir).split("_")[1])  # 5, or later if it ran on while the second job started
+    third = run("pretrain.py", CONFIG, base(shards, run_dir, step + 2), ranks=1)  # the requeue
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
-    assert "at step 5" in third.stdout
+    assert f"at step {step}\n" in third.stdout
 
 
 def _mount_tmpfs(path, size) -> bool:
