@@ -1,17 +1,93 @@
-"""What 1, 2, 4, ... N nodes fetch and read per epoch, through the real order and partitions
-(`pipeline.data.scale`) with no data: `python launch/bench.py scale --nodes 512`."""
+"""What a layout reads and fetches per epoch, from the real order and partitions with no data:
+`python launch/bench.py scale --nodes 512` (`bench_scale` at the end of this file).
+
+For a data set of `shards` x `samples_per_shard` samples of `sample_bytes` each, one epoch's
+positions go through `GlobalOrder.sample_ids` and `micro_batch_positions`' arithmetic (rank r of
+W takes the slots [r G / W, (r + 1) G / W); its micro batch j goes to DataLoader worker j mod K):
+
+- fetched / data set: distinct (node, shard) pairs x shard bytes / data set bytes - what remote
+  shards cost when each node's cache holds its shuffle spans (`loader.check_cache` ensures it);
+- index reads / data set: an index header (`index.encode_index`, real size) per distinct
+  (process, shard) pair plus one record per sample read, over the sample bytes read;
+- distinct shards per global batch: the mean over the epoch's first steps.
+"""
 
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+
+from pipeline.data.index import SampleMembers, encode_index
+from pipeline.data.order import GlobalOrder
+
+
+@dataclass
+class ScaleRow:
+    nodes: int
+    fetched: float
+    """Shard bytes fetched per epoch / data set bytes (1.0: every shard by one node)."""
+    shared_partitions: int
+    """Partitions read by more than one node."""
+    index_reads: float
+    """Index bytes read per epoch / sample bytes read."""
+    distinct_shards: float
+    """Mean distinct shards in a global batch."""
+
+    def line(self) -> str:
+        return (f"nodes {self.nodes}: fetched/data set {self.fetched:.3f}, index reads/data set "
+                f"{self.index_reads:.5f}, distinct shards per global batch {self.distinct_shards:.0f}"
+                + (f" ({self.shared_partitions} partitions read by more than one node)"
+                   if self.shared_partitions else ""))
+
+
+def index_sizes(samples_per_shard: int, exts: tuple[str, ...] = ("cls", "jpg")) -> tuple[int, int]:
+    """(header bytes, record bytes) of the index of a shard of that many samples, as index.py writes it."""
+    one = encode_index([SampleMembers("0", {e: (0, 1) for e in exts})], 1 << 40)
+    record = 8 * (1 + 2 * len(exts))
+    return len(one) - record, record
+
+
+def project(shards: int, samples_per_shard: int, global_batch: int, node_counts: list[int], gpus_per_node: int,
+            workers: int, sample_bytes: int = 110_000, partitions: int | None = None, span: int | None = None,
+            seed: int = 0, batches_for_mixing: int = 8) -> tuple[GlobalOrder, list[ScaleRow | str]]:
+    kwargs = {} if span is None else {"span": span}
+    order = GlobalOrder([samples_per_shard] * shards, seed, global_batch, partitions, **kwargs)
+    steps = order.n // global_batch  # whole steps within the first epoch
+    positions = np.arange(steps * global_batch, dtype=np.int64)
+    shard = order.shard_of(order.sample_ids(positions))  # the real order: one pass over the epoch
+    slot = positions % global_batch
+    step = positions // global_batch
+    distinct = float(np.mean([len(np.unique(shard[t * global_batch:(t + 1) * global_batch]))
+                              for t in range(min(steps, batches_for_mixing))]))
+    header, record = index_sizes(samples_per_shard)
+    data_bytes = shards * samples_per_shard * sample_bytes
+    rows: list[ScaleRow | str] = []
+    for nodes in node_counts:
+        world = nodes * gpus_per_node
+        if global_batch % world:
+            rows.append(f"nodes {nodes}: skipped, global batch {global_batch} is not a multiple of "
+                        f"{world} ranks")
+            continue
+        node = slot // (global_batch // nodes)
+        fetched_pairs = len(np.unique(node * shards + shard))
+        rank = slot // (global_batch // world)
+        # one micro batch per step per rank at the largest micro batch, which fewest workers share: j = step
+        process = rank * workers + step % workers
+        index_pairs = len(np.unique(process * shards + shard))
+        read = len(positions)
+        shared = sum(1 for p in range(order.partitions)
+                     if len({n for n in range(nodes) if p in order.node_partitions(n, nodes)}) > 1)
+        rows.append(ScaleRow(nodes, fetched_pairs * samples_per_shard * sample_bytes / data_bytes,
+                             shared, (index_pairs * header + read * record) / (read * sample_bytes), distinct))
+    return order, rows
 
 
 def bench_scale(args: argparse.Namespace) -> dict[str, Any]:
     """What 1, 2, 4, ... N nodes fetch and read per epoch: the real order and partitions, no data."""
-    from pipeline.data.scale import ScaleRow, project
-
     counts = [2**i for i in range(args.nodes.bit_length()) if 2**i <= args.nodes]
     t0 = time.perf_counter()
     order, rows = project(args.shards, args.samples_per_shard, args.global_batch, counts, args.gpus_per_node,

@@ -16,7 +16,6 @@ Reading (the trainer):
     transforms.py  timm's train/eval transforms, Mixup/CutMix, normalisation
     gpu_decode.py  data.decode_device=cuda: decode and crop on the GPU
     loader.py      the builders: build_train_loader (with the cache check), build_eval_loader
-    scale.py       what a layout fetches and reads, from the order alone (launch/bench.py scale)
 """
 
 from .info import BadDataError, DataError, DatasetInfo, SplitInfo, read_dataset_info

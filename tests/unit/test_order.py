@@ -115,7 +115,7 @@ def test_partitions_are_whole_shards_fixed_for_the_run() -> None:
 
 
 def test_scale_projection_fetches_each_shard_once_when_nodes_divide_partitions() -> None:
-    from pipeline.data.scale import ScaleRow, project
+    from benchmarks.scale import ScaleRow, project
 
     order, rows = project(64, 50, 64, [1, 2, 3, 4, 8, 16], gpus_per_node=2, workers=2, partitions=8)
     by_nodes = {r.nodes: r for r in rows if isinstance(r, ScaleRow)}
