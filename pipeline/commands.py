@@ -31,6 +31,9 @@ from pipeline.train.preemption import install_signal_handlers
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PRETRAIN_CONFIG = "configs/pretrain/demo.yaml"
 FINETUNE_RECIPE = "configs/finetune/vit_b16_384.yaml"  # the paper's fine-tuning recipe (Appendix B.1.1)
+# An MAE-pretrained source gets MAE's recipe instead (avg pool + fc_norm, layer decay, RandAugment, mixup/cutmix):
+MAE_FINETUNE_RECIPES = {"vit_l16": "configs/finetune/mae_vit_l16.yaml"}  # by variant; others: the B/16 one
+MAE_FINETUNE_RECIPE = "configs/finetune/mae_vit_b16.yaml"
 RUNS = Path("runs")
 
 
@@ -147,9 +150,16 @@ def recipe_on_source(source_cfg: Config, recipe: Config, res_name: str, source_n
     values such as the batch split are derived again) and its dropout; everything else (architecture,
     data set, DeepSpeed, tracking) is the source run's; the run directory runs/<source>-ft<res>."""
     model = dataclasses.replace(source_cfg.model, drop_rate=recipe.model.drop_rate,
-                                drop_path_rate=recipe.model.drop_path_rate, img_size=recipe.model.img_size)
+                                drop_path_rate=recipe.model.drop_path_rate, img_size=recipe.model.img_size,
+                                global_pool=recipe.model.global_pool, objective="supervised")
     run = dataclasses.replace(source_cfg.run, dir=str(RUNS / f"{source_name}-ft{res_name}"))
-    return dataclasses.replace(source_cfg, model=model, train=recipe.train, run=run, finetune=FinetuneConfig())
+    data = source_cfg.data
+    if source_cfg.model.objective == "mae":
+        # MAE's recipe is also its augmentation: RandAugment, mixup/cutmix, smoothing (on the source's data).
+        data = dataclasses.replace(data, **{k: getattr(recipe.data, k) for k in (
+            "auto_augment", "mixup", "cutmix", "label_smoothing", "scale", "interpolation")})
+    return dataclasses.replace(source_cfg, model=model, data=data, train=recipe.train, run=run,
+                               finetune=FinetuneConfig())
 
 
 def finetune_config(args: argparse.Namespace) -> tuple[Config, str]:
@@ -196,14 +206,18 @@ def _recipe_config(args: argparse.Namespace) -> tuple[Config, str]:
     if not source_cfg_path.is_file():
         _fail(f"--from {args.source} has no config.yaml beside it to take the architecture and data set from; "
               "pass --config configs/finetune/... as well")
-    recipe = load_or_exit(ROOT / FINETUNE_RECIPE)
+    source_cfg = load_or_exit(source_cfg_path)
+    recipe_file = FINETUNE_RECIPE
+    if source_cfg.model.objective == "mae":
+        recipe_file = MAE_FINETUNE_RECIPES.get(source_cfg.model.variant, MAE_FINETUNE_RECIPE)
+    recipe = load_or_exit(ROOT / recipe_file)
     res_name = (args.res or str(recipe.model.img_size)).lower()
-    base = recipe_on_source(load_or_exit(source_cfg_path), recipe, res_name, source_cfg_path.parent.resolve().name)
+    base = recipe_on_source(source_cfg, recipe, res_name, source_cfg_path.parent.resolve().name)
     try:
         cfg = apply_overrides(base, args.overrides)
     except ConfigError as e:
         _fail(str(e))
-    _say(f"no --config: the paper's fine-tuning recipe (train section of {FINETUNE_RECIPE}) with the "
+    _say(f"no --config: the paper's fine-tuning recipe (train section of {recipe_file}) with the "
          f"architecture and data of {source_cfg_path} (data.path={cfg.data.path}), run dir {cfg.run.dir}")
     return cfg, f"the source run's config ({source_cfg_path})"
 

@@ -59,6 +59,8 @@ class ModelConfig:
     """Width of the paper's tanh pre-logits layer for pretraining; None for a plain linear head."""
     grad_checkpointing: bool = False
     """Recompute each block in backward to save activation memory (about 30% more compute)."""
+    global_pool: Literal["token", "avg"] = "token"
+    """What the head classifies: 'token' the class token after the final norm (the paper), 'avg' the mean of the patch tokens normalised by fc_norm (MAE's fine-tuning; timm's global_pool='avg')."""
     objective: Literal["supervised", "mae"] = "supervised"
     """What pretraining learns from: 'supervised' (labels, the classifier head) or 'mae' (masked autoencoding of the images alone, labels unused; the `mae` section; docs/mae.md)."""
 

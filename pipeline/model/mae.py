@@ -123,6 +123,13 @@ class MaskedAutoencoderViT(VisionTransformer):
         self.decoder_pred = nn.Linear(decoder_embed_dim, patch_size * patch_size * in_chans)
         self.init_mae_weights()
 
+    def fp32_buffers(self) -> dict[str, torch.Tensor]:
+        """The fixed tables as they are exported: float32, exact (a bf16 engine casts the buffers it trains
+        with; the checkpoint keeps Meta's layout and values)."""
+        grid = self.patch_embed.grid_size
+        return {"pos_embed": sincos_pos_embed_2d(self.embed_dim, grid),
+                "decoder_pos_embed": sincos_pos_embed_2d(self.decoder_pos_embed.shape[-1], grid)}
+
     def init_mae_weights(self) -> None:
         """The official initialisation: xavier-uniform for every Linear (as the JAX ViT) and for the patch
         projection seen as a Linear (D, C*P*P), zero biases, normal(0.02) class and mask tokens. The patch

@@ -188,8 +188,12 @@ class VisionTransformer(nn.Module):
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         representation_size: int | None = None,
+        global_pool: str = "token",
     ):
         super().__init__()
+        if global_pool not in ("token", "avg"):
+            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+        self.global_pool = global_pool
         self.num_classes = num_classes
         self.embed_dim = embed_dim
         self.num_prefix_tokens = 1
@@ -205,7 +209,10 @@ class VisionTransformer(nn.Module):
             Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, rates[i])
             for i in range(depth)
         ])
-        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        # 'avg' (MAE's fine-tuning, timm's global_pool='avg'): the patch tokens are averaged and normalised
+        # by fc_norm instead of normalising every token; the names stay timm's, so weights load both ways.
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6) if global_pool == "token" else nn.Identity()
+        self.fc_norm = nn.LayerNorm(embed_dim, eps=1e-6) if global_pool == "avg" else nn.Identity()
         # The paper's pretraining head: a hidden tanh layer before the classifier ("pre-logits").
         if representation_size:
             self.pre_logits = nn.Sequential()
@@ -266,8 +273,9 @@ class VisionTransformer(nn.Module):
         return self.norm(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Eq. 4: classify from the class token z_L^0."""
-        x = self.pre_logits(x[:, 0])
+        """Eq. 4: classify from the class token z_L^0 (or, with global_pool='avg', the patch tokens' mean)."""
+        x = x[:, self.num_prefix_tokens:].mean(dim=1) if self.global_pool == "avg" else x[:, 0]
+        x = self.pre_logits(self.fc_norm(x))
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -300,6 +308,7 @@ def model_kwargs_from_config(model_cfg, num_classes: int | None = None) -> dict:
         num_heads=model_cfg.num_heads, mlp_ratio=model_cfg.mlp_ratio, qkv_bias=model_cfg.qkv_bias,
         drop_rate=model_cfg.drop_rate, attn_drop_rate=model_cfg.attn_drop_rate,
         drop_path_rate=model_cfg.drop_path_rate, representation_size=model_cfg.representation_size,
+        global_pool=model_cfg.global_pool,
     )
 
 

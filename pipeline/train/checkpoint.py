@@ -304,6 +304,9 @@ def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     for name, param in engine.module.named_parameters():
         full = ds_compat.full_fp32_param(param)  # the fp32 master copy, assembled from the partitions
         state[name] = (full if full is not None else param.detach()).float().cpu()
+    # Fixed (untrained) tensors that belong to the weights: MAE's sin-cos tables, under Meta's names.
+    if hasattr(engine.module, "fp32_buffers"):
+        state.update(engine.module.fp32_buffers())
     return state
 
 

@@ -129,6 +129,13 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size) -> d
     state = {k: v for k, v in source_state_dict(src).items() if not k.startswith(HEAD_PREFIXES)}
     new_grid = model.grid_size
     patch = model.patch_embed.patch_size[0]
+    if "pos_embed" not in state and src.config is not None and src.config.model.objective == "mae":
+        # An MAE run's checkpoint (consolidated before export) holds parameters only; its position
+        # embedding is the fixed sin-cos table of its grid.
+        from pipeline.model.mae import sincos_pos_embed_2d
+
+        h, w = image_size(source_img_size or src.config.model.img_size)
+        state["pos_embed"] = sincos_pos_embed_2d(model.embed_dim, (h // patch, w // patch))
     old_tokens = state["pos_embed"].shape[1] - model.num_prefix_tokens if "pos_embed" in state else 0
     if "pos_embed" in state:
         if source_img_size is not None:
@@ -138,8 +145,11 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size) -> d
             old_grid = None  # a bare file: square grid inferred from the token count
         state["pos_embed"] = resize_pos_embed(state["pos_embed"], new_grid, model.num_prefix_tokens, old_grid)
 
+    # With global_pool='avg' (MAE's recipe) fc_norm replaces the final norm: a source pretrained with a
+    # class token has none and fc_norm starts fresh at (1, 0), as the official fine-tuning does.
+    fresh = HEAD_PREFIXES if any(k.startswith("fc_norm.") for k in state) else (*HEAD_PREFIXES, "fc_norm.")
     expected = {name: tuple(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
-                for name, p in model.named_parameters() if not name.startswith(HEAD_PREFIXES)}
+                for name, p in model.named_parameters() if not name.startswith(fresh)}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing:

@@ -98,6 +98,11 @@ def test_sincos_channels_by_hand():
 
 def test_model_buffers_are_the_tables():
     model = tiny()
+    exported = model.to(torch.bfloat16).fp32_buffers()  # a bf16 engine casts buffers; the export stays exact
+    assert exported["pos_embed"].dtype == torch.float32
+    torch.testing.assert_close(exported["pos_embed"], sincos_pos_embed_2d(32, 4), atol=0, rtol=0)
+    torch.testing.assert_close(exported["decoder_pos_embed"], sincos_pos_embed_2d(16, 4), atol=0, rtol=0)
+    model = tiny()
     torch.testing.assert_close(model.pos_embed, sincos_pos_embed_2d(32, 4), atol=0, rtol=0)
     torch.testing.assert_close(model.decoder_pos_embed, sincos_pos_embed_2d(16, 4), atol=0, rtol=0)
 
@@ -233,3 +238,20 @@ def test_mae_flops_count_encoder_on_visible_patches_and_decoder_on_all():
     for variant, lo, hi in [("vit_l16", 0.30, 0.40), ("vit_b16", 0.50, 0.60), ("vit_h14", 0.25, 0.32)]:
         ratio = mae_flops(mae_kwargs(variant, img_size=224)) / model_flops(variant_kwargs(variant, num_classes=1000))
         assert lo < ratio < hi, variant
+
+
+def test_average_pool_with_fc_norm_is_timms_global_pool_avg():
+    from timm.models.vision_transformer import VisionTransformer as TimmViT
+
+    torch.manual_seed(0)
+    ours = build_vit("vit_ti16", img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=5,
+                     global_pool="avg").eval()
+    theirs = TimmViT(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=5,
+                     global_pool="avg").eval()
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
+    assert "fc_norm.weight" in ours.state_dict() and "norm.weight" not in ours.state_dict()
+    theirs.load_state_dict({k: torch.randn_like(v) for k, v in theirs.state_dict().items()})
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)

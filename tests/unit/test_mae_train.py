@@ -127,3 +127,23 @@ def test_knn_vote_by_hand():
     assert knn_top1(val, torch.tensor([0, 1, -1]), mem, mem_labels, k=2)["eval/knn_top1"] == 1.0
     assert knn_top1(val, torch.tensor([1, 1, -1]), mem, mem_labels, k=2)["eval/knn_top1"] == 0.5
     assert knn_top1(val, torch.tensor([1, 0, -1]), mem, mem_labels, k=2)["eval/knn_top1"] == 0.0
+
+
+def test_finetune_without_config_from_an_mae_run_uses_maes_recipe(tmp_path, monkeypatch):
+    from pipeline.commands import finetune_config, parse_finetune_args
+    from pipeline.config import save_config
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK", raising=False)
+    run = tmp_path / "runs" / "mae"
+    run.mkdir(parents=True)
+    save_config(load_config(repo / "configs/pretrain/mae_demo.yaml", ["run.dir=runs/mae"]), run / "config.yaml")
+    (run / "model.safetensors").write_bytes(b"w")
+    cfg, _ = finetune_config(parse_finetune_args(["--res", "64"]))
+    assert cfg.model.objective == "supervised" and cfg.model.global_pool == "avg"
+    assert (cfg.model.embed_dim, cfg.model.depth, cfg.model.drop_path_rate) == (96, 4, 0.1)  # source's, recipe's
+    assert (cfg.train.layer_decay, cfg.train.lr, cfg.train.betas) == (0.65, 2.0e-3, (0.9, 0.999))
+    assert (cfg.data.mixup, cfg.data.cutmix, cfg.data.label_smoothing) == (0.8, 1.0, 0.1)
+    assert cfg.data.auto_augment == "rand-m9-mstd0.5-inc1" and cfg.data.path == "data/digits"
+    assert cfg.model.img_size == 64 and cfg.run.dir == "runs/mae-ft64"
