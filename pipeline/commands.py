@@ -34,6 +34,7 @@ FINETUNE_RECIPE = "configs/finetune/vit_b16_384.yaml"  # the paper's fine-tuning
 # An MAE-pretrained source gets MAE's recipe instead (avg pool + fc_norm, layer decay, RandAugment, mixup/cutmix):
 MAE_FINETUNE_RECIPES = {"vit_l16": "configs/finetune/mae_vit_l16.yaml"}  # by variant; others: the B/16 one
 MAE_FINETUNE_RECIPE = "configs/finetune/mae_vit_b16.yaml"
+PROBE_RECIPE = "configs/finetune/mae_linprobe.yaml"  # --probe: MAE's linear probing (SGD in place of LARS)
 RUNS = Path("runs")
 
 
@@ -58,6 +59,8 @@ def parse_finetune_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--from", dest="source", help="run directory, .safetensors, or timm .pth/.bin "
                                                       f"(default: the newest finished pretraining run in {RUNS}/)")
     parser.add_argument("--res", help="fine-tuning resolution: 384 or 384x512 (height x width)")
+    parser.add_argument("--probe", action="store_true", help="linear probe: train only a BatchNorm + linear head on "
+                                                             f"the frozen encoder (default recipe: {PROBE_RECIPE})")
     return parser.parse_args(argv)
 
 
@@ -182,7 +185,8 @@ def finetune_config(args: argparse.Namespace) -> tuple[Config, str]:
         else:
             cfg, where = _recipe_config(args)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, kind="finetune"),
-                              finetune=dataclasses.replace(cfg.finetune, source=args.source))
+                              finetune=dataclasses.replace(cfg.finetune, source=args.source,
+                                                           probe=cfg.finetune.probe or bool(getattr(args, "probe", False))))
     if args.res:
         res = parse_res(args.res)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, img_size=tuple(res) if isinstance(res, list)
@@ -208,7 +212,9 @@ def _recipe_config(args: argparse.Namespace) -> tuple[Config, str]:
               "pass --config configs/finetune/... as well")
     source_cfg = load_or_exit(source_cfg_path)
     recipe_file = FINETUNE_RECIPE
-    if source_cfg.model.objective == "mae":
+    if getattr(args, "probe", False):
+        recipe_file = PROBE_RECIPE
+    elif source_cfg.model.objective == "mae":
         recipe_file = MAE_FINETUNE_RECIPES.get(source_cfg.model.variant, MAE_FINETUNE_RECIPE)
     recipe = load_or_exit(ROOT / recipe_file)
     res_name = (args.res or str(recipe.model.img_size)).lower()

@@ -247,6 +247,8 @@ class FinetuneConfig:
     """Weights to start from (--from): a run directory, a .safetensors file, or a timm-format .pth/.bin."""
     source_img_size: int | tuple[int, int] | None = None
     """Resolution the source was trained at (read from the source's config.yaml when it has one)."""
+    probe: bool = False
+    """Linear probing (--probe; MAE's other measure): the encoder frozen, a BatchNorm without affine (eps 1e-6) before the linear head (MAE's main_linprobe.py); ZeRO 0-2."""
 
 
 @dataclass

@@ -90,9 +90,13 @@ def prepare_finetune(cfg: Config, cli_model_keys: set[str] | frozenset[str] = fr
     # The paper replaces the pretraining head (and its tanh pre-logits) with one zero-initialised Linear.
     # An MAE source fine-tunes its encoder as a supervised ViT (its decoder is not loaded).
     model_cfg = dataclasses.replace(model_cfg, representation_size=None, objective="supervised")
+    probe = cfg.finetune.probe
+    if probe and cfg.deepspeed.zero_stage == 3:
+        raise ConfigError("finetune.probe (--probe) replaces the head after the model is built, which ZeRO-3 has "
+                          "already partitioned: use deepspeed.zero_stage 0, 1 or 2 (the encoder is frozen anyway)")
     cfg = dataclasses.replace(cfg, model=model_cfg,
-                              finetune=FinetuneConfig(source=str(src.path), source_img_size=source_img_size))
-    return cfg, lambda model: load_pretrained(model, src, source_img_size)
+                              finetune=FinetuneConfig(source=str(src.path), source_img_size=source_img_size, probe=probe))
+    return cfg, lambda model: load_pretrained(model, src, source_img_size, probe)
 
 
 def _refuse_arch_overrides(cfg: Config, source: Config, cli_model_keys, where: str) -> None:
@@ -124,7 +128,7 @@ def not_weights(path: Path) -> str | None:
     return f"it is a text file ({path.stat().st_size} bytes, first line: {first!r})"
 
 
-def load_pretrained(model: VisionTransformer, src: Source, source_img_size) -> dict[str, str]:
+def load_pretrained(model: VisionTransformer, src: Source, source_img_size, probe: bool = False) -> dict[str, str]:
     """Copy the source trunk into `model` (resizing position embeddings), zero the head. ZeRO-3 safe."""
     state = {k: v for k, v in source_state_dict(src).items() if not k.startswith(HEAD_PREFIXES)}
     new_grid = model.grid_size
@@ -167,9 +171,25 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size) -> d
     # Zero head: the fine-tune starts from the pretrained features with all logits 0.
     _init_param(model.head.weight, nn.init.zeros_)
     _init_param(model.head.bias, nn.init.zeros_)
+    if probe:
+        make_linear_probe(model)
     _say(f"loaded {len(expected)} tensors from {src.path}; position embeddings {old_tokens} -> "
          f"{new_grid[0]}x{new_grid[1]} grid tokens; new zero head with {model.num_classes} classes")
     return {}
+
+
+def make_linear_probe(model: VisionTransformer) -> None:
+    """MAE's linear probe (main_linprobe.py there): the head becomes BatchNorm1d(D, affine=False, eps=1e-6)
+    then the Linear (trunc-normal 0.01, as the official), and nothing but the head trains. The BatchNorm
+    only whitens the frozen features, so the probe is still a linear classifier."""
+    linear = nn.Linear(model.embed_dim, model.num_classes)
+    nn.init.trunc_normal_(linear.weight, std=0.01)
+    nn.init.zeros_(linear.bias)
+    model.head = nn.Sequential(nn.BatchNorm1d(model.embed_dim, affine=False, eps=1e-6), linear)
+    for name, param in model.named_parameters():
+        param.requires_grad = name.startswith("head.")
+    _say(f"linear probe: {sum(p.numel() for p in model.head.parameters())} trained parameters (head), the "
+         f"encoder frozen")
 
 
 def _copier(value: torch.Tensor) -> Callable[[torch.Tensor], object]:

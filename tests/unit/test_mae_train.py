@@ -147,3 +147,36 @@ def test_finetune_without_config_from_an_mae_run_uses_maes_recipe(tmp_path, monk
     assert (cfg.data.mixup, cfg.data.cutmix, cfg.data.label_smoothing) == (0.8, 1.0, 0.1)
     assert cfg.data.auto_augment == "rand-m9-mstd0.5-inc1" and cfg.data.path == "data/digits"
     assert cfg.model.img_size == 64 and cfg.run.dir == "runs/mae-ft64"
+
+
+def test_probe_freezes_the_encoder_and_trains_a_batchnorm_linear_head(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from pipeline.commands import finetune_config, parse_finetune_args
+    from pipeline.config import save_config
+    from pipeline.model.mae import build_mae
+    from pipeline.model.vit import build_vit
+    from pipeline.train.finetune import Source, load_pretrained
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK", raising=False)
+    run = tmp_path / "runs" / "mae"
+    run.mkdir(parents=True)
+    src_cfg = load_config(repo / "configs/pretrain/mae_demo.yaml", ["run.dir=runs/mae"])
+    save_config(src_cfg, run / "config.yaml")
+    mae = build_mae("vit_ti16", img_size=32, patch_size=4, embed_dim=96, depth=4, num_heads=3,
+                    decoder_embed_dim=64, decoder_depth=2, decoder_num_heads=4)
+    save_file({**{k: v.contiguous() for k, v in mae.state_dict().items()}}, str(run / "model.safetensors"))
+    cfg, _ = finetune_config(parse_finetune_args(["--probe", "--res", "32"]))
+    assert cfg.finetune.probe and cfg.train.optimizer == "sgd" and cfg.model.global_pool == "token"
+    assert cfg.data.mixup == 0 and cfg.data.auto_augment is None  # the probe's recipe, not the fine-tune's
+
+    vit = build_vit("vit_ti16", img_size=32, patch_size=4, embed_dim=96, depth=4, num_heads=3, num_classes=10)
+    load_pretrained(vit, Source(run, src_cfg), 32, probe=True)
+    trained = [n for n, p in vit.named_parameters() if p.requires_grad]
+    assert trained == ["head.1.weight", "head.1.bias"]
+    bn = vit.head[0]
+    assert isinstance(bn, torch.nn.BatchNorm1d) and not bn.affine and bn.eps == 1e-6
+    torch.testing.assert_close(vit.blocks[0].attn.qkv.weight, mae.blocks[0].attn.qkv.weight)
+    assert vit(torch.randn(4, 3, 32, 32)).shape == (4, 10)
