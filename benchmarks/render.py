@@ -31,6 +31,8 @@ ABOUT = {
                   "(`benchmarks/preemption.py`).",
     "scale": "what 1, 2, 4, ... N nodes fetch and read per epoch and how many shards a global batch "
              "mixes, through the real order and partitions with no data (`benchmarks/scale.py`).",
+    "mae": "an MAE training step (75% of the patches masked, the 8 x 512 decoder on all tokens) against a "
+           "supervised step on the same ViT: step times and the FLOP ratio `mae_flops` predicts (`benchmarks/mae.py`).",
     "gpu": "training MFU of ViT-B/16 and L/16 on one GPU, end to end from JPEG shards, bf16 and nvjpeg "
            "checks (`benchmarks/gpu.py`).",
 }

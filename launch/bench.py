@@ -7,6 +7,7 @@
     python launch/bench.py preemption      # the per-step preemption agreement (2 ranks, one all-reduce)
     python launch/bench.py scale --nodes 512   # what 1..512 nodes fetch and read per epoch (order only, no data)
     python launch/bench.py fetch           # local disk vs rate-limited HTTP, with and without fetch ahead
+    python launch/bench.py mae             # an MAE step against a supervised one on the same ViT-B/16
     python launch/bench.py all             # every benchmark (gpu only where there is a GPU), then render
     python launch/bench.py render          # docs/benchmarks.md from results/benchmarks.csv
 
@@ -61,6 +62,13 @@ def bench_preemption(args: argparse.Namespace) -> dict[str, Any]:
     return run(args)
 
 
+def bench_mae(args: argparse.Namespace) -> dict[str, Any]:
+    """An MAE training step (75% masked, 8 x 512 decoder) against a supervised one on the same ViT."""
+    from benchmarks.mae import bench_mae as run
+
+    return run(args)
+
+
 def bench_model(args: argparse.Namespace) -> dict[str, Any]:
     """Training step images/s and MFU, ours vs timm's VisionTransformer (same config and optimizer)."""
     from benchmarks.cli import run_model
@@ -93,7 +101,7 @@ def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
 
 BENCHES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "loader": bench_loader, "model": bench_model, "engine": bench_engine, "e2e": bench_e2e, "gpu": bench_gpu,
-    "preemption": bench_preemption, "scale": bench_scale, "fetch": bench_fetch,
+    "preemption": bench_preemption, "scale": bench_scale, "fetch": bench_fetch, "mae": bench_mae,
 }
 
 
@@ -107,7 +115,7 @@ def _bench_args(module: str, name: str) -> Callable[[argparse.ArgumentParser], N
 
 ARGS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "loader": _bench_args("loader", "loader"), "preemption": _bench_args("preemption", "preemption"),
-    "scale": _bench_args("scale", "scale"), "fetch": _bench_args("fetch", "fetch"),
+    "scale": _bench_args("scale", "scale"), "fetch": _bench_args("fetch", "fetch"), "mae": _bench_args("mae", "mae"),
     **{name: _bench_args("cli", name) for name in ("model", "engine", "e2e", "gpu")}}
 
 

@@ -180,3 +180,20 @@ def test_probe_freezes_the_encoder_and_trains_a_batchnorm_linear_head(tmp_path, 
     assert isinstance(bn, torch.nn.BatchNorm1d) and not bn.affine and bn.eps == 1e-6
     torch.testing.assert_close(vit.blocks[0].attn.qkv.weight, mae.blocks[0].attn.qkv.weight)
     assert vit(torch.randn(4, 3, 32, 32)).shape == (4, 10)
+
+
+def test_mae_bench_times_both_steps_and_predicts_the_ratio():
+    import argparse
+
+    from benchmarks.mae import bench_mae
+    from pipeline.model.mae import mae_flops, mae_kwargs
+    from pipeline.model.vit import model_flops, variant_kwargs
+
+    figures = bench_mae(argparse.Namespace(mae_variant="vit_ti16", mae_res=32, mae_batch=2, mae_steps=1,
+                                           mae_windows=1))
+    assert figures["mae"]["step_ms"] > 0 and figures["supervised"]["step_ms"] > 0
+    assert figures["mae_vs_supervised"] == pytest.approx(figures["mae"]["step_ms"] / figures["supervised"]["step_ms"],
+                                                         rel=0.01)
+    predicted = mae_flops(mae_kwargs("vit_ti16", img_size=32)) / model_flops(
+        variant_kwargs("vit_ti16", img_size=32, num_classes=1000))
+    assert figures["flop_ratio"] == pytest.approx(predicted, abs=1e-3)
