@@ -5,7 +5,7 @@ No Docker engine or registry here: buildah builds the real Dockerfile on a deboo
 (docker/cpu-base.Dockerfile, torch as constraints.txt pins it) and `buildah run --isolation chroot`
 runs commands in the image's file system (`podman run` cannot start a container in this sandbox).
 Skips with one line where buildah, podman or debootstrap are missing (tests/container/install_podman.sh,
-called by `make test`, installs them as root). Cold, about 21 minutes on 2 busy cores (debootstrap, a
+called by `make test`, installs them as root). Cold, about 30 minutes on 2 busy cores (debootstrap, a
 CUDA torch from PyPI, the dependencies, DeepSpeed's JIT op); with only code changed, about 4 minutes
 (the COPY layers and the run). Measurements: docker/README.md.
 """
@@ -166,3 +166,33 @@ def test_demo_trains_inside_the_image(image, container):
         logged = con.execute("SELECT COUNT(*) FROM metrics WHERE run_uuid = ?", (runs[0][0],)).fetchone()[0]
     assert logged > 0
     assert any((work / "mlruns").rglob("config.yaml")), "MLflow artifacts (the run's config) missing"
+
+
+MOUNTED_CHECKOUT = """
+import runpy, sys
+sys.argv = ["launch/make_shards.py", "--source", "synthetic", "--out", "/tmp/shards", "--num-samples", "64",
+            "--num-classes", "4", "--size", "16", "--no-progress"]
+try:
+    runpy.run_path("launch/make_shards.py", run_name="__main__")
+except SystemExit as e:
+    assert not e.code, e.code
+print(sys.executable, sys.modules["pipeline.data.shards"].__file__)
+"""
+
+
+def test_image_python_runs_a_mounted_checkout(image):
+    """enroot/pyxis (--container-mounts=$PWD:$PWD --container-workdir=$PWD, as the calling user) and
+    Apptainer run the image's Python on the submitted checkout (docker/README.md): launch/*.py must
+    import that checkout's pipeline, not the copy in the image."""
+    owner = ROOT.stat()
+    box = Container(image, volumes=(f"{ROOT}:{ROOT}:ro",))
+    try:
+        out = _run(["buildah", "run", "--isolation", "chroot", "--user", f"{owner.st_uid}:{owner.st_gid}",
+                    "--workingdir", str(ROOT), *box.volumes, box.name, "--", "python", "-c", MOUNTED_CHECKOUT],
+                   timeout=600).stdout
+        assert (box.root / "tmp/shards/dataset.json").is_file(), out
+    finally:
+        box.remove()
+    python, module = out.split()[-2:]
+    assert python == "/opt/venv/bin/python", python   # the image's (docker/cpu-base.Dockerfile's venv)
+    assert module == str(ROOT / "pipeline/data/shards.py"), module
