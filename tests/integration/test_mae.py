@@ -89,6 +89,19 @@ def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_
     assert "ignoring parameters the model does not have" in ft.stdout and "decoder_pred.weight" in ft.stdout
     assert weights(ft_dir)["pos_embed"].shape == (1, 65, 32)  # 8x8 grid + class token
 
+    # And a linear probe trains only its head on the frozen encoder.
+    probe_dir = tmp_path / "probe"
+    probe = run("finetune.py", "configs/finetune/demo.yaml",
+                [*TINY, f"data.path={shards}", f"run.dir={probe_dir}", "train.steps=2", "train.eval_every=0",
+                 "deepspeed.bf16=false"],  # frozen weights stay as loaded (bf16 would round them)
+                ranks=1, extra=["--from", str(run_dir), "--res", "16", "--probe"])
+    assert probe.returncode == 0, probe.stdout[-3000:] + probe.stderr[-3000:]
+    assert "linear probe:" in probe.stdout
+    probed = weights(probe_dir)
+    assert_same_weights({k: v for k, v in probed.items() if k.startswith("blocks.")},
+                        {k: v for k, v in exported.items() if k.startswith("blocks.")})  # the encoder did not move
+    assert "head.1.weight" in probed
+
 
 def test_mae_at_zero3_with_gradient_checkpointing_trains_on_label_free_shards(label_free, tmp_path):
     run_dir = tmp_path / "zero3"
