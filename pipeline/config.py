@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
+from pipeline.derived import accumulation_steps, deepspeed_config, image_size, resolve_batch  # noqa: F401 (re-exported)
 from pipeline.typed_yaml import ConfigError, describe, from_tree, parse_override, set_dotted  # noqa: F401 (re-exported)
 
 # ----------------------------------------------------------------------------- sections
@@ -385,70 +386,6 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[prefix + k] = v
     return out
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def accumulation_steps(global_batch: int, world_size: int, micro: int) -> int:
-    """The micro batches per rank that make `global_batch` on `world_size` ranks; ConfigError naming the
-    numbers when the layout cannot make it. The one place the layout arithmetic lives (the train loader
-    calls it too)."""
-    if global_batch % (micro * world_size):
-        raise ConfigError(f"train.global_batch_size={global_batch} is not a multiple of train.micro_batch_size="
-                          f"{micro} x world size {world_size} = {micro * world_size}; pick a micro batch that "
-                          f"divides {global_batch // world_size if global_batch % world_size == 0 else global_batch}")
-    return global_batch // (micro * world_size)
-
-
-def resolve_batch(train: TrainConfig, world_size: int) -> tuple[int, int]:
-    """(global batch, accumulation steps) on `world_size` ranks; ConfigError naming the numbers if the
-    layout cannot make the global batch."""
-    m = train.micro_batch_size
-    if train.global_batch_size is None:
-        accum = train.grad_accum_steps or 1
-        return m * accum * world_size, accum
-    g = train.global_batch_size
-    accum = accumulation_steps(g, world_size, m)
-    if train.grad_accum_steps is not None and train.grad_accum_steps != accum:
-        raise ConfigError(f"train.grad_accum_steps={train.grad_accum_steps} contradicts train.global_batch_size={g} "
-                          f"/ (micro_batch_size {m} x world size {world_size}) = {accum}; leave it unset")
-    return g, accum
-
-
-def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed JSON config, derived: train_batch_size = the global batch (see `resolve_batch`)."""
-    ds, train = cfg.deepspeed, cfg.train
-    zero: dict[str, Any] = {"stage": ds.zero_stage}
-    if ds.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu"}
-    if ds.offload_params:
-        zero["offload_param"] = {"device": "cpu"}
-    out = {
-        "train_micro_batch_size_per_gpu": train.micro_batch_size,
-        "gradient_accumulation_steps": resolve_batch(train, world_size)[1],
-        "train_batch_size": resolve_batch(train, world_size)[0],
-        "gradient_clipping": train.grad_clip,
-        "bf16": {"enabled": ds.bf16},
-        "zero_optimization": zero,
-        # ZeRO wraps any torch optimizer correctly; DeepSpeed only whitelists Adam(W)/Lamb by name.
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,  # we log ourselves
-        "wall_clock_breakdown": False,
-    }
-    return _merge(out, ds.extra)
-
-
-def image_size(img_size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
-    """224 -> (224, 224); [384, 512] -> (384, 512)."""
-    if isinstance(img_size, int):
-        return (img_size, img_size)
-    h, w = img_size
-    return (int(h), int(w))
 
 
 def load_or_exit(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
