@@ -37,7 +37,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeline launch benchmarks tests
 	$(VENV)/bin/hadolint docker/Dockerfile docker/cpu-base.Dockerfile
-	$(VENV)/bin/shellcheck -S warning slurm/*.sh launch/*.sh docker/*.sh tests/cluster/*.sh tests/container/*.sh
+	$(VENV)/bin/shellcheck -S warning slurm/*.sh launch/*.sh docker/*.sh tests/*.sh tests/cluster/*.sh tests/container/*.sh
 
 # Every benchmark: one row each in results/benchmarks.csv, then docs/benchmarks.md rendered from it.
 bench: $(STAMP)

@@ -19,10 +19,11 @@ object), so rows from different machines and versions can be compared.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -30,106 +31,60 @@ from benchmarks.render import DOCS_PAGE, render_page  # noqa: E402
 from benchmarks.results import RESULTS_CSV, ROOT, append_result, print_table  # noqa: E402
 
 # ----------------------------------------------------------------------------- the benchmarks
-# Each lives in benchmarks/ (flags, presets and tables of model/engine/e2e/gpu in benchmarks/cli.py);
-# each `bench_<name>(args) -> dict` returns the figures and `main` appends the row.
+# Each lives in benchmarks/ and is imported only when it runs: name -> (module, function, flags
+# function, one-line help). The function takes the parsed flags (and `print_table` where it prints
+# a table) and returns the figures; `main` appends the row. model/engine/e2e/gpu share benchmarks/cli.py.
 
 
-def bench_loader(args: argparse.Namespace) -> dict[str, Any]:
-    """Train stream vs torchvision ImageFolder vs the decode+transform ceiling, images/s."""
-    from benchmarks.loader import bench_loader as run
-
-    return run(args)
-
-
-def bench_scale(args: argparse.Namespace) -> dict[str, Any]:
-    """What 1, 2, 4, ... N nodes fetch and read per epoch: the real order and partitions, no data."""
-    from benchmarks.scale import bench_scale as run
-
-    return run(args)
+class Bench(NamedTuple):
+    module: str
+    function: str
+    add_args: str
+    help: str
+    prints_table: bool = False  # the function takes `print_table` as its second argument
 
 
-def bench_fetch(args: argparse.Namespace) -> dict[str, Any]:
-    """Training steps fed from local disk vs rate-limited HTTP with and without fetch ahead: images/s, data wait."""
-    from benchmarks.fetch import bench_fetch as run
-
-    return run(args, print_table)
-
-
-def bench_preemption(args: argparse.Namespace) -> dict[str, Any]:
-    """The per-step preemption agreement (one all-reduce of a flag over a CPU group), in microseconds."""
-    from benchmarks.preemption import bench_preemption as run
-
-    return run(args)
-
-
-def bench_mae(args: argparse.Namespace) -> dict[str, Any]:
-    """An MAE training step (75% masked, 8 x 512 decoder) against a supervised one on the same ViT."""
-    from benchmarks.mae import bench_mae as run
-
-    return run(args)
-
-
-def bench_model(args: argparse.Namespace) -> dict[str, Any]:
-    """Training step images/s and MFU, ours vs timm's VisionTransformer (same config and optimizer)."""
-    from benchmarks.cli import run_model
-
-    return run_model(args, print_table)
-
-
-def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
-    """DeepSpeed ZeRO 0-3 step vs a plain PyTorch loop (same model, optimizer, dtype); check_finite cost."""
-    from benchmarks.cli import run_engine
-
-    return run_engine(args, print_table)
-
-
-def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
-    """Shards -> train loader -> DeepSpeed step vs synthetic tensors on the device: does data keep up?"""
-    from benchmarks.cli import run_e2e
-
-    return run_e2e(args, print_table)
-
-
-def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
-    """GPU figures: training MFU of B/16 and L/16, end to end from JPEG shards, bf16 and nvjpeg checks."""
-    from benchmarks.cli import run_gpu
-
-    return run_gpu(args, print_table)
-
-
-# ----------------------------------------------------------------------------- dispatcher
-
-BENCHES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "loader": bench_loader, "model": bench_model, "engine": bench_engine, "e2e": bench_e2e, "gpu": bench_gpu,
-    "preemption": bench_preemption, "scale": bench_scale, "fetch": bench_fetch, "mae": bench_mae,
+BENCHES: dict[str, Bench] = {
+    "loader": Bench("loader", "bench_loader", "add_loader_args",
+                    "Train stream vs torchvision ImageFolder vs the decode+transform ceiling, images/s."),
+    "model": Bench("cli", "run_model", "add_model_args", "Training step images/s and MFU, ours vs timm's "
+                   "VisionTransformer (same config and optimizer).", prints_table=True),
+    "engine": Bench("cli", "run_engine", "add_engine_args", "DeepSpeed ZeRO 0-3 step vs a plain PyTorch loop "
+                    "(same model, optimizer, dtype); check_finite cost.", prints_table=True),
+    "e2e": Bench("cli", "run_e2e", "add_e2e_args", "Shards -> train loader -> DeepSpeed step vs synthetic tensors "
+                 "on the device: does data keep up?", prints_table=True),
+    "gpu": Bench("cli", "run_gpu", "add_gpu_args", "GPU figures: training MFU of B/16 and L/16, end to end from "
+                 "JPEG shards, bf16 and nvjpeg checks.", prints_table=True),
+    "preemption": Bench("preemption", "bench_preemption", "add_preemption_args", "The per-step preemption "
+                        "agreement (one all-reduce of a flag over a CPU group), in microseconds."),
+    "scale": Bench("scale", "bench_scale", "add_scale_args", "What 1, 2, 4, ... N nodes fetch and read per "
+                   "epoch: the real order and partitions, no data."),
+    "fetch": Bench("fetch", "bench_fetch", "add_fetch_args", "Training steps fed from local disk vs "
+                   "rate-limited HTTP with and without fetch ahead: images/s, data wait.", prints_table=True),
+    "mae": Bench("mae", "bench_mae", "add_mae_args", "An MAE training step (75% masked, 8 x 512 decoder) against "
+                 "a supervised one on the same ViT."),
 }
 
 
-def _bench_args(module: str, name: str) -> Callable[[argparse.ArgumentParser], None]:
-    def add(p: argparse.ArgumentParser) -> None:
-        import importlib
-
-        getattr(importlib.import_module(f"benchmarks.{module}"), f"add_{name}_args")(p)
-    return add
+def _function(name: str, attr: str) -> Callable[..., Any]:
+    return getattr(importlib.import_module(f"benchmarks.{BENCHES[name].module}"), attr)
 
 
-ARGS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
-    "loader": _bench_args("loader", "loader"), "preemption": _bench_args("preemption", "preemption"),
-    "scale": _bench_args("scale", "scale"), "fetch": _bench_args("fetch", "fetch"), "mae": _bench_args("mae", "mae"),
-    **{name: _bench_args("cli", name) for name in ("model", "engine", "e2e", "gpu")}}
+def run_bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run benchmark `name` with the parsed flags; its figures."""
+    fn = _function(name, BENCHES[name].function)
+    return fn(args, print_table) if BENCHES[name].prints_table else fn(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-csv", action="store_true", help=f"do not append to {RESULTS_CSV.relative_to(ROOT)}")
     sub = p.add_subparsers(dest="bench", required=True)
-    for name in BENCHES:
-        sp = sub.add_parser(name, help=(BENCHES[name].__doc__ or name).strip().splitlines()[0])
-        if name in ARGS:
-            ARGS[name](sp)
+    for name, bench in BENCHES.items():
+        _function(name, bench.add_args)(sub.add_parser(name, help=bench.help))
     sp = sub.add_parser("all", help="every implemented benchmark with its defaults, then `render`")
-    for add in ARGS.values():
-        add(sp)
+    for name, bench in BENCHES.items():
+        _function(name, bench.add_args)(sp)
     sub.add_parser("render", help=f"write {DOCS_PAGE.relative_to(ROOT)} from {RESULTS_CSV.relative_to(ROOT)}")
     return p
 
@@ -143,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         print(f"== bench {name}")
         try:
-            figures = BENCHES[name](args)
+            figures = run_bench(name, args)
         except NotImplementedError as e:
             print(f"skipped: {e}")
             if args.bench != "all":

@@ -130,9 +130,14 @@ def finished_pretrain_runs(runs: Path = RUNS) -> list[Path]:
 
 def recorded_finetune_source(run_dir: Path | None) -> str | None:
     """The source a fine-tune run recorded at its first start (RUN_DIR/config.yaml's finetune.source)."""
-    if run_dir is None or _run_kind(run_dir) != "finetune":
+    if run_dir is None:
         return None
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    try:  # read once: the kind and the source come from the same file
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(cfg, dict) or (cfg.get("run") or {}).get("kind", "pretrain") != "finetune":
+        return None
     return (cfg.get("finetune") or {}).get("source")
 
 

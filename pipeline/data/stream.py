@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import count
 from typing import Any
 
@@ -54,8 +54,12 @@ class TrainStream(IterableDataset):
     """Runs in each DataLoader worker (or the main process): yields this rank's micro batches."""
 
     def __init__(self, split: SplitInfo, cfg: DataConfig, img_size: tuple[int, int], micro: int, accum: int,
-                 seed: int, rank: int, world_size: int, num_classes: int, label_key: str, ids_only: bool = False):
+                 seed: int, rank: int, world_size: int, num_classes: int, label_key: str, ids_only: bool = False,
+                 per_batch: Callable[[range], np.ndarray] | None = None):
         super().__init__()
+        # An array computed from each micro batch's global positions where the batch is built (a
+        # DataLoader worker), not on the training thread: MAE's per-sample mask noise.
+        self.per_batch = per_batch
         self.shards, self.counts = list(split.shards), list(split.shard_counts)
         self.shard_bytes = list(split.shard_bytes or [None] * len(self.shards))
         self.shard_sha256 = list(split.shard_sha256 or [None] * len(self.shards))
@@ -91,6 +95,8 @@ class TrainStream(IterableDataset):
         out: dict[str, Any] = {"j": j, "ids": np.asarray(ids, dtype=np.int64)}
         if self.ids_only:
             return out
+        if self.per_batch is not None:
+            out["per_batch"] = self.per_batch(positions)
         if self._indexes is None:
             self._indexes = Indexes(self.cfg.cache_dir, self.cfg.cache_limit_gb)
         counters = Counters()
@@ -174,6 +180,7 @@ class TrainLoader:
         self._counters = Counters()  # this rank's, plus (rank 0) the counts restored from a checkpoint
         self.last_ids: torch.Tensor | None = None
         self.last_positions: range | None = None
+        self.last_per_batch: torch.Tensor | None = None  # stream.per_batch of the last micro batch
         self.decoder = (GpuBatchDecoder(stream.img_size, cfg.mean, cfg.std, cfg.interpolation)
                         if stream.gpu_decode else None)
 
@@ -214,7 +221,8 @@ class TrainLoader:
         if self.fetcher is not None and self._j % self.accum == 0:
             self.fetcher.advance(self._j // self.accum)
         self.last_ids = torch.from_numpy(item["ids"])
-        self.last_positions = self.stream.positions(item["j"])  # global positions of this micro batch (MAE's masks)
+        self.last_positions = self.stream.positions(item["j"])  # global positions of this micro batch
+        self.last_per_batch = torch.from_numpy(item["per_batch"]) if "per_batch" in item else None
         if self.stream.ids_only:
             return self.last_ids, self.last_ids
         self._add(item["counters"])

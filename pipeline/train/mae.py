@@ -11,6 +11,8 @@ patches on 1 GPU or 64, with any micro batch, and after a resume. Validation mas
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +50,31 @@ def mask_noise(namespace: int, seed: int, positions, num_patches: int) -> torch.
     """(len(positions), num_patches) float64 uniform noise, row i a function of (namespace, seed,
     positions[i]) only. float64: ties among 196 float32 draws happen about once per thousand images, and
     argsort breaks ties differently on different devices."""
-    rows = [np.random.Generator(np.random.PCG64(np.random.SeedSequence([namespace, seed, int(p)])))
-            .random(num_patches) for p in positions]
-    return torch.from_numpy(np.stack(rows))
+    return torch.from_numpy(noise_rows(namespace, seed, positions, num_patches))
+
+
+def noise_rows(namespace: int, seed: int, positions, num_patches: int) -> np.ndarray:
+    """`mask_noise` as a NumPy array: what DataLoader workers compute with each batch (`train_noise_fn`)."""
+    return np.stack([np.random.Generator(np.random.PCG64(np.random.SeedSequence([namespace, seed, int(p)])))
+                     .random(num_patches) for p in positions])
 
 
 def train_noise(seed: int, positions, num_patches: int) -> torch.Tensor:
     """The noise of the training samples at these global positions (the mask: the smallest 25% kept)."""
     return mask_noise(MASK, seed, positions, num_patches)
+
+
+def num_patches(model_kwargs: dict[str, Any]) -> int:
+    """Patches per image of a `MaskedAutoencoderViT(**model_kwargs)`: the width of each noise row."""
+    size, p = model_kwargs["img_size"], model_kwargs["patch_size"]
+    h, w = (size, size) if isinstance(size, int) else size
+    return (h // p) * (w // p)
+
+
+def train_noise_fn(seed: int, num_patches: int) -> Callable[[range], np.ndarray]:
+    """`train_noise` for the train loader's workers (`build_train_loader(per_batch=...)`): about 8 ms per
+    256 samples of SeedSequence work that stays off the training thread."""
+    return functools.partial(noise_rows, MASK, seed, num_patches=num_patches)
 
 
 def eval_noise(seed: int, indices, num_patches: int) -> torch.Tensor:

@@ -113,7 +113,9 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
     train_data = mae.label_free(cfg.data) if is_mae else cfg.data
     train_loader = build_train_loader(train_data, img_size, cfg.train.micro_batch_size, seed=cfg.train.seed,
                                       rank=env.rank, world_size=env.world_size, info=info,
-                                      global_batch_size=resolve_batch(cfg.train, env.world_size)[0])
+                                      global_batch_size=resolve_batch(cfg.train, env.world_size)[0],
+                                      per_batch=mae.train_noise_fn(cfg.train.seed, mae.num_patches(model_kwargs))
+                                      if is_mae else None)
     eval_batch = cfg.train.eval_batch_size or cfg.train.micro_batch_size
     labelled = info.num_classes > 0
     eval_data = mae.label_free(cfg.data) if is_mae and not labelled else cfg.data
@@ -230,7 +232,7 @@ def micro_batch_loss(s: Setup, cfg: Config, data, meter: ThroughputMeter, guard:
         images, targets = s.train_loader.to_device(images, targets, s.engine.device, s.dtype)  # data.decode_device
         if s.is_mae:
             # The mask of each sample is a function of its global position: the same on any layout.
-            noise = mae.train_noise(cfg.train.seed, s.train_loader.last_positions, s.engine.module.patch_embed.num_patches)
+            noise = s.train_loader.last_per_batch  # drawn in the loader's workers (mae.train_noise_fn)
             loss = s.engine(images, mask_ratio=cfg.mae.mask_ratio, noise=noise.to(s.engine.device))[0].float()
         else:
             loss = loss_fn(s.engine(images).float(), targets, cfg.data.label_smoothing)

@@ -205,7 +205,7 @@ def test_cli_model_runs_and_prints_a_table(capsys):
 @pytest.mark.dist
 def test_preemption_bench_runs_two_ranks_and_returns_the_agreement_cost(capsys):
     bench = _launch_bench()
-    figures = bench.bench_preemption(bench.build_parser().parse_args(["preemption"]))
+    figures = bench.run_bench("preemption", bench.build_parser().parse_args(["preemption"]))
     assert figures["ranks"] == 2 and figures["calls"] == 2000
     assert 0 < figures["median_us"] <= figures["p90_us"] < 1e6  # an all-reduce of one int: well under a second
     assert "median us" in capsys.readouterr().out

@@ -3,6 +3,7 @@ any layout and after a resume), label-free shards, the k-NN vote."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import tarfile
 from pathlib import Path
@@ -16,7 +17,7 @@ from pipeline.config import ConfigError, DataConfig, load_config
 from pipeline.data import build_train_loader, read_dataset_info
 from pipeline.data.shards import index_shards, synthetic_source, write_dataset
 from pipeline.data.sources import folder_source
-from pipeline.train.mae import eval_noise, knn_top1, mae_model_kwargs, train_noise
+from pipeline.train.mae import eval_noise, knn_top1, mae_model_kwargs, train_noise, train_noise_fn
 
 
 def test_config_selects_the_objective_and_builds_the_papers_decoder():
@@ -85,6 +86,19 @@ def test_a_samples_mask_is_the_same_on_1_and_2_ranks_and_after_a_resume(tmp_path
     resumed = masks_by_sample(cfg, 2, 2, 5, G, start_step=3)  # resumed at step 3 on another micro batch
     assert {s: one[s] for s in (3, 4)} == resumed
     assert one[0] != one[1]
+
+
+def test_the_workers_draw_the_noise_the_trainer_would(tmp_path):
+    """The trainer takes each micro batch's mask noise from the loader (drawn in its DataLoader workers,
+    off the training thread): row for row what train_noise gives for the batch's positions."""
+    cfg = dataclasses.replace(id_shards(tmp_path), num_workers=2)
+    loader = build_train_loader(cfg, 8, 4, seed=3, global_batch_size=8, per_batch=train_noise_fn(3, 4))
+    try:
+        for _ in range(5):
+            next(loader)
+            assert torch.equal(loader.last_per_batch, train_noise(3, loader.last_positions, 4))
+    finally:
+        loader.close()
 
 
 def png_bytes(seed: int) -> bytes:
