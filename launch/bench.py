@@ -61,7 +61,7 @@ BENCHES: dict[str, Bench] = {
                    "epoch: the real order and partitions, no data."),
     "fetch": Bench("fetch", "bench_fetch", "add_fetch_args", "Training steps fed from local disk vs "
                    "rate-limited HTTP with and without fetch ahead: images/s, data wait.", prints_table=True),
-    "mae": Bench("mae", "bench_mae", "add_mae_args", "An MAE training step (75% masked, 8 x 512 decoder) against "
+    "mae": Bench("mae", "bench_mae", "add_mae_args", "An MAE training step (75%% masked, 8 x 512 decoder) against "
                  "a supervised one on the same ViT."),
 }
 

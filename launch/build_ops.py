@@ -7,6 +7,7 @@ warning) at install time and no training or test run pays for (or is killed in t
 build, which would leave a lock file that every later run waits on. Equivalent to DeepSpeed's `DS_BUILD_CPU_ADAM=1 pip install`.
 """
 
+import argparse
 import time
 
 from deepspeed.accelerator import get_accelerator
@@ -34,4 +35,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -5,6 +5,7 @@
     python launch/config_reference.py --update  # rewrite the table in docs/configuration.md
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -25,10 +26,10 @@ def update_page(path: Path = PAGE) -> None:
 
 
 if __name__ == "__main__":
-    if "--update" in sys.argv[1:]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--update", action="store_true", help=f"rewrite the table in {PAGE.relative_to(PAGE.parents[1])}")
+    if parser.parse_args().update:
         update_page()
         print(f"wrote the reference table in {PAGE}")
-    elif sys.argv[1:]:
-        sys.exit(f"error: unknown argument(s) {' '.join(sys.argv[1:])}; usage: python launch/config_reference.py [--update]")
     else:
         print(reference_markdown())

@@ -24,6 +24,7 @@ from pipeline.data.shards import (  # noqa: E402
     digits_source,
     folder_source,
     index_shards,
+    keep_train_fraction,
     synthetic_source,
     write_dataset,
 )
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-fraction", type=float, default=None,
                    help="held-out fraction per class (default: 0.2 for digits/synthetic, 0.1 for a folder "
                         "without val/)")
+    p.add_argument("--train-fraction", type=float, default=None,
+                   help="keep this fraction of each class of the train split, the validation split whole "
+                        "(a few-label fine-tune: 0.1 for 10%% of the labels)")
     p.add_argument("--seed", type=int, default=0, help="split and shuffle seed (default 0)")
     p.add_argument("--workers", type=int, default=1, help="processes encoding images (default 1)")
     p.add_argument("--overwrite", action="store_true", help="replace shards and dataset.json already in --out")
@@ -81,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= (args.val_fraction or 0) < 1:
             raise DataError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
         if kind == "shards":
+            if args.train_fraction is not None:
+                raise DataError("--train-fraction writes a subset; shards:PATTERN only indexes shards in place")
             splits = {args.split: arg}
             if args.val_shards:
                 splits["val"] = args.val_shards
@@ -104,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             raise DataError(f"unknown --source '{args.source}'; expected folder:PATH, digits, synthetic or "
                             f"shards:PATTERN")
+        if args.train_fraction is not None:
+            source = keep_train_fraction(source, args.train_fraction, args.seed)
         write_dataset(source, args.out, args.max_samples_per_shard, args.max_bytes_per_shard, args.seed,
                       args.workers, args.overwrite, progress=not args.no_progress)
     except DataError as e:

@@ -46,6 +46,7 @@ from .sources import (  # noqa: F401 (re-exported: the writers' inputs)
     Source,
     digits_source,
     folder_source,
+    keep_train_fraction,
     stratified_split,
     synthetic_image,
     synthetic_source,

@@ -56,6 +56,22 @@ def stratified_split(labels: Sequence[int], val_fraction: float, seed: int) -> t
     return sorted(train), sorted(val)
 
 
+def keep_train_fraction(source: Source, fraction: float, seed: int) -> Source:
+    """The source with `fraction` of each class of its train split kept (seeded, at least one image per
+    class), the other splits whole: the few labels of a semi-supervised fine-tune (`make demo-mae`)."""
+    if not 0 < fraction <= 1:
+        raise DataError(f"--train-fraction must be in (0, 1], got {fraction}")
+    items = source.splits["train"]
+    # stratified_split puts round(f x n) of each class on its "val" side: that side is what is kept.
+    _, kept = stratified_split([it.label for it in items], fraction, seed)
+    counts = {it.label for it in items}
+    kept_labels = {items[i].label for i in kept}
+    kept += [next(i for i, it in enumerate(items) if it.label == c) for c in sorted(counts - kept_labels)]
+    splits = dict(source.splits, train=[items[i] for i in sorted(kept)])
+    return Source(f"{source.name}, {fraction:g} of train", source.class_names, splits, source.encode,
+                  source.image_format)
+
+
 # digits ---------------------------------------------------------------------
 
 
