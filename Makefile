@@ -1,4 +1,4 @@
-# make demo | test | lint | bench. The first target run creates .venv from constraints.txt;
+# make demo | demo-mae | test | lint | bench. The first target run creates .venv from constraints.txt;
 # later runs reuse it (re-installed only when pyproject.toml or constraints.txt change).
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 # checkout: two checkouts sharing ~/.cache/torch_extensions rebuild each other's ops mid-run.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: venv test test-fast lint bench demo clean
+.PHONY: venv test test-fast lint bench demo demo-mae clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ bench: $(STAMP)
 
 demo: $(STAMP)
 	bash launch/demo.sh
+
+# MAE on the digits without labels, then fine-tuned with 10% of them against the same from scratch.
+demo-mae: $(STAMP)
+	bash launch/demo_mae.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

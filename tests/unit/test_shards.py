@@ -24,6 +24,7 @@ from pipeline.data.shards import (
     expand_shards,
     folder_source,
     index_shards,
+    keep_train_fraction,
     synthetic_source,
     write_dataset,
 )
@@ -114,6 +115,24 @@ def test_digits_source_has_1797_samples_10_classes_and_a_stratified_split(tmp_pa
     assert abs(len(val) - 0.2 * 1797) < 10 and labels.min() >= 33  # ~20% of each class (174-183 per class)
     pixels, _ = next(iter(val.values()))
     assert pixels.shape == (32, 32, 3)
+
+
+def test_train_fraction_keeps_that_share_of_each_class_and_the_whole_val_split() -> None:
+    full = digits_source(size=8)
+    kept = keep_train_fraction(full, 0.1, seed=0)
+    assert kept.splits["val"] == full.splits["val"]
+    full_counts = np.bincount([it.label for it in full.splits["train"]], minlength=10)
+    kept_counts = np.bincount([it.label for it in kept.splits["train"]], minlength=10)
+    assert (kept_counts == np.round(0.1 * full_counts)).all() and kept_counts.sum() == 143
+    refs = {it.ref for it in full.splits["train"]}
+    assert {it.ref for it in kept.splits["train"]} <= refs  # a subset of the train split: val never leaks in
+    assert [it.ref for it in keep_train_fraction(full, 0.1, seed=0).splits["train"]] == \
+        [it.ref for it in kept.splits["train"]]  # seeded
+    tiny = keep_train_fraction(full, 0.001, seed=0)  # round(0.001 x ~144) = 0: still one image per class
+    assert sorted(it.label for it in tiny.splits["train"]) == list(range(10))
+    for bad in (0.0, 1.5):
+        with pytest.raises(DataError, match="--train-fraction"):
+            keep_train_fraction(full, bad, seed=0)
 
 
 def test_synthetic_source_is_deterministic(tmp_path: Path) -> None:
