@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make demo`: the whole pipeline on the built-in handwritten digits (scikit-learn, 1,797 real images),
-# CPU only: shards -> DeepSpeed pretraining (2 ranks, ZeRO-1, bf16) -> fine-tuning at twice the
+# CPU only: shards -> DeepSpeed pretraining (2 ranks, ZeRO-1, fp32) -> fine-tuning at twice the
 # resolution -> both runs in MLflow. A few minutes on a 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -12,20 +12,20 @@ so a plain ``mlflow ui`` there shows every run. The run directory is the record:
 only writes metrics.jsonl and tracking.json; a background thread copies them to MLflow (`_Syncer`,
 progress per URI in mlflow_sync.json), says once when the server is down and catches up when it is
 back. ``python launch/sync_mlflow.py RUN_DIR`` sends what a job could not (nothing twice). A requeued
-job continues the run in RUN_DIR/mlflow_run_id; a param changed on resume becomes tag ``param_override.<key>``.
+job continues the run named in RUN_DIR/mlflow_sync.json; a param changed on resume becomes tag ``param_override.<key>``.
 """
 
 from pipeline.tracking.sync import (
     METRICS_FILE,
     RECORD_FILE,
-    RUN_ID_FILE,
     SYNC_FILE,
     UI_COMMAND,
+    recorded_run_id,
     sync_run_dir,
     tracking_uri,
     ui_hint,
 )
 from pipeline.tracking.tracker import Tracker, default_tags, start_tracking
 
-__all__ = ["METRICS_FILE", "RECORD_FILE", "RUN_ID_FILE", "SYNC_FILE", "UI_COMMAND", "Tracker", "default_tags",
-           "start_tracking", "sync_run_dir", "tracking_uri", "ui_hint"]
+__all__ = ["METRICS_FILE", "RECORD_FILE", "SYNC_FILE", "UI_COMMAND", "Tracker", "default_tags",
+           "recorded_run_id", "start_tracking", "sync_run_dir", "tracking_uri", "ui_hint"]

@@ -1,8 +1,9 @@
 """Copying a run directory to an MLflow store: what the live tracker's background thread does, and what
 `python launch/sync_mlflow.py RUN_DIR` does later for what a job could not send.
 
-The run directory is the record (metrics.jsonl, tracking.json, mlflow_run_id); per tracking URI,
-mlflow_sync.json says how much of it that store has, so nothing is sent twice.
+The run directory is the record (metrics.jsonl, tracking.json); per tracking URI, mlflow_sync.json
+holds the run's id in that store and how much of the record it has, so nothing is sent twice. It is
+the one place a run id is kept (`recorded_run_id`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import yaml
 
 METRICS_FILE = "metrics.jsonl"
 RECORD_FILE = "tracking.json"
-RUN_ID_FILE = "mlflow_run_id"
 SYNC_FILE = "mlflow_sync.json"
 DEFAULT_DB = "mlflow.db"  # MLflow's own default store (mlflow.store.tracking.DEFAULT_TRACKING_URI)
 UI_COMMAND = "mlflow ui"
@@ -104,11 +104,8 @@ class _Syncer:
         from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException
 
-        client, rec, id_file = MlflowClient(self.uri), self.record(), self.run_dir / RUN_ID_FILE
-        same_store = rec.get("uri") == self.uri
-        candidate = self.entry.get("run_id") or (id_file.read_text().strip() if same_store and id_file.is_file()
-                                                 else None)
-        run = None
+        client, rec = MlflowClient(self.uri), self.record()
+        candidate, run = self.entry.get("run_id"), None
         if candidate:
             try:
                 run = client.get_run(candidate)
@@ -123,17 +120,11 @@ class _Syncer:
             self.entry = self.state[self.uri] = {"run_id": run.info.run_id, "offset": 0, "artifacts": {}}
         else:
             self.resumed = True
-            if self.entry.get("run_id") != run.info.run_id:  # known run, sync state lost: skip what it has
-                skip = {k: max(m.step for m in client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics}
-                self.entry = self.state[self.uri] = {"run_id": run.info.run_id, "offset": 0, "artifacts": {},
-                                                     "skip_upto": skip}
             if self.live and run.info.status != "RUNNING":
                 client.update_run(run.info.run_id, status="RUNNING")
                 self.entry.pop("ended", None)
         self._save()
         self.client, self.run_id, self.experiment_id = client, run.info.run_id, run.info.experiment_id
-        if self.live or same_store or not id_file.exists():  # a replay elsewhere keeps the live store's id
-            id_file.write_text(self.run_id + "\n")
         self._log_params(run.data.params, rec.get("params", {}))
         self.tags_sent = {}
         self._log_tags(rec.get("tags", {}))
@@ -210,14 +201,13 @@ class _Syncer:
         except FileNotFoundError:
             return
         end = data.rfind(b"\n") + 1  # a line being written right now waits for the next round
-        skip, metrics, damaged = self.entry.get("skip_upto", {}), [], []
+        metrics, damaged = [], []
         at = self.entry["offset"]  # byte offset of the current line in metrics.jsonl, to name it
         for line in data[:end].split(b"\n")[:-1]:
             try:
                 row = json.loads(line)
                 step, stamp = int(row["step"]), int(float(row["time"]) * 1000)
-                metrics += [Metric(str(k), float(v), stamp, step) for k, v in row["metrics"].items()
-                            if step > skip.get(k, -1)]
+                metrics += [Metric(str(k), float(v), stamp, step) for k, v in row["metrics"].items()]
             except (ValueError, KeyError, TypeError, AttributeError) as e:  # a damaged line (a disk full, an edit)
                 damaged.append(f"byte {at}: {type(e).__name__}: {line[:80]!r}")
             at += len(line) + 1
@@ -231,6 +221,14 @@ class _Syncer:
                  f"({self.entry['skipped_lines']} in all for {self.uri}); first: {damaged[0]}", err=True)
         self.entry["offset"] += end
         self._save()
+
+
+def recorded_run_id(run_dir: Path | str, uri: str | None = None) -> str | None:
+    """The MLflow run id of RUN_DIR in store `uri` (default: the store its job logged to, tracking.json's
+    "uri"), from mlflow_sync.json; None where that store never answered."""
+    run_dir = Path(run_dir)
+    uri = uri or _read_json(run_dir / RECORD_FILE).get("uri")
+    return _read_json(run_dir / SYNC_FILE).get(uri, {}).get("run_id") if uri else None
 
 
 def sync_run_dir(run_dir: Path | str, uri: str | None = None) -> dict[str, Any]:

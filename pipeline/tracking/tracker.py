@@ -19,20 +19,20 @@ from pipeline.config import Config, flatten, to_dict
 from pipeline.tracking.sync import (
     METRICS_FILE,
     RECORD_FILE,
-    RUN_ID_FILE,
     SYNC_COMMAND,
     _param_value,
     _read_json,
     _say,
     _Syncer,
     _write_json,
+    recorded_run_id,
     tracking_uri,
     ui_hint,
 )
 
 
 def _parent_tags(source: str) -> dict[str, str]:
-    """A fine-tune's link to its pretraining run: the source path and the run id found beside it.
+    """A fine-tune's link to its pretraining run: the source path and the run id recorded beside it.
 
     A plain tag, not mlflow.parentRunId: that one nests the fine-tune under its parent in the runs
     table (hidden until expanded), while a tag keeps both as rows to compare side by side."""
@@ -40,8 +40,11 @@ def _parent_tags(source: str) -> dict[str, str]:
     tags, note = {"source_path": str(path)}, f"Fine-tuned from `{path}`."
     here = path if path.is_dir() else path.parent
     for folder in (here, *here.parents[:2]):  # run dir, or a file in it or in its checkpoints/<tag>/
-        if (folder / RUN_ID_FILE).is_file():
-            parent = tags["parent_run_id"] = (folder / RUN_ID_FILE).read_text().strip()
+        # Its id in the store this fine-tune logs to, else in the store it logged to itself.
+        parent = (recorded_run_id(folder, tracking_uri()) or recorded_run_id(folder)
+                  if (folder / RECORD_FILE).is_file() else None)
+        if parent:
+            tags["parent_run_id"] = parent
             tags["parent_run_name"] = str(_read_json(folder / RECORD_FILE).get("run_name", folder.name))
             note = f"Fine-tuned from `{path}` (pretraining run `{parent}`)."
             break

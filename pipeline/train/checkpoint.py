@@ -307,6 +307,13 @@ def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     # Fixed (untrained) tensors that belong to the weights: MAE's sin-cos tables, under Meta's names.
     if hasattr(engine.module, "fp32_buffers"):
         state.update(engine.module.fp32_buffers())
+    # Other persistent buffers as the module holds them (never partitioned, even at ZeRO-3): the linear
+    # probe's BatchNorm statistics, without which its exported head would normalise with (0, 1).
+    for mod_name, mod in engine.module.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                key = f"{mod_name}.{name}" if mod_name else name
+                state.setdefault(key, (buf.float() if buf.is_floating_point() else buf).detach().cpu().clone())
     return state
 
 

@@ -19,7 +19,7 @@ After the engine is built (`restore`, every rank):
   7. The hyperparameters the config changed (`optim.RESUMABLE_HPARAMS`) replace the checkpoint's, named.
   8. The data position (layout-free: the same samples follow on any world size).
   9. Every rank's RNG, on the same world size (on another: the same samples, other dropout draws).
- 10. The MLflow run: `pipeline.tracking` continues the run named in RUN_DIR/mlflow_run_id.
+ 10. The MLflow run: `pipeline.tracking` continues the run named in RUN_DIR/mlflow_sync.json.
 A fine-tune's source is decided once, at its first start, and recorded in RUN_DIR/config.yaml; a restart
 reads it from there (`pipeline.commands.recorded_finetune_source`) and, resuming, loads no source weights.
 """

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.tracking import recorded_run_id
+
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1500)]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,7 +112,7 @@ def test_sbatch_then_finetune_as_typed_then_plain_mlflow(slurm_cluster, digits_s
     pre, tuned = runs.get(pre_dir.name), runs.get(ft_dir.name)
     assert pre and tuned, runs
     assert (pre["status"], tuned["status"]) == ("FINISHED", "FINISHED"), runs
-    assert tuned["tags"]["parent_run_id"] == pre["id"] == (pre_dir / "mlflow_run_id").read_text().strip()
+    assert tuned["tags"]["parent_run_id"] == pre["id"] == recorded_run_id(pre_dir)
     assert re.fullmatch(r"\d+", tuned["tags"].get("slurm_job_id", "0")) and pre["tags"]["slurm_job_id"] == str(job_id)
 
 

@@ -101,6 +101,8 @@ def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_
     assert_same_weights({k: v for k, v in probed.items() if k.startswith("blocks.")},
                         {k: v for k, v in exported.items() if k.startswith("blocks.")})  # the encoder did not move
     assert "head.1.weight" in probed
+    # The probe's BatchNorm statistics are exported with it (2 steps of momentum 0.1 moved them off 0).
+    assert int(probed["head.0.num_batches_tracked"]) > 0 and probed["head.0.running_mean"].abs().sum() > 0
 
 
 def test_mae_at_zero3_with_gradient_checkpointing_trains_on_label_free_shards(label_free, tmp_path):

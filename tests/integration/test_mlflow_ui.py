@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.tracking import recorded_run_id
 from tests.integration.runs import PYTHON, ROOT, free_port, make_synthetic_shards, run
 from tests.ui.screenshot import find_chromium, shoot
 
@@ -90,8 +91,7 @@ def demo(tmp_path_factory) -> Iterator[dict]:
         base = f"http://127.0.0.1:{port}"
         _wait_until_up(proc, base, log)
         yield {"tmp": tmp, "db": db, "pre_dir": pre_dir, "ft_dir": ft_dir, "base": base, "port": port,
-               "pre_id": (pre_dir / "mlflow_run_id").read_text().strip(),
-               "ft_id": (ft_dir / "mlflow_run_id").read_text().strip()}
+               "pre_id": recorded_run_id(pre_dir), "ft_id": recorded_run_id(ft_dir)}
     finally:
         _stop(proc)
 

@@ -6,6 +6,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
+from pipeline.tracking import recorded_run_id
 from tests.integration.runs import PYTHON, ROOT, TINY, env, free_port, make_synthetic_shards, run
 
 pytestmark = pytest.mark.dist
@@ -36,7 +37,7 @@ def test_closed_port_does_not_stall_a_20_step_run_and_replay_fills_the_store(tmp
                             capture_output=True, text=True, timeout=120)
     assert replay.returncode == 0, replay.stderr
     client = MlflowClient(tracking_uri=store)
-    run_id = (dead_dir / "mlflow_run_id").read_text().strip()
+    run_id = recorded_run_id(dead_dir, store)
     losses = client.get_metric_history(run_id, "train/loss")
     assert sorted(m.step for m in losses) == list(range(1, 21))
     assert client.get_run(run_id).data.params["model.embed_dim"] == "32"

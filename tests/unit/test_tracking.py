@@ -19,9 +19,10 @@ from mlflow import MlflowClient  # noqa: E402
 from pipeline.config import Config  # noqa: E402
 from pipeline.tracking import (  # noqa: E402
     METRICS_FILE,
-    RUN_ID_FILE,
+    SYNC_FILE,
     UI_COMMAND,
     Tracker,
+    recorded_run_id,
     start_tracking,
     sync_run_dir,
 )
@@ -94,7 +95,8 @@ def test_metrics_params_tags_and_config_land_in_the_default_sqlite_store(tmp_pat
     assert UI_COMMAND in capsys.readouterr().out
     client = MlflowClient()  # no URI: where MLflow (and `mlflow ui`) look by default, from the same folder
     run = client.get_run(tracker.run_id)
-    assert (run_dir / RUN_ID_FILE).read_text().strip() == tracker.run_id
+    assert recorded_run_id(run_dir) == tracker.run_id  # mlflow_sync.json: the one file holding run ids
+    assert not (run_dir / "mlflow_run_id").exists()
     assert run.info.status == "FINISHED"
     assert run.info.run_name == "pre"
     assert run.data.params["model.embed_dim"] == "192"
@@ -172,7 +174,7 @@ def test_dead_server_never_blocks_training_and_replay_fills_the_store_once(tmp_p
     assert len(client.get_metric_history(run.info.run_id, "images_per_s")) == 20
     assert run.data.params["model.embed_dim"] == "192"
     assert run.info.status == "FINISHED"
-    assert (run_dir / RUN_ID_FILE).read_text().strip() == run.info.run_id
+    assert recorded_run_id(run_dir, uri) == run.info.run_id and recorded_run_id(run_dir) is None  # the live store never answered
 
 
 def test_slow_server_costs_at_most_the_timeout(tmp_path, monkeypatch):
@@ -285,7 +287,7 @@ def test_disabled_tracking_writes_only_the_run_dir(tmp_path):
     assert tracker.run_id is None
     assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlflow.db").exists()
     assert jsonl(run_dir / METRICS_FILE)[0]["metrics"] == {"loss": 2.0, "bad_samples": 3.0}
-    assert not (run_dir / RUN_ID_FILE).exists()
+    assert recorded_run_id(run_dir) is None and not (run_dir / SYNC_FILE).exists()
 
 
 def test_damaged_metric_lines_are_counted_and_named_and_the_rest_is_sent(tmp_path, template_db, capsys):
