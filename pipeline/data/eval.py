@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.config import DataConfig
-from pipeline.train.preemption import block_in_worker
+from pipeline.train.preemption import block_in_worker, reap_workers_at_exit
 
 from . import tario
 from .bad import Counters, merge_counters
@@ -103,6 +103,7 @@ class EvalLoader:
         self._worker_counters = {}
         if self.stream.num_batches == 0:
             return
+        reap_workers_at_exit()  # the workers block SIGTERM: an exit must not wait on them
         loader = DataLoader(self.stream, batch_size=None, collate_fn=as_is, num_workers=self.num_workers,
                             pin_memory=self.pin_memory,
                             prefetch_factor=self.cfg.prefetch_factor if self.num_workers > 0 else None,

@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.config import DataConfig
-from pipeline.train.preemption import block_in_worker
+from pipeline.train.preemption import block_in_worker, reap_workers_at_exit
 
 from . import tario
 from .bad import Counters
@@ -195,6 +195,7 @@ class TrainLoader:
             weakref.finalize(self, self.fetcher.stop)
         if self.fetcher is not None:
             self.fetcher.advance(self._j // self.accum)
+        reap_workers_at_exit()  # the workers block SIGTERM: an exit must not wait on them
         loader = DataLoader(
             self.stream, batch_size=None, collate_fn=as_is,  # arrays stay arrays (see as_is)
             num_workers=self.num_workers, pin_memory=self.pin_memory,

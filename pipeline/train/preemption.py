@@ -25,6 +25,7 @@ got the signal. This module imports nothing heavy at the top: installing the han
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -42,6 +43,7 @@ WATCH_EVERY_S = 1.0
 
 _received: int | None = None  # the first signal seen by this process
 _installed = False
+_reaping = False
 
 
 def _handle(signum: int, frame: Any) -> None:
@@ -56,6 +58,32 @@ def block_in_worker(worker_id: int = 0) -> None:
     "DataLoader worker killed by signal"). The rank decides what a signal means; its workers end when it
     shuts them down or dies (torch's worker watchdog)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+
+
+def reap_workers_at_exit() -> None:
+    """Call in a process that starts DataLoader workers with `block_in_worker` (idempotent): at exit,
+    SIGKILL its daemonic children. multiprocessing's own exit handler sends them SIGTERM, which they
+    block, then joins them with no timeout: a rank leaving by an exception (a worker's error raised in
+    the main process, before the loader shut its workers down) hung there for good, its workers waiting
+    on a parent that waited on them. atexit runs last-registered first, so this runs before that handler
+    (registered when multiprocessing.util was imported, before any loader exists)."""
+    global _reaping
+    if _reaping:
+        return
+    _reaping = True
+    import multiprocessing
+    import multiprocessing.util  # noqa: F401 (its exit handler registered before ours)
+
+    def reap() -> None:
+        # torch's SIGCHLD handler would report each killed worker as an error after the real one.
+        with contextlib.suppress(ValueError):  # not the main thread: keep it
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for child in multiprocessing.active_children():
+            if child.daemon:  # DataLoader workers; a non-daemonic child is joined as usual
+                child.kill()
+                child.join(timeout=5)
+
+    atexit.register(reap)
 
 
 def install_signal_handlers() -> None:

@@ -546,3 +546,24 @@ def test_augment_seed_is_a_function_of_seed_and_position_only() -> None:
     assert len({a.augment_seed(p) for p in range(2 * n)}) == 2 * n  # no repeats within or across epochs
     assert GlobalOrder([1000, 2000], seed=6, global_batch=8).augment_seed(7) != a.augment_seed(7)
     assert 0 <= a.augment_seed(7) < 2**63
+
+
+def test_randaugment_posterize_at_magnitude_10_keeps_0_bits_as_a_black_image():
+    # MAE's and DeiT's rand-m9-mstd0.5-inc1 reaches magnitude 10 (2.3% of draws), where timm's increasing
+    # posterize keeps 0 bits: Pillow 13 refuses that, and the run died in a DataLoader worker. Magnitude
+    # 10 with no spread makes every posterize draw keep 0 bits.
+    from PIL import ImageOps
+
+    from pipeline.data.transforms import _posterize, seeded, train_transform
+
+    cfg = DataConfig(auto_augment="rand-m10-mstd0-inc1", scale=(0.5, 1.0))
+    transform = train_transform(cfg, (32, 32))
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    ops = [op for t in transform.transforms for op in getattr(t, "ops", [])]
+    assert {op.aug_fn for op in ops if op.name.startswith("Posterize")} == {_posterize}
+    for seed in range(300):  # ~20 posterize draws among them
+        with seeded(seed, restore=True):
+            assert transform(img).shape == (3, 32, 32)
+    assert np.asarray(_posterize(img, 0)).max() == 0
+    assert np.array_equal(np.asarray(_posterize(img, 3)), np.asarray(ImageOps.posterize(img, 3)))
+    assert _posterize(img, 8) is img

@@ -1,0 +1,55 @@
+"""A rank whose DataLoader worker raised must exit, not hang. The workers block SIGTERM/SIGUSR1
+(`preemption.block_in_worker`), and multiprocessing's exit handler ends daemonic children with SIGTERM
+and then joins them with no timeout: before `reap_workers_at_exit`, a worker's exception re-raised in the
+main process (seen: timm's RandAugment posterize on Pillow 13) left the rank waiting on its worker and
+the worker waiting on its parent, for good. A real process, a real worker, a real exception."""
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent("""
+    import torch
+    from pipeline.train.preemption import block_in_worker, reap_workers_at_exit
+
+    class Failing(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield 1
+            raise ValueError("the sample's transform failed")
+
+    if {reap}:
+        reap_workers_at_exit()
+    for x in torch.utils.data.DataLoader(Failing(), num_workers=1, worker_init_fn=block_in_worker):
+        print("got", int(x), flush=True)
+""")
+
+
+def _run(reap: bool, timeout: float) -> tuple[subprocess.CompletedProcess | None, float]:
+    began = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-c", SCRIPT.format(reap=reap)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, time.monotonic() - began
+    return proc, time.monotonic() - began
+
+
+def test_a_worker_error_ends_the_process_with_exit_1_and_the_error_last():
+    proc, took = _run(reap=True, timeout=60)
+    assert proc is not None, "the process hung on its DataLoader worker at exit"
+    assert proc.returncode == 1 and "got 1" in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "ValueError: the sample's transform failed", proc.stderr[-2000:]  # not "worker killed"
+
+
+@pytest.mark.timeout(120)
+def test_without_the_reaper_it_hangs():
+    # The failure the reaper prevents, shown to exist: the same script without it does not end.
+    proc, took = _run(reap=False, timeout=10)  # with the reaper it ends in about 4 s
+    assert proc is None and took >= 10
