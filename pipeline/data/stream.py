@@ -293,10 +293,10 @@ class TrainLoader:
 
     def state_dict(self, counters: Counters | None = None) -> dict[str, Any]:
         """The layout-free state at the last step boundary; `counters`: all ranks' counts, summed."""
-        p, n = self.position, self.stream.order.n
         counters = counters if counters is not None else self.counters()
-        return {"version": STATE_VERSION, "position": p, "epoch": p // n, "sample_in_epoch": p % n,
-                "counters": counters.to_state(), **self.fingerprint()}
+        # The position alone: the epoch and the index in it follow from it and num_samples (stored once).
+        return {"version": STATE_VERSION, "position": self.position, "counters": counters.to_state(),
+                **self.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at `state`'s position, on any layout that makes the same global batch."""
