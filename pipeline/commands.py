@@ -113,32 +113,35 @@ def pretrain(argv: list[str]) -> int:
 # ----------------------------------------------------------------------------- fine-tuning
 
 
-def _run_kind(run_dir: Path) -> str | None:
+def _saved_config(run_dir: Path) -> dict:
+    """RUN_DIR/config.yaml as a plain tree ({} when missing or unreadable): what a run recorded at its start."""
     try:
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-        return (cfg.get("run") or {}).get("kind", "pretrain")
-    except (OSError, yaml.YAMLError, AttributeError):
+    except (OSError, yaml.YAMLError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _run_kind(cfg: dict) -> str | None:
+    """The kind a saved config tree records (pretrain by default); None for no config."""
+    if not cfg:
         return None
+    run = cfg.get("run")
+    return run.get("kind", "pretrain") if isinstance(run, dict) else "pretrain"
 
 
 def finished_pretrain_runs(runs: Path = RUNS) -> list[Path]:
     """Run directories under `runs` holding a pretraining run that ran to the end (it exported
     model.safetensors, which the trainer writes last), newest first."""
-    found = [d for d in runs.glob("*/") if (d / "model.safetensors").is_file() and _run_kind(d) == "pretrain"]
+    found = [d for d in runs.glob("*/")
+             if (d / "model.safetensors").is_file() and _run_kind(_saved_config(d)) == "pretrain"]
     return sorted(found, key=lambda d: (d / "model.safetensors").stat().st_mtime, reverse=True)
 
 
 def recorded_finetune_source(run_dir: Path | None) -> str | None:
     """The source a fine-tune run recorded at its first start (RUN_DIR/config.yaml's finetune.source)."""
-    if run_dir is None:
-        return None
-    try:  # read once: the kind and the source come from the same file
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return None
-    if not isinstance(cfg, dict) or (cfg.get("run") or {}).get("kind", "pretrain") != "finetune":
-        return None
-    return (cfg.get("finetune") or {}).get("source")
+    cfg = _saved_config(run_dir) if run_dir is not None else {}
+    return (cfg.get("finetune") or {}).get("source") if _run_kind(cfg) == "finetune" else None
 
 
 def newest_source() -> str:

@@ -56,10 +56,11 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu"}
     if ds.offload_params:
         zero["offload_param"] = {"device": "cpu"}
+    global_batch, accum = resolve_batch(train, world_size)
     out = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
-        "gradient_accumulation_steps": resolve_batch(train, world_size)[1],
-        "train_batch_size": resolve_batch(train, world_size)[0],
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": global_batch,
         "gradient_clipping": train.grad_clip,
         "bf16": {"enabled": ds.bf16},
         "zero_optimization": zero,

@@ -50,7 +50,7 @@ def train_transform(cfg: DataConfig, img_size: tuple[int, int], to_float: bool =
     """
     from timm.data import create_transform
 
-    return _posterize_to_zero_bits(create_transform(
+    return _with_zero_bit_posterize(create_transform(
         input_size=(3, *img_size), is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio),
         hflip=cfg.hflip, vflip=0.0, color_jitter=cfg.color_jitter, auto_augment=cfg.auto_augment,
         interpolation=cfg.interpolation, mean=tuple(cfg.mean), std=tuple(cfg.std), re_prob=0.0,
@@ -72,14 +72,18 @@ def _posterize(img: Any, bits_to_keep: int, **_: Any) -> Any:
     return ImageOps.posterize(img, bits_to_keep)
 
 
-def _posterize_to_zero_bits(transform: Any) -> Any:
+def _with_zero_bit_posterize(transform: Any) -> Any:
     """Give the posterize ops of this transform's RandAugment / AutoAugment `_posterize` (this transform
     only; timm's tables are left alone)."""
     from timm.data.auto_augment import AutoAugment, RandAugment
 
     for t in getattr(transform, "transforms", []):
-        ops = t.ops if isinstance(t, RandAugment) else [op for sub in t.policy for op in sub] \
-            if isinstance(t, AutoAugment) else []
+        if isinstance(t, RandAugment):
+            ops = t.ops
+        elif isinstance(t, AutoAugment):
+            ops = [op for sub_policy in t.policy for op in sub_policy]
+        else:
+            continue
         for op in ops:
             if op.name.startswith("Posterize"):
                 op.aug_fn = _posterize

@@ -40,12 +40,13 @@ def _parent_tags(source: str) -> dict[str, str]:
     tags, note = {"source_path": str(path)}, f"Fine-tuned from `{path}`."
     here = path if path.is_dir() else path.parent
     for folder in (here, *here.parents[:2]):  # run dir, or a file in it or in its checkpoints/<tag>/
+        record = _read_json(folder / RECORD_FILE)
         # Its id in the store this fine-tune logs to, else in the store it logged to itself.
-        parent = (recorded_run_id(folder, tracking_uri()) or recorded_run_id(folder)
-                  if (folder / RECORD_FILE).is_file() else None)
+        parent = (recorded_run_id(folder, tracking_uri()) or recorded_run_id(folder, record.get("uri"))
+                  if record else None)
         if parent:
             tags["parent_run_id"] = parent
-            tags["parent_run_name"] = str(_read_json(folder / RECORD_FILE).get("run_name", folder.name))
+            tags["parent_run_name"] = str(record.get("run_name", folder.name))
             note = f"Fine-tuned from `{path}` (pretraining run `{parent}`)."
             break
     return {**tags, "mlflow.note.content": note}

@@ -214,7 +214,7 @@ def test_resume_on_1_rank_converts_and_matches(shards, tmp_path, preempted_zero1
     diff = resumed_diff(ref, run_dir, fp32(shards, run_dir, 1), "world size 2 -> 1", ranks=1)
     print(f"ZeRO-1 x2 -> ZeRO-1 x1: max |diff| to the uninterrupted run {diff:.3e}")
     # Through a universal checkpoint the optimizer state is re-partitioned: fp32 rounding, not bit-exact
-    # (measured 2.3e-10 on 2026-11-23; docs/training.md states it and this bound).
+    # (docs/training.md gives the measured difference and this bound).
     assert diff < 1e-6
 
 
