@@ -36,9 +36,10 @@ from typing import Any
 
 PREEMPTED_EXIT_CODE = 75  # ExitCode.PREEMPTED (pipeline.train.exit_codes); slurm/*.sh turns it into a requeue
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-# Command-line marks of the processes that start ranks: DeepSpeed's runner and per-node launcher, torchrun.
+# Command-line marks of the processes that start ranks: DeepSpeed's runner and per-node launcher, torchrun,
+# and our own supervisor above them (pipeline/supervise.py).
 LAUNCHER_MARKS = ("deepspeed.launcher", "/deepspeed", "torch.distributed.run", "/torchrun",
-                  "torch.distributed.launch")
+                  "torch.distributed.launch", "pipeline.supervise")
 WATCH_EVERY_S = 1.0
 
 _received: int | None = None  # the first signal seen by this process
@@ -97,6 +98,15 @@ def install_signal_handlers() -> None:
         watch_launchers()
 
 
+def is_launcher(argv: list[str]) -> bool:
+    """A Python process running a launcher (`python .../bin/deepspeed`, `python -m torch.distributed.run`,
+    `python -m pipeline.supervise`) or the launcher's own script; not `timeout deepspeed ...` or a shell
+    that names one."""
+    head = " ".join(argv[:4])
+    return bool(argv) and os.path.basename(argv[0]).startswith(("python", "deepspeed", "torchrun")) \
+        and any(mark in head for mark in LAUNCHER_MARKS)
+
+
 def _launchers() -> list[tuple[int, float, str]]:
     """(pid, start time, name) of the launcher processes above this one, nearest first (empty when this
     process was not started by one: srun, a shell, a test)."""
@@ -107,13 +117,9 @@ def _launchers() -> list[tuple[int, float, str]]:
         proc = psutil.Process(os.getpid()).parent()
         while proc is not None and proc.pid > 1:
             argv = proc.cmdline()
-            # A Python process running a launcher (`python .../bin/deepspeed`, `python -m torch.distributed.run`)
-            # or the launcher's own script; not `timeout deepspeed ...` or a shell that names one.
-            head = " ".join(argv[:4])
-            if not argv or not (os.path.basename(argv[0]).startswith(("python", "deepspeed", "torchrun"))
-                                and any(mark in head for mark in LAUNCHER_MARKS)):
+            if not is_launcher(argv):
                 break
-            found.append((proc.pid, proc.create_time(), head[-80:]))
+            found.append((proc.pid, proc.create_time(), " ".join(argv[:4])[-80:]))
             proc = proc.parent()
     except psutil.Error:
         pass  # a parent that ended while we looked: the watch below sees it

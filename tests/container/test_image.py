@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import sqlite3
 import subprocess
@@ -133,8 +134,8 @@ def test_image_keeps_the_base_torch(image, container):
 
 
 def test_demo_trains_inside_the_image(image, container):
-    """Shards and a 20-step 2-rank pretraining run, as the image's user, with the image's Python,
-    write the run directory and the MLflow store inside the image's WORKDIR."""
+    """Shards and a 20-step 2-rank pretraining run under the image's entry point, as the image's user,
+    with the image's Python, write the run directory and the MLflow store inside the image's WORKDIR."""
     out = container.sh("id -u; pwd; command -v python deepspeed")
     who = out.split()
     assert len(who) == 4, f"unexpected output: {out!r}"
@@ -143,7 +144,12 @@ def test_demo_trains_inside_the_image(image, container):
     assert who[2] == who[3].rsplit("/", 1)[0] + "/python" and not who[2].startswith(f"/{WORKDIR}"), who
 
     container.sh("python launch/make_shards.py --source digits --out data/digits --no-progress")
-    out = container.sh(f"export TORCH_EXTENSIONS_DIR={EXTENSIONS}; OMP_NUM_THREADS=1 deepspeed --num_gpus 2 --master_port {free_port()} "
+    # Through the image's entry point, as `docker run IMAGE deepspeed ...` starts it (buildah run does not).
+    entrypoint = json.loads(_run(["podman", "image", "inspect", "--format", "{{json .Config.Entrypoint}}", image],
+                                 timeout=60).stdout)
+    assert entrypoint == ["python", "-m", "pipeline.supervise"], entrypoint
+    out = container.sh(f"export TORCH_EXTENSIONS_DIR={EXTENSIONS}; OMP_NUM_THREADS=1 {shlex.join(entrypoint)} "
+                       f"deepspeed --num_gpus 2 --master_port {free_port()} "
                        "launch/pretrain.py --config configs/pretrain/demo.yaml train.steps=20 2>&1",
                        timeout=900)
     (WORK / "test-run.log").write_text(out)   # the run's output, for a look afterwards

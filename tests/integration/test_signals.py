@@ -1,6 +1,8 @@
 """SIGTERM however the job was started: to the `deepspeed` runner, to DeepSpeed's per-node launcher, to
-torchrun, or to the whole process group (`timeout`, `kill -TERM -PGID`, a container runtime). Each ends
-in a checkpoint at a step boundary, the ranks exit 75, and no process of the job outlives it."""
+torchrun, to the whole process group (`timeout`, `kill -TERM -PGID`, a container runtime), or to
+`python -m pipeline.supervise` in front of the runner. Each ends in a checkpoint at a step boundary, the
+ranks exit 75, and no process of the job outlives it; under the supervisor the process we started exits
+75 too."""
 
 import os
 import signal
@@ -50,6 +52,8 @@ def start(how: str, shards, run_dir, wrapper) -> subprocess.Popen:
                 script, "--config", CONFIG, *overrides]
     else:
         argv = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), script, "--config", CONFIG, *overrides]
+    if how == "supervised":  # what a container's entry point, `kill` or a CI runner should start
+        argv = [PYTHON, "-m", "pipeline.supervise", *argv]
     extra = {"WRAPPED_SCRIPT": str(ROOT / "launch/pretrain.py"), "EXIT_DIR": str(wrapper.parent)}
     return subprocess.Popen(argv, cwd=ROOT, env={**env(), **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own process group, as a batch system gives it
@@ -58,15 +62,15 @@ def start(how: str, shards, run_dir, wrapper) -> subprocess.Popen:
 def target(proc: subprocess.Popen, how: str) -> psutil.Process | None:
     if how == "launcher":  # deepspeed.launcher.launch, the runner's child that starts the ranks
         return next(c for c in psutil.Process(proc.pid).children() if "deepspeed.launcher.launch" in " ".join(c.cmdline()))
-    return psutil.Process(proc.pid)  # the runner, torchrun
+    return psutil.Process(proc.pid)  # the runner, torchrun, the supervisor
 
 
-@pytest.mark.parametrize("how", ["runner", "launcher", "group", "torchrun"])
+@pytest.mark.parametrize("how", ["runner", "launcher", "group", "torchrun", "supervised"])
 def test_sigterm_ends_in_a_checkpoint_and_exit_75_of_every_rank(shards, tmp_path, how):
     run_dir = tmp_path / "run"
     wrapper = tmp_path / "record_exit.py"
     wrapper.write_text(RECORD_EXIT)
-    proc = start("torchrun" if how == "torchrun" else "deepspeed", shards, run_dir, wrapper)
+    proc = start("deepspeed" if how in ("runner", "launcher", "group") else how, shards, run_dir, wrapper)
     lines: list[str] = []
     signalled = threading.Event()
     job: list[psutil.Process] = []
@@ -104,4 +108,6 @@ def test_sigterm_ends_in_a_checkpoint_and_exit_75_of_every_rank(shards, tmp_path
     assert not [p for p in job if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "a process outlived the job"
     codes = {p.name: p.read_text() for p in tmp_path.glob("rank*")}
     assert codes == {"rank0": "75", "rank1": "75"}, (codes, out[-3000:])
+    if how == "supervised":  # the process we started says 75 too, and no launcher was signalled
+        assert proc.returncode == 75 and "SIGTERM: passing it to the ranks" in out, out[-3000:]
     print(f"SIGTERM to the {how}: checkpoint {tag}, ranks exit 75, the process we started exits {proc.returncode}")
