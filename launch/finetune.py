@@ -13,6 +13,7 @@ A restart on the same run.dir keeps the source recorded at its first start. Exit
 (pipeline/train/exit_codes.py).
 """
 
+import gc
 import sys
 from pathlib import Path
 
@@ -27,4 +28,9 @@ install_signal_handlers()
 from pipeline.commands import finetune  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(finetune(sys.argv[1:]))
+    code = finetune(sys.argv[1:])
+    # All is written and closed. The interpreter's last garbage collections walk every object torch,
+    # DeepSpeed and timm made (about 2 s per rank on 2 cores); frozen objects are skipped, and their
+    # finalizers still run when the modules are torn down.
+    gc.freeze()
+    sys.exit(code)
