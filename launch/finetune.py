@@ -13,7 +13,6 @@ A restart on the same run.dir keeps the source recorded at its first start. Exit
 (pipeline/train/exit_codes.py).
 """
 
-import gc
 import sys
 from pathlib import Path
 
@@ -28,9 +27,4 @@ install_signal_handlers()
 from pipeline.commands import finetune  # noqa: E402
 
 if __name__ == "__main__":
-    code = finetune(sys.argv[1:])
-    # All is written and closed. The interpreter's last garbage collections walk every object torch,
-    # DeepSpeed and timm made (about 2 s per rank on 2 cores); frozen objects are skipped, and their
-    # finalizers still run when the modules are torn down.
-    gc.freeze()
-    sys.exit(code)
+    sys.exit(finetune(sys.argv[1:]))

@@ -11,7 +11,6 @@ Starting again with the same run.dir resumes from its newest complete checkpoint
 non-finite losses, 1 data/checkpoint error, 2 config/usage error. See docs/run-directory.md.
 """
 
-import gc
 import sys
 from pathlib import Path
 
@@ -26,9 +25,4 @@ install_signal_handlers()
 from pipeline.commands import pretrain  # noqa: E402
 
 if __name__ == "__main__":
-    code = pretrain(sys.argv[1:])
-    # All is written and closed. The interpreter's last garbage collections walk every object torch,
-    # DeepSpeed and timm made (about 2 s per rank on 2 cores); frozen objects are skipped, and their
-    # finalizers still run when the modules are torn down.
-    gc.freeze()
-    sys.exit(code)
+    sys.exit(pretrain(sys.argv[1:]))
