@@ -5,8 +5,9 @@
 
 `kill PID`, `timeout`, a CI runner, Kubernetes (PID 1 of the container) and `docker stop` send SIGTERM
 to one process: the one they started. The `deepspeed` runner has no handler for a local launch and
-exits 143 at once (the ranks notice and checkpoint, but the caller sees 143, and in a container the
-end of PID 1 kills the ranks mid-checkpoint); torchrun exits 1. Put this in front of the launcher and:
+exits 143 at once (the ranks notice and checkpoint, but the caller sees 143; in a container the ranks
+die with PID 1, mid-checkpoint, and as PID 1 without a handler the runner ignores SIGTERM until the
+runtime's SIGKILL); torchrun exits 1. Put this in front of the launcher and:
 
   1. COMMAND starts in a session of its own: a signal to our process group (Ctrl-C, `kill -TERM -PGID`,
      `tini -g`) reaches only us, and we decide where it goes.
