@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -162,12 +163,28 @@ def watch_launchers(every_s: float = WATCH_EVERY_S) -> threading.Thread | None:
 def exit_at_once_on_signal(what: str, every_s: float = 0.2):
     """While the block runs (joining the process group: nothing to save yet, and a rank may wait there
     for peers that are gone), a signal ends the process at once with 75 instead of at the next step.
-    A thread watches the flag: the main thread may be blocked inside C++ (the rendezvous store)."""
+
+    A thread watches: the main thread may be blocked inside C++ (torch's TCPStore client waiting on a
+    rendezvous that never answers), where Python's handler cannot run until the call returns, so the
+    flag stays down. The interpreter's C-level handler still writes the signal's number to the wakeup
+    fd (`signal.set_wakeup_fd`), and the thread reads it."""
     done = threading.Event()
+    read_fd = write_fd = None
+    previous = -1
+    if threading.current_thread() is threading.main_thread():  # set_wakeup_fd: main thread only
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
 
     def guard() -> None:
-        while not done.wait(every_s):
-            if _received is not None:
+        while not done.is_set():
+            got = b""
+            if read_fd is not None:
+                if select.select([read_fd], [], [], every_s)[0]:
+                    got = os.read(read_fd, 64)
+            else:
+                done.wait(every_s)
+            if _received is not None or any(signum in got for signum in SIGNALS):
                 print(f"preempted while {what}: nothing to save; exiting with {PREEMPTED_EXIT_CODE}",
                       file=sys.stderr, flush=True)
                 os._exit(PREEMPTED_EXIT_CODE)
@@ -179,6 +196,10 @@ def exit_at_once_on_signal(what: str, every_s: float = 0.2):
     finally:
         done.set()
         thread.join()
+        if read_fd is not None:
+            signal.set_wakeup_fd(previous)
+            os.close(read_fd)
+            os.close(write_fd)
 
 
 def received() -> int | None:
