@@ -46,8 +46,8 @@ from benchmarks.common import (
 MODELS = [("vit_b16", 224), ("vit_l16", 224), ("vit_b16", 384)]
 # Micro batches tried, largest first; the first the plain eager step survives is the model's batch.
 BATCHES = [1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32, 16, 8]
-# --smoke: the code on the CPU. fp32, because a CPU without AVX512-BF16/AMX emulates bf16 matmuls (10x
-# slower); the correctness part still compares bf16 with fp32.
+# --smoke: the code on the CPU. fp32, because a CPU without AVX512-BF16/AMX emulates bf16 matmuls (the cost:
+# configs/pretrain/demo.yaml); the correctness part still compares bf16 with fp32.
 SMOKE = BenchSpec("vit_ti16", res=32, batch=4, dtype="fp32", num_classes=10, steps=2, windows=1, warmup=1)
 
 

@@ -111,6 +111,8 @@ class Supervisor:
         import psutil
 
         found = ranks(os.getpid())
+        late = time.monotonic() - self.pending_since >= DEFAULT_AFTER_S
+        wrappers: set[int] | None = None  # processes with a rank under them, computed once when needed
         for pid in found:
             if pid in self.delivered:
                 continue
@@ -118,11 +120,16 @@ class Supervisor:
                 # A rank still starting gets it once its handler is in place. One that never installs one
                 # (not our trainer: `make_shards.py`, a shell) gets it after DEFAULT_AFTER_S, unless it
                 # is a wrapper of ranks (`bash -c "... && deepspeed ..."`), which ends when they do.
-                try:
-                    below = any(pid in (a.pid for a in psutil.Process(r).parents()) for r in found if r != pid)
-                except psutil.Error:
+                if not late:
                     continue
-                if below or time.monotonic() - self.pending_since < DEFAULT_AFTER_S:
+                if wrappers is None:
+                    wrappers = set()
+                    for rank in found:
+                        try:
+                            wrappers.update(a.pid for a in psutil.Process(rank).parents())
+                        except psutil.Error:
+                            pass
+                if pid in wrappers:
                     continue
             try:
                 os.kill(pid, self.pending)

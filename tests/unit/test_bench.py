@@ -80,7 +80,7 @@ DIST_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, ".")
     torch.set_num_threads(1)
     from benchmarks import common, e2e, engine, gpu
-    # The benchmarks' code in fp32 (this CPU emulates bf16 matmuls, 3x the time); the baseline check below in bf16.
+    # The benchmarks' code in fp32 (benchmarks/gpu.py's SMOKE says why); the baseline check below in bf16.
     spec = common.BenchSpec("vit_ti16", res=32, batch=4, dtype="fp32", num_classes=10, steps=1, windows=2, warmup=1)
     out = {"engine": engine.run(spec, (0, 1, 2, 3), check_finite=True, log=lambda *_: None),
            "e2e": e2e.run(spec, workers=1, images=48, image_size=40, log=lambda *_: None),

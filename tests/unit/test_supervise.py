@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.supervise import catches, ranks
+from pipeline.supervise import DEFAULT_AFTER_S, catches, ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ multiprocessing.Process(target=worker, daemon=True).start()
 Path(out, "ready" + rank).write_text(str(os.getpid()))
 while not got:
     time.sleep(0.05)
-time.sleep(0.5)  # the checkpoint
+time.sleep(float(os.environ.get("CHECKPOINT_S", "0.5")))  # the checkpoint
 Path(out, "rank" + rank).write_text(signal.Signals(got[0]).name)
 sys.exit(75)
 """
@@ -168,11 +168,15 @@ def test_a_shell_around_the_launcher_is_left_alone_and_a_command_without_handler
     # `docker run IMAGE bash -c "make_shards ... && deepspeed ..."`: the shell does not catch SIGTERM; it
     # must not be killed while its ranks checkpoint, and it ends with their 75.
     launch = f"{sys.executable} {tmp_path / 'deepspeed'} {tmp_path / 'rank.py'} {tmp_path}"
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.supervise", "sh", "-c", f"{launch} && echo done"],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # The ranks' checkpoint outlasts DEFAULT_AFTER_S, after which a shell without ranks under it is signalled.
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.supervise", "sh", "-c",
+                             f"{launch}; code=$?; echo shell saw $code; exit $code"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "CHECKPOINT_S": str(DEFAULT_AFTER_S + 2)})
     wait_for(tmp_path / "ready0"), wait_for(tmp_path / "ready1")
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=30)
+    assert "shell saw 75" in out, err  # the shell lived to see its ranks' code
     assert proc.returncode == 75, err
     assert (tmp_path / "launcher").read_text() == "75"
     # A command with no handler at all (make_shards.py): the signal's default action, a few seconds late.
