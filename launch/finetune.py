@@ -18,13 +18,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# First thing: SIGUSR1/SIGTERM during setup (imports, DeepSpeed init, checkpoint load) must only raise the
-# preemption flag; the trainer then exits 75 at its first safe point and Slurm requeues the job.
-from pipeline.train.preemption import install_signal_handlers  # noqa: E402
-
-install_signal_handlers()
-
-from pipeline.commands import finetune  # noqa: E402
-
+# Everything under the guard: each DataLoader worker runs this file again as __mp_main__ (multiprocessing's
+# fork server, as spawn, re-imports the main script), and must neither install the rank's handlers nor
+# import DeepSpeed.
 if __name__ == "__main__":
+    # First thing: SIGUSR1/SIGTERM during setup (imports, DeepSpeed init, checkpoint load) must only raise the
+    # preemption flag; the trainer then exits 75 at its first safe point and Slurm requeues the job.
+    from pipeline.train.preemption import install_signal_handlers
+
+    install_signal_handlers()
+
+    from pipeline.commands import finetune
+
     sys.exit(finetune(sys.argv[1:]))

@@ -274,7 +274,7 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
     check_variant(cfg)
     check_data(cfg.data.path, where)
     # Imported after the config is read: a typo is reported at once, not after DeepSpeed's import.
-    from pipeline.data import BadDataError, DataError
+    from pipeline.data import BadDataError, DataError, EvalFailed
     from pipeline.dist import PortInUse
     from pipeline.model.weights import WeightsError
     from pipeline.train.checkpoint import CheckpointError
@@ -297,7 +297,7 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
         _error(e, shared=not isinstance(e, PortInUse))
         return ExitCode.USAGE
     except (DataError, BadDataError, WeightsError, TrainError, CheckpointError, FileNotFoundError) as e:
-        _error(e, shared=isinstance(e, (TrainError, CheckpointError)))
+        _error(e, shared=isinstance(e, (TrainError, CheckpointError, EvalFailed)))
         return ExitCode.ERROR
     finally:
         _shutdown(together)

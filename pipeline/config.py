@@ -193,6 +193,12 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class DistConfig:
+    timeout_s: float = 300.0
+    """A rank that makes no progress (a micro batch, an eval batch, a save) for this long ends the job with exit 76, one line naming its rank, step and phase, and every thread's stack in RUN_DIR/errors/; the process group's own timeout is a minute longer. Raise it where one save, export or evaluation batch takes longer."""
+
+
+@dataclass
 class TrackingConfig:
     enabled: bool = True
     """Log to MLflow (rank 0 only)."""
@@ -262,6 +268,8 @@ class Config:
     """Optimisation, schedule, logging and checkpoint cadence."""
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     """Distribution and precision."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """The process group: how long a rank may wait."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """MLflow."""
     run: RunConfig = field(default_factory=RunConfig)
@@ -326,6 +334,7 @@ def validate(cfg: Config, where: str = "config") -> None:
          "false unless deepspeed.zero_stage >= 1"),
         ("deepspeed.offload_optimizer", not cfg.deepspeed.offload_optimizer or cfg.train.optimizer != "sgd",
          "false with train.optimizer 'sgd' (ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam)"),
+        ("dist.timeout_s", cfg.dist.timeout_s > 0, "> 0 (seconds)"),
         ("train.steps", cfg.train.steps > 0, "> 0"),
         ("train.micro_batch_size", cfg.train.micro_batch_size > 0, "> 0"),
         ("train.grad_accum_steps", cfg.train.grad_accum_steps is None or cfg.train.grad_accum_steps > 0, "> 0"),

@@ -49,6 +49,7 @@ set -euo pipefail
 # that these agree; docs/run-directory.md lists them all).
 PREEMPTED_EXIT_CODE=75   # ExitCode.PREEMPTED: checkpointed after SIGUSR1/SIGTERM, requeue me
 USAGE_EXIT_CODE=2        # ExitCode.USAGE: a config or command-line error; this script's own errors too
+HUNG_EXIT_CODE=76        # ExitCode.HUNG: a rank made no progress for dist.timeout_s; not requeued
 
 die() { echo "error: $*" >&2; exit "$USAGE_EXIT_CODE"; }
 
@@ -106,6 +107,9 @@ config_args=()
 cmd=("${python_cmd[@]}" "$ENTRY" "${config_args[@]}" "${extra_args[@]}" "run.dir=$RUN_DIR" "${overrides[@]}")
 
 # Slurm >= 22.05 no longer passes --cpus-per-task from sbatch to srun: say it again.
+# No --kill-on-bad-exit: every rank of a preempted job exits 75, and the first one's exit must not kill
+# the others before they have left. A task that fails leaves its peers waiting in a collective until
+# their watchdog (dist.timeout_s) ends them with 76.
 srun_args=(--label "--cpus-per-task=${SLURM_CPUS_PER_TASK:-1}")
 if [[ -n $CONTAINER_IMAGE ]]; then
     srun_args+=(
@@ -159,6 +163,11 @@ trap - USR1 TERM
 if [[ $rc -eq 0 ]]; then
     echo "=== $(date -Is) done: ${RUN_DIR}"
     exit 0
+fi
+if [[ $rc -eq $HUNG_EXIT_CODE ]]; then
+    echo "=== $(date -Is) a rank hung (exit $rc): its line above names the rank, step and phase; every thread's" \
+         "stack is in ${RUN_DIR}/errors/hang-rank*.txt. Not requeued (it would most likely hang again)." >&2
+    exit "$rc"
 fi
 if [[ $rc -ne $PREEMPTED_EXIT_CODE ]]; then
     echo "=== $(date -Is) failed: srun exited with $rc (not requeued)" >&2

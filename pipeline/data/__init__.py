@@ -18,6 +18,7 @@ Reading (the trainer):
     loader.py      the builders: build_train_loader (with the cache check), build_eval_loader
 """
 
+from .eval import EvalFailed, raise_if_any_failed
 from .info import BadDataError, DataError, DatasetInfo, SplitInfo, read_dataset_info
 from .loader import EvalLoader, TrainLoader, build_eval_loader, build_train_loader, merge_counters
 from .tario import BAD_KINDS
@@ -27,11 +28,13 @@ __all__ = [
     "BadDataError",
     "DataError",
     "DatasetInfo",
+    "EvalFailed",
     "EvalLoader",
     "SplitInfo",
     "TrainLoader",
     "build_eval_loader",
     "build_train_loader",
     "merge_counters",
+    "raise_if_any_failed",
     "read_dataset_info",
 ]

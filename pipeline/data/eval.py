@@ -5,20 +5,23 @@ key group in the tar, with or without an image); rank r takes the contiguous ran
 [r N / w, (r+1) N / w); every rank runs ceil(ceil(N / w) / batch) batches, the last ones
 padded, with `valid` marking real samples. A bad sample (no image, corrupt, no label) is an
 invalid, counted slot: the numbering never shifts. Each worker reads a contiguous run of batches.
+Whatever fails on one rank, its pass still yields every batch (see EvalLoader): the ranks stay in step.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.config import DataConfig
-from pipeline.train.preemption import block_in_worker, reap_workers_at_exit
+from pipeline.train.preemption import WorkerInit, reap_workers_at_exit, worker_context
 
 from . import tario
 from .bad import Counters, merge_counters
@@ -35,6 +38,7 @@ class EvalStream(IterableDataset):
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
         self.cfg, self.img_size, self.batch_size = cfg, img_size, batch_size
         self.lo, self.hi, self.num_batches = lo, hi, num_batches
+        self.batches = range(num_batches)  # the batches of this pass (a restarted pass: those not yet seen)
         self.num_classes, self.label_key = num_classes, label_key
         self.workers = max(1, workers)
         self.transform = eval_transform(cfg, img_size)
@@ -56,12 +60,12 @@ class EvalStream(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
-        b0 = worker * self.num_batches // self.workers
-        b1 = (worker + 1) * self.num_batches // self.workers
+        n = len(self.batches)
+        mine = self.batches[worker * n // self.workers:(worker + 1) * n // self.workers]
         B, counters = self.batch_size, Counters()
         indexes = Indexes(self.cfg.cache_dir, self.cfg.cache_limit_gb)
         try:
-            for b in range(b0, b1):
+            for b in mine:
                 images = empty_batch((B, 3, *self.img_size), shared=info is not None)
                 targets, valid = [], []
                 for j in range(B):
@@ -76,20 +80,43 @@ class EvalStream(IterableDataset):
                 yield {"images": images, "targets": np.asarray(targets, dtype=np.int64),  # arrays: see as_is
                        "ids": np.arange(self.lo + b * B, self.lo + (b + 1) * B, dtype=np.int64),
                        "valid": np.asarray(valid, dtype=bool), "counters": copy.deepcopy(counters),
-                       "worker": worker}
+                       "worker": worker, "batch": b}
         finally:
             indexes.close()
 
 
+class EvalFailed(BadDataError):
+    """The evaluation failed on some rank; raised on every rank at the same point (said once, by rank 0)."""
+
+
+def worker_lost(e: BaseException) -> bool:
+    """A DataLoader worker died: torch noticed ("DataLoader worker (pid(s) ...) exited unexpectedly"), or
+    the rank was taking a batch's shared memory from the worker as it died (the fd handover's socket)."""
+    return isinstance(e, (ConnectionError, EOFError)) or (isinstance(e, RuntimeError) and "DataLoader worker" in str(e))
+
+
+WORKER_RESTARTS = 2  # per pass: a worker killed once (the OOM killer, an operator) is not worth a failed run
+
+
 class EvalLoader:
-    """One pass over this rank's share of the split: (images, targets, valid) batches, `len()` of them."""
+    """One pass over this rank's share of the split: (images, targets, valid) batches, `len()` of them.
+
+    Every pass yields exactly `len()` batches, whatever happens on this rank: the ranks' forward passes
+    are collective under ZeRO-3, and a rank that stopped early would leave its peers waiting. Workers
+    that die are started again for the batches not yet seen (up to WORKER_RESTARTS times); a failure
+    that remains (too many bad samples, workers that keep dying) pads the rest of the pass with invalid
+    batches and is kept in `failure`. After the pass, `raise_if_any_failed` (collective) makes every
+    rank raise it together."""
 
     def __init__(self, stream: EvalStream, cfg: DataConfig, rank: int, pin_memory: bool | None = None):
         self.stream, self.cfg, self.rank = stream, cfg, rank
         self.num_workers = min(cfg.num_workers, stream.workers if stream.num_batches else 0)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._worker_counters: dict[int, dict[str, Any]] = {}
+        self._earlier = Counters()  # bad samples counted by the workers of a pass's earlier, failed start
         self.last_ids: torch.Tensor | None = None
+        self.failure: str | None = None
+        self.progress: Callable[[], None] = lambda: None  # called at every batch (the trainer's watchdog)
 
     def __len__(self) -> int:
         return self.stream.num_batches
@@ -99,25 +126,67 @@ class EvalLoader:
         """Real (unpadded) samples this rank visits."""
         return self.stream.hi - self.stream.lo
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        self._worker_counters = {}
-        if self.stream.num_batches == 0:
-            return
+    def _loader(self, batches: list[int]) -> DataLoader:
+        self.stream.batches = batches
         reap_workers_at_exit()  # the workers block SIGTERM: an exit must not wait on them
-        loader = DataLoader(self.stream, batch_size=None, collate_fn=as_is, num_workers=self.num_workers,
-                            pin_memory=self.pin_memory,
-                            prefetch_factor=self.cfg.prefetch_factor if self.num_workers > 0 else None,
-                            generator=torch.Generator().manual_seed(0),
-                            worker_init_fn=block_in_worker)  # a SIGTERM to the process group is the rank's
-        for item in loader:
-            self._worker_counters[item["worker"]] = item["counters"]
-            msg = merge_counters(list(self._worker_counters.values())).bad_fraction_message(
-                self.cfg.max_bad_fraction, f"rank {self.rank} (eval)")
-            if msg is not None:
-                raise BadDataError(msg)
-            self.last_ids = torch.from_numpy(item["ids"])  # index in the split of each slot (padding: >= hi)
-            yield item["images"], torch.from_numpy(item["targets"]), torch.from_numpy(item["valid"])
+        return DataLoader(self.stream, batch_size=None, collate_fn=as_is, num_workers=self.num_workers,
+                          pin_memory=self.pin_memory,
+                          prefetch_factor=self.cfg.prefetch_factor if self.num_workers > 0 else None,
+                          generator=torch.Generator().manual_seed(0),
+                          multiprocessing_context=worker_context() if self.num_workers > 0 else None,
+                          worker_init_fn=WorkerInit("eval"))  # a SIGTERM to the process group is the rank's
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        self._worker_counters, self._earlier, self.failure = {}, Counters(), None
+        todo, restarts = list(range(self.stream.num_batches)), 0
+        while todo and self.failure is None:
+            seen: set[int] = set()
+            try:
+                for item in self._loader(todo):
+                    self._worker_counters[item["worker"]] = item["counters"]
+                    msg = self._counters().bad_fraction_message(self.cfg.max_bad_fraction, f"rank {self.rank} (eval)")
+                    if msg is not None:
+                        raise BadDataError(msg)
+                    self.progress()
+                    self.last_ids = torch.from_numpy(item["ids"])  # index in the split of each slot (padding: >= hi)
+                    yield item["images"], torch.from_numpy(item["targets"]), torch.from_numpy(item["valid"])
+                    seen.add(item["batch"])
+            except BadDataError as e:
+                self.failure = str(e)
+            except (RuntimeError, ConnectionError, EOFError) as e:
+                if not worker_lost(e):
+                    raise
+                self._earlier, self._worker_counters = self._counters(), {}
+                restarts += 1
+                if restarts > WORKER_RESTARTS:
+                    self.failure = f"rank {self.rank} (eval): {e} ({restarts} times in one pass)"
+                else:
+                    print(f"warning: rank {self.rank} (eval): a DataLoader worker died ({e}); starting the workers "
+                          f"again for the {len(todo) - len(seen)} batches not yet seen", file=sys.stderr, flush=True)
+            todo = [b for b in todo if b not in seen]
+        for b in todo:  # only after a failure: the rest of the pass, invalid, so that the count stays len()
+            B = self.stream.batch_size
+            self.progress()
+            self.last_ids = torch.arange(self.stream.lo + b * B, self.stream.lo + (b + 1) * B)
+            yield (torch.zeros(B, 3, *self.stream.img_size), torch.zeros(B, dtype=torch.int64),
+                   torch.zeros(B, dtype=torch.bool))
+
+    def _counters(self) -> Counters:
+        return merge_counters([self._earlier, *self._worker_counters.values()])
 
     def bad_counts(self) -> dict[str, int]:
         """Bad samples by kind in the current (or last) pass."""
-        return dict(sorted(merge_counters(list(self._worker_counters.values())).bad.items()))
+        return dict(sorted(self._counters().bad.items()))
+
+
+def raise_if_any_failed(*loaders: EvalLoader | None) -> None:
+    """Collective, after a pass over each loader: if one failed on any rank, every rank raises EvalFailed
+    with that rank's message (so that all leave at the same point, and none waits in a collective)."""
+    mine = next((f for f in (x.failure for x in loaders if x is not None) if f), None)
+    failures = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, mine)
+    first = next((f for f in failures if f), None)
+    if first is not None:
+        raise EvalFailed(first)

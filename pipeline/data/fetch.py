@@ -2,7 +2,7 @@
 
 Remote shards (http(s), `pipe:`, `.tar.gz`) are copied whole into `data.cache_dir` by the first
 process that needs one (index.local_copy). Without fetching ahead, the step that first touches a
-shard waits for its download. A `FetchAhead` process per rank (forked from the rank's main process
+shard waits for its download. A `FetchAhead` process per rank (started from the rank's fork server
 when its train stream starts) walks the rank's coming steps through the real order, and copies
 their shards in the order they will first be read, up to the rank's share of the cache
 (`data.cache_limit_gb` / ranks per node), touching those already there so that the cache's LRU
@@ -15,11 +15,13 @@ worker forked from a process while one of its threads held such a lock would hol
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import os
 import signal
 from typing import Any
 
 import numpy as np
+
+from pipeline.train.preemption import exit_with, worker_context
 
 from .index import local_copy, needs_copy
 from .order import GlobalOrder
@@ -59,13 +61,15 @@ def plan(order: GlobalOrder, shard_bytes: list[int], rank: int, world_size: int,
 
 
 def _loop(order: GlobalOrder, shards: list[str], shard_bytes: list[int], rank: int, world_size: int,
-          cache_dir: str | None, limit: int, budget: int, step: Any, stop: Any, ready: Any) -> None:
-    # Forked from the rank: its Python signal handlers (preemption: SIGTERM/SIGUSR1 only raise a flag) came
-    # along. This helper must end on terminate() (multiprocessing ends daemonic children with SIGTERM at the
-    # rank's exit) and leave preemption and Ctrl-C to the rank.
+          cache_dir: str | None, limit: int, budget: int, step: Any, stop: Any, ready: Any, rank_pid: int) -> None:
+    # Started by the rank's fork server with SIGTERM/SIGUSR1 blocked. This helper must end on terminate()
+    # (multiprocessing ends daemonic children with SIGTERM at the rank's exit) and leave preemption and
+    # Ctrl-C to the rank.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    exit_with(rank_pid)  # its parent is the fork server: nothing else ends it when the rank dies
     ready.set()
     while not stop.is_set():
         at = step.value
@@ -87,13 +91,13 @@ class FetchAhead:
                  world_size: int, cache_dir: str | None, limit: int, budget: int):
         known = [b for b in shard_bytes if b]
         sizes = [b or (max(known) if known else 1 << 30) for b in shard_bytes]
-        ctx = mp.get_context("fork")
+        ctx = worker_context()  # not a fork of the rank (see worker_context)
         self._step = ctx.Value("q", 0, lock=False)
         self._stop = ctx.Event()
         self.ready = ctx.Event()  # set once the process has its own signal dispositions
         self.process = ctx.Process(target=_loop, daemon=True, name=f"fetch-ahead-rank{rank}",
                                    args=(order, shards, sizes, rank, world_size, cache_dir, limit, budget,
-                                         self._step, self._stop, self.ready))
+                                         self._step, self._stop, self.ready, os.getpid()))
         self.process.start()
 
     def advance(self, step: int) -> None:

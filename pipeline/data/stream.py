@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.config import DataConfig
-from pipeline.train.preemption import block_in_worker, reap_workers_at_exit
+from pipeline.train.preemption import WorkerInit, reap_workers_at_exit, worker_context
 
 from . import tario
 from .bad import Counters
@@ -201,7 +201,8 @@ class TrainLoader:
             num_workers=self.num_workers, pin_memory=self.pin_memory,
             prefetch_factor=self.cfg.prefetch_factor if self.num_workers > 0 else None,
             generator=torch.Generator().manual_seed(self.stream.seed),  # leave the global torch RNG alone
-            worker_init_fn=block_in_worker,  # a SIGTERM to the process group is the rank's to handle
+            multiprocessing_context=worker_context() if self.num_workers > 0 else None,  # no fork of the rank
+            worker_init_fn=WorkerInit("train"),  # a SIGTERM to the process group is the rank's to handle
         )
         self._it = iter(loader)
 

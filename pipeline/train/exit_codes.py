@@ -23,6 +23,10 @@ class ExitCode(IntEnum):
     PREEMPTED = 75
     """EX_TEMPFAIL: checkpointed after SIGUSR1/SIGTERM (or the launcher's end); run the same command again.
     slurm/*.sh turns it into `scontrol requeue`."""
+    HUNG = 76
+    """A rank made no progress for dist.timeout_s (a collective, a loader or a save that never returned):
+    its line names the rank, step and phase; every thread's stack is in RUN_DIR/errors/hang-rank*.txt.
+    slurm/*.sh does not requeue it (a requeue would most likely hang again)."""
     RANK_KILLED = 247
     """What the `deepspeed` launcher returns when a rank was killed by a signal (SIGKILL: the OOM killer,
     a node's cgroup); its own code, not ours: the job did not checkpoint and resumes from the last one."""

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipeline.config import Config, DataConfig
+from pipeline.data import raise_if_any_failed
 from pipeline.data.order import MASK, MASK_EVAL
 from pipeline.model.mae import MaskedAutoencoderViT, mae_kwargs
 
@@ -126,6 +127,7 @@ def evaluate_mae(engine, eval_loader, knn_loader, cfg: Config, dtype: torch.dtyp
             mem_labels.append(torch.where(valid.to(device), targets.to(device), -1))
         metrics.update(knn_top1(torch.cat(val_feats), torch.cat(val_labels), torch.cat(mem_feats),
                                 torch.cat(mem_labels), cfg.mae.knn_k))
+    raise_if_any_failed(eval_loader, knn_loader)  # collective: one rank's failed pass stops all of them here
     if dist.is_initialized():
         dist.all_reduce(totals)
     engine.train()

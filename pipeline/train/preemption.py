@@ -62,6 +62,97 @@ def block_in_worker(worker_id: int = 0) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
 
 
+class WorkerInit:
+    """DataLoader `worker_init_fn`: `block_in_worker`, and a process name (`ps`, `top`, /proc/PID/comm)
+    that says what the worker is: "train-worker", "eval-worker"."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.rank_pid = os.getpid()  # built in the rank; called in the worker
+
+    def __call__(self, worker_id: int) -> None:
+        block_in_worker(worker_id)
+        _set_process_name(f"{self.kind}-worker")
+        exit_with(self.rank_pid)
+
+
+def exit_with(pid: int) -> None:
+    """In a worker started from the fork server: end this process when process `pid` (its rank) ends.
+
+    torch's worker watchdog compares os.getppid() with the parent it started with, which for a worker of
+    the fork server is the server, not the rank; a rank that died by SIGKILL, os._exit (the hang
+    watchdog's exit 76) or a signal would leave its workers, and with them the server and the pipes the
+    job's stdout goes through, alive for good (seen: a launcher whose ranks were gone never saw EOF).
+    A pidfd becomes readable when its process ends, whoever its parent is, and cannot name a reused pid."""
+
+    def wait_and_exit() -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # gone already
+            os._exit(0)
+        except (OSError, AttributeError):  # no pidfd (Linux < 5.3): poll the pid
+            while _pid_alive(pid):
+                time.sleep(WATCH_EVERY_S)
+            os._exit(0)
+        select.select([fd], [], [])
+        os._exit(0)
+
+    threading.Thread(target=wait_and_exit, name=f"exit-with-{pid}", daemon=True).start()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _set_process_name(name: str) -> None:
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # Linux only; the name is a courtesy
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
+_server_started = False
+
+
+def worker_context():
+    """The multiprocessing context of every DataLoader worker and helper process a rank starts: forkserver.
+
+    The default, fork, copies the rank as it is, other threads included (gloo's, the launcher watch, the
+    queue feeders of the train loader, MLflow's): a thread that holds a lock at that instant (in libc's
+    allocator, the interpreter or an extension) leaves it held in the child for good, and the child
+    waits on it forever inside os.fork(). Its rank then waits for a batch that never comes while its
+    peers wait for it in a collective (seen: one evaluation in a few dozen hung until gloo's timeout;
+    tests/stress/preempt_resume.py). The fork server is a new interpreter (exec'd, one thread) that
+    imports the data modules once; each worker is forked from it, not from the rank.
+
+    The server starts with SIGTERM/SIGUSR1 blocked, and exec and fork keep a blocked mask: a signal to
+    the process group leaves the server and its workers alone from their first instruction (the rank
+    decides what it means). Each worker ends when its rank does, however the rank ends (`exit_with`), and
+    the server when the rank and its workers are gone (it reads EOF from them)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    global _server_started
+    if not _server_started:
+        # What the workers unpickle, imported once by the server instead of in every worker (timm's and
+        # torchvision's transforms: seconds each, at every evaluation's new workers). Not __main__: a worker
+        # runs the launch script again itself, which does nothing outside its main guard.
+        multiprocessing.set_forkserver_preload(["pipeline.data", "timm.data", "PIL.Image"])
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        _server_started = True
+    return multiprocessing.get_context("forkserver")
+
+
 def reap_workers_at_exit() -> None:
     """Call in a process that starts DataLoader workers with `block_in_worker` (idempotent): at exit,
     SIGKILL its daemonic children. multiprocessing's own exit handler sends them SIGTERM, which they

@@ -22,7 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import Config, deepspeed_config, resolve_batch, save_config, to_dict
-from pipeline.data import DataError, build_eval_loader, build_train_loader, merge_counters, read_dataset_info
+from pipeline.data import (
+    DataError,
+    build_eval_loader,
+    build_train_loader,
+    merge_counters,
+    raise_if_any_failed,
+    read_dataset_info,
+)
 from pipeline.dist import DistEnv, init_distributed
 from pipeline.model.mae import MaskedAutoencoderViT, mae_flops
 from pipeline.model.vit import VisionTransformer, model_flops, model_kwargs_from_config
@@ -33,6 +40,7 @@ from pipeline.train.exit_codes import ExitCode
 from pipeline.train.metrics import ThroughputMeter, device_peak_flops, topk_correct
 from pipeline.train.optim import build_optimizer, build_scheduler, param_groups, peak_group_lr
 from pipeline.train.preemption import Preemption, exit_at_once_on_signal
+from pipeline.train.watchdog import Watchdog, process_group_timeout_s
 
 # Agree on preemption every N optimizer steps (an all-reduce of one int; `python launch/bench.py preemption` measures its cost).
 PREEMPTION_CHECK_EVERY = 1
@@ -53,6 +61,7 @@ class Setup:
     plan: resume.ResumePlan | None
     is_mae: bool = False  # model.objective: mae (pipeline/train/mae.py)
     knn_loader: Any = None  # MAE's k-NN memory: a labelled subset of train, visited like the eval split
+    watchdog: Watchdog | None = None  # started with the loop (fit)
 
 
 def log(env: DistEnv, msg: str) -> None:
@@ -79,7 +88,7 @@ def build_model(cfg: Config, model_kwargs: dict[str, Any], ds_config: dict[str, 
 
 def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> Setup:
     with exit_at_once_on_signal("joining the process group"):
-        env = init_distributed()
+        env = init_distributed(process_group_timeout_s(cfg.dist.timeout_s))
     run_dir = Path(cfg.run.dir)
     info = read_dataset_info(cfg.data.path)
     is_mae = cfg.model.objective == "mae"
@@ -140,6 +149,7 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
 def save(s: Setup, cfg: Config, step: int) -> str:
     """Collective checkpoint: DeepSpeed state + the data state (once, layout-free) and every rank's RNG
     (client state) + what the tag is (trainer_state.json, written by rank 0)."""
+    s.watchdog.beat("checkpoint save", step)
     counters = merge_counters(ckpt.gather_to_all(s.train_loader.counters()))  # bad data of all ranks
     client = {"data": s.train_loader.state_dict(counters), "rng": ckpt.gather_to_all(ckpt.rng_state())}
     state = ckpt.TrainerState(step=step, world_size=s.env.world_size,
@@ -170,6 +180,7 @@ def evaluate(s: Setup) -> dict[str, float]:
         top1, top5 = topk_correct(logits, targets)
         totals += torch.stack([(loss * valid).sum(), (top1.double() * valid).sum(), (top5.double() * valid).sum(),
                                valid.sum()])
+    raise_if_any_failed(s.eval_loader)  # collective: a pass that failed on one rank stops all of them here
     if dist.is_initialized():
         dist.all_reduce(totals)
     s.engine.train()
@@ -226,6 +237,7 @@ def micro_batch_loss(s: Setup, cfg: Config, data, meter: ThroughputMeter, guard:
                      step: int) -> torch.Tensor:
     """The loss of the next micro batch with a finite loss on every rank (forward only)."""
     while True:
+        s.watchdog.beat("train step", step)  # a micro batch: progress
         t0 = time.perf_counter()
         images, targets = next(data)
         wait = time.perf_counter() - t0
@@ -243,7 +255,7 @@ def micro_batch_loss(s: Setup, cfg: Config, data, meter: ThroughputMeter, guard:
 
 def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> int:
     s = setup(cfg, prepare_model)
-    env, engine, tc = s.env, s.engine, cfg.train
+    env, engine = s.env, s.engine
     step = resume.restore(s.plan, cfg, env, engine, s.optimizer, s.groups, engine.lr_scheduler, s.train_loader,
                           s.model_kwargs["depth"])
     preemption = Preemption(every=PREEMPTION_CHECK_EVERY)
@@ -252,6 +264,20 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
                  f"to be requeued")
         s.tracker.finish(status=None)
         return ExitCode.PREEMPTED
+    # From here on a rank that stops making progress ends the job and says where (pipeline/train/watchdog.py).
+    s.watchdog = Watchdog(cfg.dist.timeout_s, env.rank, Path(cfg.run.dir))
+    for loader in (s.eval_loader, s.knn_loader):
+        if loader is not None:
+            loader.progress = s.watchdog.touch  # each eval batch is progress
+    try:
+        return train_loop(s, cfg, step, preemption)
+    finally:
+        s.watchdog.stop()
+
+
+def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
+    """From `step` to train.steps: the steps, evaluations, checkpoints, the preemption check, the export."""
+    env, engine, tc = s.env, s.engine, cfg.train
     accum = s.train_loader.accum  # micro batches per rank per step: train.global_batch_size / layout
     meter = ThroughputMeter(s.flops_per_image, env.world_size, device_peak_flops(tc.peak_flops))
     log(env, f"{cfg.run.kind}: {cfg.model.variant} {s.model_kwargs['img_size']} | world size {env.world_size} | "
@@ -294,7 +320,10 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
             micro_count = 0
             s.tracker.log_metrics(metrics, step)
             _print_log(env, bar, _format(step, tc.steps, metrics))
-        if s.is_mae and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps):
+        evaluating = (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps
+        if evaluating:
+            s.watchdog.beat("eval", step)
+        if s.is_mae and evaluating:
             metrics, image = mae.evaluate_mae(engine, s.eval_loader, s.knn_loader, cfg, s.dtype,
                                               Path(cfg.run.dir) if env.is_main else None, step)
             s.tracker.log_metrics(metrics, step)
@@ -303,7 +332,7 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
             knn = f" | k-NN top-1 {100 * metrics['eval/knn_top1']:.2f}%" if "eval/knn_top1" in metrics else ""
             _print_log(env, bar, f"eval step {step} | reconstruction loss {metrics['eval/recon_loss']:.4f}{knn}")
             meter.reset()
-        elif (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+        elif evaluating:
             metrics = evaluate(s)
             s.tracker.log_metrics(metrics, step)
             _print_log(env, bar, f"eval step {step} | loss {metrics['eval/loss']:.4f} | "
@@ -347,6 +376,7 @@ def window_metrics(s: Setup, loss_sum: torch.Tensor, micro_count: int, meter: Th
 
 def finish(s: Setup, cfg: Config, step: int) -> None:
     """Export consolidated weights (collective), hand the artifacts to MLflow, end the run."""
+    s.watchdog.beat("export", step)
     run_dir = Path(cfg.run.dir)
     ckpt.export_weights(s.engine, run_dir / "model.safetensors",
                         metadata={"variant": cfg.model.variant, "step": str(step)})

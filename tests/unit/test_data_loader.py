@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
@@ -11,6 +12,7 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from PIL import Image
@@ -21,6 +23,7 @@ from pipeline.data import (
     DataError,
     build_eval_loader,
     build_train_loader,
+    raise_if_any_failed,
     read_dataset_info,
     tario,
 )
@@ -334,6 +337,35 @@ def test_eval_visits_every_sample_exactly_once_with_equal_batch_counts(
     assert sorted(seen) == list(range(n))
 
 
+def eval_workers() -> list[psutil.Process]:
+    """This process's eval DataLoader workers (started by its fork server; named by WorkerInit)."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if p.name() == "eval-worker":
+                found.append(p)
+    return found
+
+
+def test_an_eval_worker_killed_mid_pass_is_replaced_and_every_sample_is_seen_once(tmp_path: Path, capfd) -> None:
+    # A worker killed by the OOM killer or an operator: the pass starts workers again for the batches not
+    # yet seen and still yields len() batches; before, the rank raised alone and its peers waited for it.
+    n = id_dataset(tmp_path, [40, 40], split="val")
+    ev = build_eval_loader(cfg_for(tmp_path, num_workers=2, prefetch_factor=1), IMG, 2)
+    seen, batches = [], 0
+    for i, (_, targets, valid) in enumerate(ev):
+        if i == 1:
+            victims = eval_workers()
+            assert len(victims) == 2, victims
+            victims[1].kill()
+        seen += targets[valid].tolist()
+        batches += 1
+    assert batches == len(ev) == 40 and ev.failure is None
+    assert sorted(seen) == list(range(n))  # each sample once: the restarted workers took only the unseen
+    assert "starting the workers again" in capfd.readouterr().err
+    raise_if_any_failed(ev)  # nothing to raise
+
+
 # ----------------------------------------------------------------------------- bad data
 
 
@@ -428,8 +460,10 @@ def test_too_many_bad_samples_stop_training_naming_the_shard(tmp_path: Path, wor
 def test_too_many_bad_samples_stop_eval_naming_the_shard(tmp_path: Path) -> None:
     one_unreadable_dataset(tmp_path)
     ev = build_eval_loader(cfg_for(tmp_path, num_workers=0), IMG, 16)
+    batches = list(ev)  # the pass still yields every batch (the ranks stay in step), the rest invalid...
+    assert len(batches) == len(ev) and not batches[-1][2].any()
     with pytest.raises(BadDataError, match=r"shard '.*c-000000\.tar'"):
-        list(ev)
+        raise_if_any_failed(ev)  # ...and the failure is raised after it, on every rank together
 
 
 def test_unknown_split_is_a_clear_error(synth: Path) -> None:

@@ -4,12 +4,15 @@ and then joins them with no timeout: before `reap_workers_at_exit`, a worker's e
 main process (seen: timm's RandAugment posterize on Pillow 13) left the rank waiting on its worker and
 the worker waiting on its parent, for good. A real process, a real worker, a real exception."""
 
+import contextlib
+import os
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,3 +57,49 @@ def test_without_the_reaper_it_hangs():
     proc, took = _run(reap=False, timeout=10)  # with the reaper it ends in about 4 s
     assert proc is None and took >= 10
 
+
+
+PIDS = textwrap.dedent("""
+    import os
+    import torch
+
+    class Pids(torch.utils.data.IterableDataset):  # in a module: the fork server's workers import it
+        def __iter__(self):
+            while True:
+                yield os.getpid()
+""")
+RANK = textwrap.dedent("""
+    import time
+    from pids import Pids
+    import torch
+    from pipeline.train.preemption import WorkerInit, worker_context
+
+    it = iter(torch.utils.data.DataLoader(Pids(), num_workers=2, multiprocessing_context=worker_context(),
+                                          worker_init_fn=WorkerInit("train")))
+    print(*sorted({int(next(it)) for _ in range(8)}), flush=True)
+    time.sleep(600)
+""")
+
+
+def test_workers_of_the_fork_server_end_when_their_rank_is_killed(tmp_path):
+    # The workers' parent is the fork server, not the rank: torch's own check (its parent's pid) cannot see
+    # the rank go. A rank killed outright (SIGKILL, or the hang watchdog's os._exit) must not leave them.
+    (tmp_path / "pids.py").write_text(PIDS)
+    rank = subprocess.Popen([sys.executable, "-c", RANK], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    workers: list[psutil.Process] = []
+    try:
+        pids = [int(p) for p in rank.stdout.readline().split()]
+        assert len(pids) == 2 and rank.pid not in pids
+        workers = [psutil.Process(p) for p in pids]
+        assert {w.name() for w in workers} == {"train-worker"}  # WorkerInit's process name
+        assert all(w.ppid() != rank.pid for w in workers)  # children of the fork server
+        rank.kill()
+        rank.wait()
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"workers {[w.pid for w in alive]} outlived their rank"
+    finally:
+        rank.kill()
+        for w in workers:  # after a failure: leave nothing behind
+            with contextlib.suppress(psutil.NoSuchProcess):
+                w.kill()

@@ -1,0 +1,68 @@
+"""Run a launch/ script with a fault injected on one rank, in the rank's own process (no test hooks in
+the package). Used by test_hangs.py as the script the DeepSpeed launcher starts:
+
+    deepspeed --num_gpus 2 tests/integration/inject.py launch/pretrain.py --config ... [overrides]
+
+FAULT (environment) says what happens on rank FAULT_RANK (default 1), at its first evaluation:
+  signal-in-eval     SIGUSR1 to itself as the pass starts (a preemption arriving during evaluation)
+  kill-eval-worker   SIGKILL to its eval DataLoader worker after the pass's first batch
+"""
+
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+# Under the guard: a DataLoader worker may run this file again as __mp_main__ (see launch/pretrain.py).
+if __name__ == "__main__":
+    from pipeline.train.preemption import install_signal_handlers
+
+    install_signal_handlers()  # as the launch scripts do, first
+
+    import psutil
+
+    import pipeline.train.trainer as trainer
+
+    args = sys.argv[1:]
+    script = next(a for a in args if a.endswith(".py"))
+    args.remove(script)
+    sys.argv = [script, *args]
+    FAULT, FAULT_RANK = os.environ["FAULT"], int(os.environ.get("FAULT_RANK", "1"))
+    real_evaluate, done = trainer.evaluate, []
+
+
+    def kill_eval_worker() -> None:
+        workers = [p for p in psutil.Process().children(recursive=True) if p.name() == "eval-worker"]
+        assert workers, "no eval worker to kill"
+        workers[0].kill()
+        print(f"inject: rank {FAULT_RANK} killed its eval worker {workers[0].pid}", file=sys.stderr, flush=True)
+
+
+    def evaluate(s):
+        if s.env.rank != FAULT_RANK or done:
+            return real_evaluate(s)
+        done.append(True)
+        if FAULT == "signal-in-eval":
+            os.kill(os.getpid(), signal.SIGUSR1)
+            print(f"inject: rank {FAULT_RANK} got SIGUSR1 as its evaluation started", file=sys.stderr, flush=True)
+        elif FAULT == "kill-eval-worker":
+            progress, batches = s.eval_loader.progress, []
+
+            def after_first_batch() -> None:
+                progress()
+                batches.append(1)
+                if len(batches) == 2:  # the first batch is in hand, the worker is preparing the next ones
+                    kill_eval_worker()
+
+            s.eval_loader.progress = after_first_batch
+        else:
+            raise SystemExit(f"inject: unknown FAULT={FAULT!r}")
+        return real_evaluate(s)
+
+
+    trainer.evaluate = evaluate
+    runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,139 @@
+"""Ranks that cannot fall out of step, and a rank that does says where: 2 ranks on CPU (gloo).
+
+- a signal during an evaluation, a resume followed at once by evaluations: every rank stops at the same
+  step, and the resumed run ends with the uninterrupted run's weights;
+- an eval worker killed on one rank: its workers start again for the batches not yet seen, the ranks stay
+  in step, and the run ends as if nothing happened;
+- a rank that stops (SIGSTOP): its peer's watchdog ends the job with exit 76, one line naming the rank,
+  the step and the phase, and every thread's stack in RUN_DIR/errors/.
+Faults are injected in the rank's own process by tests/integration/inject.py.
+"""
+
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+
+from tests.integration.runs import (
+    DEEPSPEED,
+    ROOT,
+    TINY,
+    assert_same_weights,
+    command,
+    env,
+    free_port,
+    make_synthetic_shards,
+    metrics,
+    rank_proc,
+    run,
+    weights,
+)
+
+pytestmark = pytest.mark.dist
+CONFIG = "configs/pretrain/demo.yaml"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return make_synthetic_shards(tmp_path_factory.mktemp("data") / "synthetic")
+
+
+def overrides(shards, run_dir, steps=6):
+    # An evaluation after every step, small eval batches (several per worker): the cases below need both.
+    return [*TINY, f"data.path={shards}", f"run.dir={run_dir}", "deepspeed.zero_stage=3", f"train.steps={steps}",
+            "train.eval_every=1", "train.eval_batch_size=2"]
+
+
+def injected(fault: str, overrides_: list[str]) -> subprocess.CompletedProcess:
+    argv = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(ROOT / "tests/integration/inject.py"),
+            str(ROOT / "launch/pretrain.py"), "--config", CONFIG, *overrides_]
+    return subprocess.run(argv, cwd=ROOT, env={**env(), "FAULT": fault}, capture_output=True, text=True, timeout=600)
+
+
+def eval_rows(run_dir):
+    return [m["metrics"] for m in metrics(run_dir) if "eval/loss" in m["metrics"]]
+
+
+def test_signal_in_eval_resume_into_eval_and_a_killed_eval_worker_keep_the_ranks_in_step(shards, tmp_path):
+    ref = run("pretrain.py", CONFIG, overrides(shards, tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+
+    # SIGUSR1 to rank 1 as its first evaluation starts: both ranks finish that evaluation, checkpoint at
+    # step 1 and exit 75; the resumed run evaluates after its first step, and ends where the reference did.
+    run_dir = tmp_path / "signalled"
+    stopped = injected("signal-in-eval", overrides(shards, run_dir))
+    assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert "got SIGUSR1 as its evaluation started" in stopped.stderr
+    assert "preempted: checkpoint at step 1 saved" in stopped.stdout
+    resumed = run("pretrain.py", CONFIG, overrides(shards, run_dir))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "at step 1" in resumed.stdout
+    assert_same_weights(weights(tmp_path / "ref"), weights(run_dir))
+    assert eval_rows(run_dir)[-1] == eval_rows(tmp_path / "ref")[-1]
+
+    # Rank 1's eval worker killed after the first batch of its first evaluation: new workers take the
+    # batches not yet seen; every evaluation sees every sample, and the run ends as the reference.
+    run_dir = tmp_path / "killed"
+    done = injected("kill-eval-worker", overrides(shards, run_dir))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "killed its eval worker" in done.stderr and "starting the workers again" in done.stderr
+    # The same figures: no sample lost or doubled (the loss sum may add up in another order: last bits).
+    for got, want in zip(eval_rows(run_dir), eval_rows(tmp_path / "ref"), strict=True):
+        assert got["eval/loss"] == pytest.approx(want["eval/loss"], rel=1e-9)
+        assert {k: v for k, v in got.items() if k != "eval/loss"} == {k: v for k, v in want.items() if k != "eval/loss"}
+    assert_same_weights(weights(tmp_path / "ref"), weights(run_dir))
+
+
+LIMIT_S = 10  # dist.timeout_s for this test: a step here takes well under a second
+
+
+def test_a_stopped_rank_ends_the_job_with_one_line_naming_rank_step_phase_and_the_stacks(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    argv = command("pretrain.py", CONFIG, [*overrides(shards, run_dir, steps=1000), f"dist.timeout_s={LIMIT_S}"], 2)
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # one line at a time
+    reader.start()
+    stopped_at, hung_at, victim, seen = None, None, None, 0
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            new, seen = lines[seen:], len(lines)
+            if stopped_at is None and any("step 4/1000" in line for line in new):
+                victim = rank_proc(proc.pid, 1, 2)
+                victim.send_signal(signal.SIGSTOP)
+                stopped_at = time.monotonic()
+            if hung_at is None and any(" hung: " in line for line in new):
+                hung_at = time.monotonic()
+                # Let rank 0 leave, then wake rank 1 so that the launcher's SIGTERM ends it (a stopped
+                # process waits out the launcher's 30 s before SIGKILL; that is the launcher's, not ours).
+                rank_proc(proc.pid, 0, 2).wait(timeout=60)
+                victim.send_signal(signal.SIGCONT)
+            time.sleep(0.1)
+        code = proc.wait(timeout=120)
+        # EOF on the job's output: every process that held it is gone, the ranks' DataLoader workers and
+        # fork servers included (they are not the ranks' children: they must end with their rank).
+        reader.join(timeout=30)
+        assert not reader.is_alive(), "processes of the job outlived it: " + "".join(lines)[-2000:]
+    finally:
+        if proc.poll() is None:
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                p.kill()
+            proc.kill()
+    out = "".join(lines)
+    assert stopped_at is not None, out[-3000:]
+    assert code == 76, out[-3000:]
+    # Rank 0 waited for rank 1 in a collective of the step after the stop (or its evaluation).
+    hung = re.search(r"error: rank 0 hung: no progress for (\d+) s in (train step|eval) at step (\d+) "
+                     r"\(dist.timeout_s=10\); every thread's stack: (\S+); exiting with 76", out)
+    assert hung, out[-3000:]
+    assert LIMIT_S <= int(hung[1]) <= LIMIT_S + 3
+    assert hung_at - stopped_at <= LIMIT_S + 5  # the limit, plus the watchdog's 1 s tick and slack
+    stacks = (ROOT / hung[4]).read_text() if not hung[4].startswith("/") else open(hung[4]).read()
+    assert f"in {hung[2]} at step {hung[3]}" in stacks.splitlines()[0]
+    assert 'File "' in stacks and "watchdog" in stacks  # faulthandler's dump of every thread, itself included
+    assert sorted(p.name for p in (run_dir / "errors").iterdir())[0].startswith("hang-rank0-")
