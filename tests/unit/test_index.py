@@ -93,7 +93,8 @@ def test_a_cache_too_small_for_the_shuffle_span_stops_before_training(shards: Pa
     piped.mkdir()
     (piped / "dataset.json").write_text(json.dumps(info))
     shard_bytes = info["splits"]["train"]["shards"][0]["bytes"]
-    cfg = DataConfig(path=str(piped), num_workers=0, cache_dir=str(tmp_path / "c"), cache_limit_gb=1e-6)
+    cfg = DataConfig(path=str(piped), num_workers=0, cache_dir=str(tmp_path / "c"), cache_limit_gb=1e-6,
+                     allow_pipe_shards=True)
     with pytest.raises(DataError, match=r"data.cache_limit_gb=1e-06 is too small: node 0 of 1 reads 2 partitions "
                                         r"whose shuffle spans .data.shuffle_span=262144. need 0.0 GiB"):
         build_train_loader(cfg, 16, 8, seed=0, global_batch_size=16)
@@ -146,7 +147,7 @@ def test_fetch_ahead_copies_the_coming_shards_within_the_budget(shards: Path, tm
     for fetch_ahead in (False, True):
         cache = tmp_path / f"cache-{fetch_ahead}"
         cfg = DataConfig(path=str(piped), num_workers=0, cache_dir=str(cache), fetch_ahead=fetch_ahead,
-                         partitions=2, shuffle_span=16, hflip=0.0)
+                         partitions=2, shuffle_span=16, hflip=0.0, allow_pipe_shards=True)
         loader = build_train_loader(cfg, 16, 4, seed=0, global_batch_size=4)
         next(loader)  # one micro batch of 4 samples: at most 4 shards read
         deadline = time.monotonic() + 20
