@@ -173,3 +173,116 @@ def test_a_damaged_index_is_rebuilt_not_a_traceback(tmp_path: Path) -> None:
         rebuilt = list((tmp_path / what / "index").glob("*" + INDEX_SUFFIX))
         assert len(rebuilt) == 1, what  # built in the cache; the damaged one is left as it was
         assert index.read_bytes() == data
+
+
+# ----------------------------------------------------------------------------- pickles
+
+
+class _Payload:
+    """What an attacker pickles: unpickling it runs `touch MARKER`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _evil(path: Path, marker: Path) -> None:
+    import torch
+
+    torch.save({"module": _Payload(marker)}, path)
+
+
+def _steps(stdout: str) -> list[str]:
+    """ds_tag.py's own lines (DeepSpeed prints around them)."""
+    return [line for line in stdout.splitlines() if line.split(" ")[0] in ("write", "load", "consolidate", "universal")]
+
+
+def _free_port() -> int:
+    from pipeline.dist import free_port
+
+    return free_port()
+
+
+def test_deepspeed_files_carrying_code_are_never_unpickled(tmp_path: Path) -> None:
+    """Resume (engine.load_checkpoint), a universal conversion and fine-tune's consolidation all read a tag
+    through ds_compat: DeepSpeed's own files load with weights_only=True; one carrying code is refused."""
+    run, marker = tmp_path / "run", tmp_path / "MARKER"
+    tag = run / "checkpoints" / "step_0000001"
+    script = [sys.executable, str(ROOT / "tests/unit/fixtures/ds_tag.py"), str(run), "1", str(_free_port())]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ok = subprocess.run([*script, "write,load,consolidate"], capture_output=True, text=True, timeout=300, env=env)
+    assert _steps(ok.stdout) == ["write ok", "load ok", "consolidate ok"], ok.stdout + ok.stderr[-3000:]
+
+    for pt in tag.glob("*.pt"):
+        _evil(pt, marker)
+    script[-1] = str(_free_port())
+    bad = subprocess.run([*script, "load,consolidate,universal"], capture_output=True, text=True, timeout=300,
+                         env=env)
+    lines = _steps(bad.stdout)
+    assert [line.split(" ")[:2] for line in lines] == [["load", "refused:"], ["consolidate", "refused:"],
+                                                       ["universal", "refused:"]], bad.stdout + bad.stderr[-3000:]
+    assert "loading it could run code from the file" in lines[0] and "posix.system" in lines[0], lines[0]
+    assert not marker.exists()
+
+
+def test_a_refused_finetune_source_leaves_nothing_that_blocks_the_corrected_command(tmp_path: Path) -> None:
+    """--from a run directory whose checkpoint carries code, and --from evil.pth: one line each, exit 1, no
+    code run, no run directory; the corrected command is a first start."""
+    from pipeline.commands import finetune_config, parse_finetune_args
+    from pipeline.config import load_config, save_config
+
+    data, marker = tmp_path / "data", tmp_path / "MARKER"
+    data.mkdir()
+    dataset(data)
+    source = tmp_path / "runs" / "theirs"  # a pretraining run stopped before export: only a checkpoint
+    tag = source / "checkpoints" / "step_0000001"
+    tag.mkdir(parents=True)
+    save_config(load_config(ROOT / "configs/pretrain/demo.yaml", [f"data.path={data}"]), source / "config.yaml")
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        _evil(tag / name, marker)
+    (tag / "complete.json").write_text(json.dumps({"tag": tag.name, "files": {
+        p.name: p.stat().st_size for p in tag.iterdir()}}))
+    evil_pth = tmp_path / "evil.pth"
+    _evil(evil_pth, marker)
+    good = tmp_path / "good.safetensors"
+
+    config = str(ROOT / "configs/finetune/demo.yaml")
+    starts = {"dir": ["--from", str(source)], "pth": ["--from", str(evil_pth), "--config", config]}
+    code = ("import sys; from pipeline.commands import finetune\n"
+            "print(finetune(sys.argv[1:]), flush=True)")
+    for what, argv in starts.items():
+        run_dir = tmp_path / f"ft-{what}"
+        out = subprocess.run([sys.executable, "-c", code, *argv, f"run.dir={run_dir}", f"data.path={data}"],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert out.stdout.strip().endswith("1") and len(errors) == 1, out.stdout + out.stderr[-3000:]
+        assert "run code from the file" in errors[0] and "Traceback" not in out.stderr, out.stderr[-3000:]
+        if what == "dir":  # refused by ds_compat's weights-only reading of DeepSpeed's files, not by DeepSpeed
+            assert "beyond tensors and DeepSpeed's own types (Trying to load unsupported GLOBAL posix.system" in errors[0]
+        assert not marker.exists() and not run_dir.exists(), what
+        # the corrected command starts afresh: nothing recorded insists on the refused source
+        args = parse_finetune_args(["--from", str(good), "--config", config, f"run.dir={run_dir}"])
+        cfg, _ = finetune_config(args)
+        assert cfg.finetune.source == str(good)
+
+
+def test_a_start_that_failed_before_its_first_checkpoint_does_not_bind_the_next(tmp_path: Path) -> None:
+    """config.yaml is written before the weights are copied into the model (a shape mismatch is found then):
+    without a complete checkpoint its recorded source binds nothing; with one, it does."""
+    from pipeline.commands import finetune_config, parse_finetune_args
+    from pipeline.config import load_config, save_config
+
+    run_dir = tmp_path / "ft"
+    run_dir.mkdir()
+    cfg = load_config(ROOT / "configs/finetune/demo.yaml", ["run.kind=finetune", "finetune.source=/elsewhere/a.pth"])
+    save_config(cfg, run_dir / "config.yaml")
+    argv = ["--from", str(tmp_path / "b.pth"), "--config", str(ROOT / "configs/finetune/demo.yaml"),
+            f"run.dir={run_dir}"]
+    assert finetune_config(parse_finetune_args(argv))[0].finetune.source == str(tmp_path / "b.pth")
+    tag = run_dir / "checkpoints" / "step_0000010"
+    tag.mkdir(parents=True)
+    (tag / "complete.json").write_text("{}")
+    with pytest.raises(SystemExit):  # a restart: "drop --from to continue it"
+        finetune_config(parse_finetune_args(argv))
