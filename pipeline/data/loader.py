@@ -4,8 +4,8 @@
   order in order.py, random access to tar shards in index.py).
 - `build_eval_loader`: one exactly-once pass over the validation split (eval.py).
 
-Bad data (corrupt image, missing image or label, duplicate member, truncated tar, unreadable
-shard) is counted by kind (bad.py): replaced within its micro batch when training, an invalid
+Bad data (corrupt image, oversized image, missing image or label, duplicate member, truncated tar,
+unreadable shard) is counted by kind (bad.py): replaced within its micro batch when training, an invalid
 slot when evaluating; past `data.max_bad_fraction` of the samples read (after 100)
 `BadDataError` names the shard with the most bad samples and why it could not be read.
 """
