@@ -15,7 +15,7 @@ RandAugment and colour jitter are not available here (`validate` refuses the com
 the eval pass still decodes on the CPU.
 
 Bad images: a header PIL cannot read is counted `corrupt_image` in the worker and skipped, as
-on the CPU path. A body that fails to decode is found only on the device: when the batched
+on the CPU path, and so is an image over `data.max_image_pixels` (`oversized_image`, from its header). A body that fails to decode is found only on the device: when the batched
 decode raises, the batch is decoded image by image (on the device, then with PIL on the CPU
 for what the device refuses, e.g. a PNG in the shards), and an image nothing can decode is
 counted `corrupt_image` and replaced in the batch, image and label, by the batch's nearest

@@ -251,7 +251,7 @@ def test_resume_reads_and_decodes_only_the_samples_handed_out(synth: Path, monke
 
     decoded = []
     real = tario.decode_image
-    monkeypatch.setattr(tario, "decode_image", lambda data: decoded.append(1) or real(data))
+    monkeypatch.setattr(tario, "decode_image", lambda data, *a: decoded.append(1) or real(data, *a))
     restored = build_train_loader(cfg, IMG, 4, seed=0)
     restored.load_state_dict(state)
     assert same(take(restored, 3), expected)
