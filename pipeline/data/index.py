@@ -16,8 +16,9 @@ An index file: `MAGIC`, the header's length (8 bytes, little endian), the header
 size, sample count, member extensions, why the archive ends early if it does), zero padding to
 8 bytes, then one record per sample of int64s: a flag (1 + the column of a member that occurs
 twice, or 0), then (data offset, size) per extension column, offset -1 where the sample has no
-such member. A process reads a shard's header once (the first time it reads from the shard) and
-then one record per sample: `INDEX_RECORD` x 8 bytes, tens of bytes per sample of ~100 KB.
+such member. A process reads a shard's index whole once (the first time it reads from the shard:
+`check_index`, a damaged index is built again, never trusted) and then one record per sample, tens
+of bytes per sample of ~100 KB.
 
 Reading a sample is one `os.pread` from its first member's data to its last member's end (the
 tar headers in between come along: 512 bytes per extra member).
@@ -225,7 +226,7 @@ class Indexes:
         except (OSError, ValueError) as e:  # ValueError: a scheme webdataset's gopen does not know
             self.errors[shard] = tario.ShardError(tario.UNREADABLE_SHARD, shard, f"{type(e).__name__}: {e}")
             raise self.errors[shard] from None
-        self.index_bytes_read += body
+        self.index_bytes_read += os.path.getsize(index_path)  # read whole once, by index_for's check
         index = ShardIndex(path, index_path, int(header["samples"]), list(header["exts"]), header["truncated"], body)
         self._known[shard] = index
         return index
