@@ -61,7 +61,7 @@ class DatasetInfo:
         return self.splits[name]
 
 
-# Schemes a shard name may have besides a local path: the one place a new reader (s3) says it is there.
+# URL schemes of shard names the loaders read (index.local_copy through webdataset's gopen); see scheme_readable.
 READABLE_SCHEMES = ("http", "https")
 PIPE_SWITCH = "data.allow_pipe_shards=true"
 
@@ -76,6 +76,12 @@ def shard_scheme(location: str) -> str:
         return "pipe"
     scheme, sep, _ = location.partition("://")
     return scheme.lower() if sep else ""
+
+
+def scheme_readable(scheme: str) -> bool:
+    """Can the loaders read shards named with this scheme ('' a local path; `pipe` aside: it is a switch)?
+    The one place a new reader (s3) says it is there."""
+    return scheme == "" or scheme in READABLE_SCHEMES
 
 
 def pipes_allowed(allow_pipe_shards: bool) -> bool:
@@ -99,7 +105,7 @@ def check_shard_names(info: DatasetInfo, allow_pipe_shards: bool) -> None:
                        else f"shell commands in a data set run only with {PIPE_SWITCH}, if you trust its author")
                 raise DataError(f"{where}: split '{split_name}' names shard '{shard[:200]}', a shell command; "
                                 f"not run: {why}")
-            if scheme not in ("", "pipe") and scheme not in READABLE_SCHEMES:
+            if scheme != "pipe" and not scheme_readable(scheme):
                 raise DataError(f"{where}: split '{split_name}' names shard '{shard[:200]}': scheme '{scheme}://' "
                                 f"is not one this pipeline reads (local paths, "
                                 f"{', '.join(s + '://' for s in READABLE_SCHEMES)}); copy the shards to one of them")
