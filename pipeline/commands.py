@@ -139,9 +139,13 @@ def finished_pretrain_runs(runs: Path = RUNS) -> list[Path]:
 
 
 def recorded_finetune_source(run_dir: Path | None) -> str | None:
-    """The source a fine-tune run recorded at its first start (RUN_DIR/config.yaml's finetune.source)."""
+    """The source a fine-tune run recorded at its first start (RUN_DIR/config.yaml's finetune.source), once
+    the run has a complete checkpoint: a start that was refused or failed before its first save trained
+    nothing from that source, and the next start (with a corrected --from) is a first start again."""
     cfg = _saved_config(run_dir) if run_dir is not None else {}
-    return (cfg.get("finetune") or {}).get("source") if _run_kind(cfg) == "finetune" else None
+    if _run_kind(cfg) != "finetune" or not any((run_dir / "checkpoints").glob("step_*/complete.json")):
+        return None
+    return (cfg.get("finetune") or {}).get("source")
 
 
 def newest_source() -> str:

@@ -120,6 +120,10 @@ class DataConfig:
     """Probability of CutMix instead of Mixup when both are enabled."""
     prefetch_factor: int = 2
     """Batches each DataLoader worker prepares ahead."""
+    max_image_pixels: int = 89478485
+    """An image with more pixels (width x height, read from its header) is a bad sample (kind oversized_image) and is never decoded: a few KB of PNG can decode to gigabytes in a loader worker. The default is PIL's own warning threshold (docs/data.md, Trust)."""
+    allow_pipe_shards: bool = False
+    """Run the shell commands that `pipe:` shard names in dataset.json are (webdataset's convention); only for a data set whose author you trust. Off: such a data set is refused before training, naming the shard; webdataset's own WDS_SECURE=1 refuses them even when on (docs/data.md, Trust)."""
     decode_device: Literal["cpu", "cuda"] = "cpu"
     """cuda: workers only read bytes and draw the crop/flip; the trainer decodes the batch with nvjpeg (torchvision.io.decode_jpeg(device='cuda')), crops, resizes and normalises it on the GPU. For when the CPU cannot keep up. JPEG shards only."""
 
@@ -349,6 +353,7 @@ def validate(cfg: Config, where: str = "config") -> None:
         ("data.num_workers", cfg.data.num_workers >= 0, ">= 0"),
         ("data.partitions", cfg.data.partitions is None or cfg.data.partitions > 0, "> 0 or null"),
         ("data.shuffle_span", cfg.data.shuffle_span > 0, "> 0"),
+        ("data.max_image_pixels", cfg.data.max_image_pixels > 0, "> 0"),
         ("data.decode_device", cfg.data.decode_device == "cpu" or (
             cfg.data.auto_augment is None and cfg.data.color_jitter is None),
          "'cpu' when data.auto_augment or data.color_jitter is set (the GPU decode does crop, flip and "

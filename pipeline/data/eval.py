@@ -49,7 +49,8 @@ class EvalStream(IterableDataset):
         s = int(np.searchsorted(self.starts, i, side="right")) - 1
         shard = self.shards[s]
         try:
-            img, label = tario.decode(indexes.load(shard, i - int(self.starts[s])), self.label_key, self.num_classes)
+            img, label = tario.decode(indexes.load(shard, i - int(self.starts[s])), self.label_key, self.num_classes,
+                                      self.cfg.max_image_pixels)
         except tario.SampleError as e:
             counters.count_bad(e.kind, shard, str(e))
             counters.read += 1

@@ -15,7 +15,7 @@ RandAugment and colour jitter are not available here (`validate` refuses the com
 the eval pass still decodes on the CPU.
 
 Bad images: a header PIL cannot read is counted `corrupt_image` in the worker and skipped, as
-on the CPU path. A body that fails to decode is found only on the device: when the batched
+on the CPU path, and so is an image over `data.max_image_pixels` (`oversized_image`, from its header). A body that fails to decode is found only on the device: when the batched
 decode raises, the batch is decoded image by image (on the device, then with PIL on the CPU
 for what the device refuses, e.g. a PNG in the shards), and an image nothing can decode is
 counted `corrupt_image` and replaced in the batch, image and label, by the batch's nearest
@@ -24,7 +24,6 @@ good sample (the batch keeps its size: every rank runs the same step).
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import numpy as np
@@ -37,14 +36,10 @@ from . import tario
 INTERPOLATIONS = ("bilinear", "bicubic")
 
 
-def open_lazy(data: bytes) -> Image.Image:
-    """The image with only its header parsed (size, mode); SampleError(corrupt_image) if unreadable."""
-    try:
-        img = Image.open(io.BytesIO(data))
-        img.size  # noqa: B018 - parsed by open(); touch it so a broken header fails here
-        return img
-    except Exception as e:  # PIL raises many types
-        raise tario.SampleError(tario.CORRUPT_IMAGE, str(e)) from None
+def open_lazy(data: bytes, max_pixels: int = tario.MAX_IMAGE_PIXELS) -> Image.Image:
+    """The image with only its header parsed (size, mode); SampleError(corrupt_image) if unreadable,
+    SampleError(oversized_image) past `max_pixels`."""
+    return tario.open_image(data, max_pixels)
 
 
 class CropDraw:

@@ -16,8 +16,9 @@ An index file: `MAGIC`, the header's length (8 bytes, little endian), the header
 size, sample count, member extensions, why the archive ends early if it does), zero padding to
 8 bytes, then one record per sample of int64s: a flag (1 + the column of a member that occurs
 twice, or 0), then (data offset, size) per extension column, offset -1 where the sample has no
-such member. A process reads a shard's header once (the first time it reads from the shard) and
-then one record per sample: `INDEX_RECORD` x 8 bytes, tens of bytes per sample of ~100 KB.
+such member. A process reads a shard's index whole once (the first time it reads from the shard:
+`check_index`, a damaged index is built again, never trusted) and then one record per sample, tens
+of bytes per sample of ~100 KB.
 
 Reading a sample is one `os.pread` from its first member's data to its last member's end (the
 tar headers in between come along: 512 bytes per extra member).
@@ -163,10 +164,36 @@ def read_header(index_path: str) -> tuple[dict[str, Any], int]:
         if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
             raise ValueError(f"'{index_path}' is not a shard index")
         length = int.from_bytes(head[len(MAGIC):], "little")
-        header = json.loads(f.read(length))
-    if header.get("format") != INDEX_FORMAT:
-        raise ValueError(f"'{index_path}' has index format {header.get('format')}, expected {INDEX_FORMAT}")
+        header = json.loads(f.read(min(length, 1 << 20)))  # UnicodeDecodeError, JSONDecodeError: ValueErrors
+    if not isinstance(header, dict) or header.get("format") != INDEX_FORMAT:
+        found = header.get("format") if isinstance(header, dict) else None
+        raise ValueError(f"'{index_path}' has index format {found}, expected {INDEX_FORMAT}")
     return header, len(MAGIC) + 8 + length
+
+
+def check_index(index_path: str, shard_bytes: int) -> tuple[dict[str, Any], int]:
+    """(header, records' offset) of an index that fits a shard of `shard_bytes` bytes: its header's shard
+    size, the file's length against its record count, and every record within the shard (a garbage
+    offset would read gigabytes). ValueError saying what is wrong otherwise. Reads the whole index once:
+    tens of bytes per sample."""
+    header, body = read_header(index_path)
+    samples, exts = header.get("samples"), header.get("exts")
+    if header.get("shard_bytes") != shard_bytes:
+        raise ValueError(f"'{index_path}' is the index of a shard of {header.get('shard_bytes')} bytes, not {shard_bytes}")
+    if not isinstance(samples, int) or samples < 0 or not isinstance(exts, list):
+        raise ValueError(f"'{index_path}': damaged header (samples={samples!r}, exts={exts!r})")
+    width = 1 + 2 * len(exts)
+    expected = body + samples * 8 * width
+    actual = os.path.getsize(index_path)
+    if actual != expected:
+        raise ValueError(f"'{index_path}' is {actual} bytes; its header's {samples} records need {expected}")
+    records = np.fromfile(index_path, dtype="<i8", offset=body).reshape(samples, width)
+    offsets, sizes = records[:, 1::2], records[:, 2::2]
+    present = offsets >= 0
+    if (records[:, 0] < 0).any() or (records[:, 0] > len(exts)).any() or (
+            present & ((sizes < 0) | (offsets + sizes > shard_bytes))).any():
+        raise ValueError(f"'{index_path}' has records outside its shard of {shard_bytes} bytes")
+    return header, body
 
 
 class Indexes:
@@ -192,14 +219,14 @@ class Indexes:
         try:
             path = local_copy(shard, self.cache_dir, self.limit) if needs_copy(shard) else shard
             index_path = index_for(path, shard, self.cache_dir)
-            header, body = read_header(index_path)
+            header, body = read_header(index_path)  # index_for checked it whole (check_index)
         except tario.ShardError as e:
             self.errors[shard] = e
             raise
         except (OSError, ValueError) as e:  # ValueError: a scheme webdataset's gopen does not know
             self.errors[shard] = tario.ShardError(tario.UNREADABLE_SHARD, shard, f"{type(e).__name__}: {e}")
             raise self.errors[shard] from None
-        self.index_bytes_read += body
+        self.index_bytes_read += os.path.getsize(index_path)  # read whole once, by index_for's check
         index = ShardIndex(path, index_path, int(header["samples"]), list(header["exts"]), header["truncated"], body)
         self._known[shard] = index
         return index
@@ -254,8 +281,8 @@ class Indexes:
 
 
 def index_for(path: str, shard: str, cache_dir: str | None) -> str:
-    """The index file of the local tar `path`: beside it when it is there and matches the file's size,
-    else in the cache, built once per machine."""
+    """The index file of the local tar `path`: beside it when it is there and sound for the file
+    (`check_index`), else in the cache, built once per machine (a damaged one is built again)."""
     size = os.path.getsize(path)
     beside = path + INDEX_SUFFIX
     if _matches(beside, size):
@@ -276,11 +303,13 @@ def index_for(path: str, shard: str, cache_dir: str | None) -> str:
 
 
 def _matches(index_path: str, shard_bytes: int) -> bool:
+    """Does `index_path` hold a whole, sound index of a shard of this size? A damaged one is rebuilt
+    (an index is a cache of the shard's headers)."""
     try:
-        header, _ = read_header(index_path)
+        check_index(index_path, shard_bytes)
     except (OSError, ValueError):
         return False
-    return header.get("shard_bytes") == shard_bytes
+    return True
 
 
 # ----------------------------------------------------------------------------- the node's cache
@@ -322,10 +351,15 @@ def local_copy(shard: str, cache_dir: str | None, limit: int) -> str:
 
 
 def _fetch(shard: str, out: Path) -> None:
-    """Copy (and gunzip) `shard` to `out`; OSError with the cause (exit status, stderr) on failure."""
+    """Copy (and gunzip) `shard` to `out`; OSError with the cause (exit status, stderr) on failure. A
+    `pipe:` name runs here, so only names `info.check_shard_names` let through reach this."""
     raw = out.with_suffix(".raw")
     try:
         if shard.startswith("pipe:"):
+            from webdataset import utils as wds_utils
+
+            if wds_utils.enforce_security:  # webdataset's switch holds here too
+                raise OSError("pipe: shards are refused: WDS_SECURE=1 is set")
             with open(raw, "wb") as f:
                 p = subprocess.run(shard[5:], shell=True, stdout=f, stderr=subprocess.PIPE)
             if p.returncode != 0:

@@ -61,8 +61,54 @@ class DatasetInfo:
         return self.splits[name]
 
 
+# URL schemes of shard names the loaders read (index.local_copy through webdataset's gopen); see scheme_readable.
+READABLE_SCHEMES = ("http", "https")
+PIPE_SWITCH = "data.allow_pipe_shards=true"
+
+
 def is_remote(location: str) -> bool:
     return "://" in location or location.startswith("pipe:")
+
+
+def shard_scheme(location: str) -> str:
+    """'' for a local path, 'pipe' for a `pipe:` command, else the URL's scheme ('https', 's3')."""
+    if location.startswith("pipe:"):
+        return "pipe"
+    scheme, sep, _ = location.partition("://")
+    return scheme.lower() if sep else ""
+
+
+def scheme_readable(scheme: str) -> bool:
+    """Can the loaders read shards named with this scheme ('' a local path; `pipe` aside: it is a switch)?
+    The one place a new reader (s3) says it is there."""
+    return scheme == "" or scheme in READABLE_SCHEMES
+
+
+def pipes_allowed(allow_pipe_shards: bool) -> bool:
+    """`pipe:` shard names run only where the operator said so; webdataset's own switch (WDS_SECURE=1,
+    its `enforce_security`) refuses them whatever the config says."""
+    from webdataset import utils as wds_utils
+
+    return allow_pipe_shards and not wds_utils.enforce_security
+
+
+def check_shard_names(info: DatasetInfo, allow_pipe_shards: bool) -> None:
+    """Every shard name is one we can read, before anything runs: a `pipe:` command (a shell command
+    written by whoever wrote the json) only with the opt-in, a URL only of a READABLE_SCHEMES scheme.
+    DataError naming the json, the shard and the switch otherwise."""
+    where = info.path if info.path.endswith(".json") else os.path.join(info.path, DATASET_JSON)
+    for split_name, split in info.splits.items():
+        for shard in split.shards:
+            scheme = shard_scheme(shard)
+            if scheme == "pipe" and not pipes_allowed(allow_pipe_shards):
+                why = ("WDS_SECURE=1 is set (webdataset's switch that refuses them)" if allow_pipe_shards
+                       else f"shell commands in a data set run only with {PIPE_SWITCH}, if you trust its author")
+                raise DataError(f"{where}: split '{split_name}' names shard '{shard[:200]}', a shell command; "
+                                f"not run: {why}")
+            if scheme != "pipe" and not scheme_readable(scheme):
+                raise DataError(f"{where}: split '{split_name}' names shard '{shard[:200]}': scheme '{scheme}://' "
+                                f"is not one this pipeline reads (local paths, "
+                                f"{', '.join(s + '://' for s in READABLE_SCHEMES)}); copy the shards to one of them")
 
 
 def resolve_shard(folder: Path, name: str) -> str:

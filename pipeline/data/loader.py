@@ -4,8 +4,8 @@
   order in order.py, random access to tar shards in index.py).
 - `build_eval_loader`: one exactly-once pass over the validation split (eval.py).
 
-Bad data (corrupt image, missing image or label, duplicate member, truncated tar, unreadable
-shard) is counted by kind (bad.py): replaced within its micro batch when training, an invalid
+Bad data (corrupt image, oversized image, missing image or label, duplicate member, truncated tar,
+unreadable shard) is counted by kind (bad.py): replaced within its micro batch when training, an invalid
 slot when evaluating; past `data.max_bad_fraction` of the samples read (after 100)
 `BadDataError` names the shard with the most bad samples and why it could not be read.
 """
@@ -21,7 +21,7 @@ from pipeline.config import DataConfig, accumulation_steps, image_size
 from .bad import Counters, merge_counters
 from .eval import EvalLoader, EvalStream
 from .index import needs_copy
-from .info import DataError, DatasetInfo, read_dataset_info
+from .info import DataError, DatasetInfo, check_shard_names, read_dataset_info
 from .nodes import node_place
 from .order import GlobalOrder
 from .stream import STATE_VERSION, TrainLoader, TrainStream
@@ -60,6 +60,7 @@ def build_train_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_s
     global_batch = global_batch_size or batch_size * world_size
     accum = accumulation_steps(global_batch, world_size, batch_size)
     info = info or read_dataset_info(cfg.path)
+    check_shard_names(info, cfg.allow_pipe_shards)  # before any worker could run one
     split = info.split(cfg.train_split)
     if split.num_samples == 0:
         raise DataError(f"split '{cfg.train_split}' of {info.path} has no samples")
@@ -114,6 +115,7 @@ def build_eval_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_si
     (`limit`: over its first `limit` samples only)."""
     _check_placement(batch_size, rank, world_size)
     info = info or read_dataset_info(cfg.path)
+    check_shard_names(info, cfg.allow_pipe_shards)
     split = info.split(cfg.val_split)
     n = split.num_samples if limit is None else min(limit, split.num_samples)
     lo, hi = rank * n // world_size, (rank + 1) * n // world_size

@@ -145,9 +145,9 @@ class TrainStream(IterableDataset):
             if self.draw is not None:
                 _, data = tario.image_member(raw)
                 label = tario.parse_label(raw, self.label_key, self.num_classes)
-                img = open_lazy(data)
+                img = open_lazy(data, self.cfg.max_image_pixels)
             else:
-                img, label = tario.decode(raw, self.label_key, self.num_classes)
+                img, label = tario.decode(raw, self.label_key, self.num_classes, self.cfg.max_image_pixels)
         except tario.SampleError as e:
             counters.count_bad(e.kind, shard, str(e))
             return None

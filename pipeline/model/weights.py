@@ -17,6 +17,14 @@ class WeightsError(ValueError):
     """A weights file that cannot be used; the message names the file and what is wrong."""
 
 
+def refused_global(e: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused ("Unsupported global: GLOBAL posix.system ..."), from its
+    many-line message whose first line is only advice."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    found = next((line for line in lines if "Unsupported global" in line or "GLOBAL" in line), None)
+    return (found or (lines[0] if lines else "UnpicklingError"))[:200]
+
+
 def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors file atomically (a crash leaves the old file, never half a new one)."""
     path = Path(path)
@@ -41,7 +49,7 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise WeightsError(f"'{path}' is not a plain tensor file and was not loaded: loading it would run code "
-                           f"from the file ({str(e).splitlines()[0][:200]})") from None
+                           f"from the file ({refused_global(e)})") from None
     except Exception as e:  # noqa: BLE001 - a corrupt or foreign file: say which one
         raise WeightsError(f"'{path}' could not be read as a weights file: {e}") from None
     for key in ("model", "state_dict", "module", "model_state"):

@@ -328,7 +328,8 @@ def export_weights(engine, path: Path, metadata: dict[str, str] | None = None) -
 def consolidate(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
     """fp32 weights from a complete checkpoint on disk (any ZeRO stage, any world size), without an engine.
 
-    Reads DeepSpeed's own pickles, which only our trainer wrote into this run directory.
+    DeepSpeed's pickles are read with `weights_only=True` (ds_compat.no_code_from_pickles): a tag from
+    another group's run directory that carries code is refused (UnsafeCheckpoint), never run.
     """
     tag = tag or latest_tag(run_dir)
     if tag is None:

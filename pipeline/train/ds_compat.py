@@ -7,6 +7,10 @@ What lives here, and why it cannot use a public API:
   - `convert_to_universal`: runs `ds_to_universal` and rewrites its output (`_bridge_zero_stages`) so
     that ZeRO-1/2 and ZeRO-3 each find the optimizer step where their loader looks for it.
   - `consolidate`, `full_fp32_param`: DeepSpeed's helpers that read its pickles and partitions.
+  - `no_code_from_pickles`: DeepSpeed reads its checkpoint files with `torch.load(weights_only=False)`,
+    which runs whatever a pickle in a tag says; every DeepSpeed call here that reads files runs with
+    `torch.load` forced to `weights_only=True`, allowing only the few classes DeepSpeed stores
+    (`DEEPSPEED_SAFE_GLOBALS`). A file that needs anything else is refused (`UnsafeCheckpoint`).
 
 Importing this module checks the DeepSpeed version: another one may move any of the above without a
 word, so it is refused with one line (pyproject.toml accepts the same range). DeepSpeed's own exceptions
@@ -16,14 +20,23 @@ ours never reads as "DeepSpeed could not load"; the full traceback goes to a fil
 
 from __future__ import annotations
 
+import pickle
 import shutil
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import deepspeed
+import numpy as np
 import torch
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
+
+from pipeline.model.weights import WeightsError, refused_global
 
 TESTED = ((0, 19, 8), (0, 20, 0))  # [low, high): the range pyproject.toml accepts
 ERRORS_DIR = "errors"  # RUN_DIR/errors/<what>-<time>.txt: DeepSpeed's tracebacks behind a one-line message
@@ -46,6 +59,45 @@ def check_version(version: str = deepspeed.__version__) -> None:
 
 
 check_version()
+
+
+# What a tag of ours holds besides tensors and plain containers (found with
+# torch.serialization.get_unsafe_globals_in_checkpoint on tags of every ZeRO stage): DeepSpeed's loss scaler,
+# ZeRO stage enum and fragment addresses, and NumPy arrays (the RNG state in the client state). Each is
+# rebuilt from data; none runs code of the file's choosing.
+DEEPSPEED_SAFE_GLOBALS = [LossScaler, ZeroStageEnum, fragment_address, np.ndarray, np.dtype,
+                          np._core.multiarray._reconstruct, type(np.dtype(np.uint32))]
+
+
+class UnsafeCheckpoint(WeightsError):
+    """A checkpoint file that only a full unpickler reads: loading it could run code from the file."""
+
+
+def _weights_only(load):
+    def torch_load_weights_only(f, *args, weights_only=None, **kwargs):
+        try:
+            return load(f, *args, weights_only=True, **kwargs)
+        except pickle.UnpicklingError as e:
+            why = refused_global(e)
+            raise UnsafeCheckpoint(
+                f"'{f}' holds pickled objects beyond tensors and DeepSpeed's own types ({why}); not loaded: "
+                f"loading it could run code from the file. Only if you trust whoever wrote it: `python -m "
+                f"deepspeed.utils.zero_to_fp32 CHECKPOINTS_DIR OUT_DIR --safe_serialization` (DeepSpeed's full "
+                f"unpickler) makes OUT_DIR/model.safetensors of it to fine-tune --from") from None
+    return torch_load_weights_only
+
+
+@contextmanager
+def no_code_from_pickles() -> Iterator[None]:
+    """Within: every `torch.load` (DeepSpeed's included, whatever it asks for) is `weights_only=True`
+    with `DEEPSPEED_SAFE_GLOBALS`; a file needing more raises UnsafeCheckpoint."""
+    original = torch.load
+    torch.load = _weights_only(original)
+    try:
+        with torch.serialization.safe_globals(DEEPSPEED_SAFE_GLOBALS):
+            yield
+    finally:
+        torch.load = original
 
 
 class DeepSpeedFailed(RuntimeError):
@@ -78,7 +130,10 @@ def _deepspeed_call(what: str, run_dir: Path | None, fn, *args, **kwargs):
     """fn(*args, **kwargs), a DeepSpeed function; what it raises becomes DeepSpeedFailed (KeyboardInterrupt,
     SystemExit pass)."""
     try:
-        return fn(*args, **kwargs)
+        with no_code_from_pickles():
+            return fn(*args, **kwargs)
+    except UnsafeCheckpoint:
+        raise  # not DeepSpeed failing: a file we refuse to unpickle
     except Exception as e:  # noqa: BLE001 - anything DeepSpeed raises on files it cannot use
         raise DeepSpeedFailed(what, e, save_traceback(run_dir, what, e)) from e
 
@@ -116,6 +171,11 @@ def convert_to_universal(source: Path, out: Path, run_dir: Path | None = None) -
     args = SimpleNamespace(input_folder=str(source), output_folder=str(out), num_extract_workers=1,
                            num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     _deepspeed_call("convert", run_dir, ds_to_universal, args)
+    with no_code_from_pickles():  # reads what the converter wrote from a tag that may not be ours
+        _finish_universal(out)
+
+
+def _finish_universal(out: Path) -> None:
     # An engine looks for its own stage's file name (ZeRO-3: zero_pp_rank_0_mp_rank_00_model_states.pt,
     # else mp_rank_00_model_states.pt); universal loading reads only metadata from it, so either serves.
     z3, z12 = out / "zero_pp_rank_0_mp_rank_00_model_states.pt", out / "mp_rank_00_model_states.pt"

@@ -2,7 +2,8 @@
 
 `--from` may name
   - a pretraining run directory: its model.safetensors + config.yaml, or, for a run that was stopped
-    before exporting, its latest DeepSpeed checkpoint (consolidated to fp32 here);
+    before exporting, its latest DeepSpeed checkpoint (consolidated to fp32 here, its files read with
+    `weights_only=True` and DeepSpeed's own few types: `ds_compat.no_code_from_pickles`);
   - a .safetensors file (ours, or timm's, e.g. `vit_base_patch16_224`'s model.safetensors);
   - a timm-format .pth/.bin state dict, read with `torch.load(weights_only=True)`: nothing executes code.
 
@@ -94,9 +95,12 @@ def prepare_finetune(cfg: Config, cli_model_keys: set[str] | frozenset[str] = fr
     if probe and cfg.deepspeed.zero_stage == 3:
         raise ConfigError("finetune.probe (--probe) replaces the head after the model is built, which ZeRO-3 has "
                           "already partitioned: use deepspeed.zero_stage 0, 1 or 2 (the encoder is frozen anyway)")
+    # Read before anything is written: a source that is refused (code in a pickle, not a state dict) leaves no
+    # run directory, and no config.yaml recording it as this run's source for the next start to insist on.
+    loaded = [source_state_dict(src)]  # handed to the hook once, not kept for the whole run
     cfg = dataclasses.replace(cfg, model=model_cfg,
                               finetune=FinetuneConfig(source=str(src.path), source_img_size=source_img_size, probe=probe))
-    return cfg, lambda model: load_pretrained(model, src, source_img_size, probe)
+    return cfg, lambda model: load_pretrained(model, src, source_img_size, probe, state=loaded.pop())
 
 
 def _refuse_arch_overrides(cfg: Config, source: Config, cli_model_keys, where: str) -> None:
@@ -128,9 +132,12 @@ def not_weights(path: Path) -> str | None:
     return f"it is a text file ({path.stat().st_size} bytes, first line: {first!r})"
 
 
-def load_pretrained(model: VisionTransformer, src: Source, source_img_size, probe: bool = False) -> dict[str, str]:
-    """Copy the source trunk into `model` (resizing position embeddings), zero the head. ZeRO-3 safe."""
-    state = {k: v for k, v in source_state_dict(src).items() if not k.startswith(HEAD_PREFIXES)}
+def load_pretrained(model: VisionTransformer, src: Source, source_img_size, probe: bool = False,
+                    state: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
+    """Copy the source trunk (`state`, else read from `src`) into `model` (resizing position embeddings),
+    zero the head. ZeRO-3 safe."""
+    state = {k: v for k, v in (state if state is not None else source_state_dict(src)).items()
+             if not k.startswith(HEAD_PREFIXES)}
     new_grid = model.grid_size
     patch = model.patch_embed.patch_size[0]
     if "pos_embed" not in state and src.config is not None and src.config.model.objective == "mae":

@@ -37,7 +37,7 @@ from pipeline.config import Config, to_dict
 from pipeline.dist import DistEnv
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import ds_compat
-from pipeline.train.ds_compat import DeepSpeedFailed
+from pipeline.train.ds_compat import DeepSpeedFailed, UnsafeCheckpoint
 from pipeline.train.lock import RunDirLocked, lock_run_dir
 from pipeline.train.optim import RESUMABLE_HPARAMS, apply_hparams
 
@@ -173,6 +173,8 @@ def convert(env: DistEnv, run_dir: Path, tag: str, state: ckpt.TrainerState, why
     t0 = time.perf_counter()
     try:
         out = ckpt.convert_to_universal(run_dir, tag)
+    except UnsafeCheckpoint as e:
+        raise TrainError(f"{ckpt.checkpoint_dir(run_dir) / tag} is not resumed: {e}") from None
     except DeepSpeedFailed as e:
         raise TrainError(f"{ckpt.checkpoint_dir(run_dir) / tag}: DeepSpeed could not convert it to its universal "
                          f"format for the new layout ({why}): {e.first_line} (traceback: {e.traceback_file}). "
@@ -198,6 +200,8 @@ def restore(p: ResumePlan | None, cfg: Config, env: DistEnv, engine, optimizer, 
         try:
             client = ds_compat.load_checkpoint(engine, p.root, tag, run_dir)
             break
+        except UnsafeCheckpoint as e:  # not a checkpoint our trainer wrote: nothing older is trusted more
+            raise TrainError(f"{p.root / tag} is not resumed: {e}") from None
         except DeepSpeedFailed as e:
             log(env, f"resume: DeepSpeed could not load {p.root / tag}: {e.first_line} (traceback: "
                      f"{e.traceback_file}); trying an older checkpoint")

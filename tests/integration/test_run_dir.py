@@ -97,6 +97,37 @@ def test_a_fresh_start_among_checkpoints_it_cannot_use_is_refused(shards, traine
     assert tags(run_dir) == ["step_0000010", "step_0000015", "step_0000020"]  # nothing deleted
 
 
+class _Payload:
+    """Unpickled, it runs `touch MARKER`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_tag_whose_pickles_carry_code_is_refused_on_resume_and_the_code_never_runs(shards, trained, tmp_path):
+    """Someone with write access to the run directory swaps a tag's file for a pickle carrying code and
+    records its size in complete.json: DeepSpeed would unpickle it with weights_only=False on resume."""
+    import torch
+
+    run_dir, marker = tmp_path / "run", tmp_path / "MARKER"
+    shutil.copytree(trained, run_dir)
+    newest = run_dir / "checkpoints" / "step_0000020"
+    torch.save({"module": _Payload(marker)}, newest / "mp_rank_00_model_states.pt")
+    record = json.loads((newest / "complete.json").read_text())
+    record["files"]["mp_rank_00_model_states.pt"] = (newest / "mp_rank_00_model_states.pt").stat().st_size
+    (newest / "complete.json").write_text(json.dumps(record))
+    out = run("pretrain.py", CONFIG, base(shards, run_dir, 22), ranks=1)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    line = one_line_error(out)
+    assert f"{newest} is not resumed: " in line and "could run code from the file" in line, line
+    assert "posix.system" in line, line
+    assert not marker.exists()
+    assert tags(run_dir) == ["step_0000010", "step_0000015", "step_0000020"]  # nothing older tried, nothing deleted
+
+
 def test_a_second_job_on_the_same_run_dir_stops_and_a_dead_holder_does_not_block(shards, tmp_path):
     run_dir = tmp_path / "run"
     overrides = base(shards, run_dir, 400)

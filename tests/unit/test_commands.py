@@ -91,6 +91,8 @@ def test_a_restart_keeps_the_source_recorded_at_the_first_start(tmp_path, capsys
     cfg = load_config(REPO / "configs/finetune/demo.yaml", ["run.kind=finetune", f"finetune.source={first}",
                                                              "run.dir=runs/ft"])
     save_config(cfg, ft_dir / "config.yaml")
+    (ft_dir / "checkpoints" / "step_0000010").mkdir(parents=True)  # it trained: a complete checkpoint
+    (ft_dir / "checkpoints" / "step_0000010" / "complete.json").write_text("{}")
     make_run(tmp_path, "newer")  # finished since: it must not become the restarted run's source
     args = parse_finetune_args(["--res", "64", "run.dir=runs/ft"])
     cfg, where = finetune_config(args)

@@ -1,0 +1,288 @@
+"""Inputs from others run no code and cannot exhaust memory (issue 30), each with real files and processes:
+`pipe:` shard names only with the opt-in, unreadable schemes refused at start, decompression bombs counted
+and never decoded, damaged indexes rebuilt, DeepSpeed pickles carrying code never unpickled, and a refused
+fine-tune source leaving nothing that blocks the corrected command."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.config import DataConfig
+from pipeline.data import DataError, build_eval_loader, build_train_loader, tario
+from pipeline.data.index import INDEX_SUFFIX, Indexes
+from pipeline.data.shards import ShardWriter
+
+ROOT = Path(__file__).resolve().parents[2]
+IMG = 16
+
+
+def png(value: int, size: int = 8) -> bytes:
+    rng = np.random.default_rng(value)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def bomb_png(side: int = 12000) -> bytes:
+    """A real, decodable grey PNG of side x side pixels (144 MP at 12000) that is a few hundred KB: zeros
+    compress ~1000:1. Written chunk by chunk, never held whole."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    z = zlib.compressobj(9)
+    row = b"\x00" * (side + 1)  # filter byte + one byte per pixel
+    body = b"".join(z.compress(row * 100) for _ in range(side // 100)) + z.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", body) + chunk(b"IEND", b""))
+
+
+def dataset(folder: Path, n: int = 16, names: list[str] | None = None, image=png) -> Path:
+    """One shard of n labelled PNGs (+ its index) and a dataset.json listing it as train and val, under
+    `names` when given (e.g. a pipe: command)."""
+    w = ShardWriter(folder, "train", max_samples=n)
+    for i in range(n):
+        w.write(f"{i:06d}", {"png": image(i), "cls": b"0"})
+    rec = w.close()[0]
+    shards = [{"name": name, "num_samples": n} for name in (names or [rec.name])]
+    info = {"num_classes": 2, "class_names": ["a", "b"], "splits": {
+        s: {"num_samples": n * len(shards), "shards": shards} for s in ("train", "val")}}
+    (folder / "dataset.json").write_text(json.dumps(info))
+    return folder / rec.name
+
+
+def cfg_for(path: Path, **kw) -> DataConfig:
+    return DataConfig(**{"path": str(path), "num_workers": 0, "shuffle_span": 8, "cache_dir": str(path / "cache"),
+                         **kw})
+
+
+# ----------------------------------------------------------------------------- shard names
+
+
+def test_a_pipe_shard_runs_only_with_the_opt_in(tmp_path: Path) -> None:
+    marker = tmp_path / "MARKER"
+    shard = tmp_path / "train-000000.tar"
+    dataset(tmp_path, names=[f"pipe:touch {marker}; cat {shard}"])
+    for build in (build_train_loader, build_eval_loader):
+        with pytest.raises(DataError) as e:
+            build(cfg_for(tmp_path), IMG, 4, seed=0) if build is build_train_loader else build(cfg_for(tmp_path), IMG, 4)
+        assert "\n" not in str(e.value) and "a shell command; not run" in str(e.value), str(e.value)
+        assert "data.allow_pipe_shards=true" in str(e.value) and f"touch {marker}" in str(e.value)
+    assert not marker.exists()
+
+    # webdataset's own switch refuses them whatever the config says (checked in a fresh interpreter: it is
+    # read at import)
+    code = (f"from pipeline.data import build_train_loader, DataError; from pipeline.config import DataConfig\n"
+            f"try: build_train_loader(DataConfig(path={str(tmp_path)!r}, num_workers=0, allow_pipe_shards=True, "
+            f"cache_dir={str(tmp_path / 'c')!r}), {IMG}, 4, seed=0)\n"
+            f"except DataError as e: print(e)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "WDS_SECURE": "1"}, capture_output=True,
+                         text=True, timeout=120)
+    assert "WDS_SECURE=1 is set" in out.stdout, out.stdout + out.stderr
+    assert not marker.exists()
+
+    loader = build_train_loader(cfg_for(tmp_path, allow_pipe_shards=True), IMG, 4, seed=0)
+    images, _ = next(loader)
+    assert marker.exists() and images.shape == (4, 3, IMG, IMG) and loader.bad_counts() == {}
+
+
+@pytest.mark.parametrize("name", ["s3://bucket/train-0.tar", "ftp://host/train-0.tar", "gs://b/t.tar",
+                                  "hf://datasets/x/t.tar"])
+def test_a_scheme_we_cannot_read_is_one_line_at_start(tmp_path: Path, name: str) -> None:
+    dataset(tmp_path, names=["train-000000.tar", name])
+    with pytest.raises(DataError) as e:
+        build_train_loader(cfg_for(tmp_path), IMG, 4, seed=0)
+    scheme = name.split("://")[0]
+    assert str(e.value) == (f"{tmp_path / 'dataset.json'}: split 'train' names shard '{name}': scheme '{scheme}://' "
+                            f"is not one this pipeline reads (local paths, http://, https://); copy the shards to "
+                            f"one of them")
+
+
+# ----------------------------------------------------------------------------- decompression bombs
+
+
+DECODE = """
+import resource, sys
+from pipeline.data import tario
+from pipeline.data.index import Indexes
+raw = Indexes(None, 1).load(sys.argv[1], int(sys.argv[2]))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    tario.decode(raw, "cls", 2)
+    kind = "ok"
+except tario.SampleError as e:
+    kind = e.kind
+print(kind, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_a_decompression_bomb_is_a_bad_sample_never_decoded(tmp_path: Path) -> None:
+    bomb = bomb_png()
+    assert len(bomb) < 1_000_000 and Image.open(io.BytesIO(bomb)).size == (12000, 12000)
+    shard = dataset(tmp_path, n=4, image=lambda i: bomb if i == 1 else png(i))
+    # Peak memory of a fresh process reading and decoding one sample: the bomb costs no more than a small one.
+    peaks = {}
+    for i in (0, 1):
+        out = subprocess.run([sys.executable, "-c", DECODE, str(shard), str(i)], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT)
+        kind, grown_mb = out.stdout.split()
+        peaks[kind] = int(grown_mb)
+    assert set(peaks) == {"ok", tario.OVERSIZED_IMAGE}, peaks
+    assert peaks[tario.OVERSIZED_IMAGE] < peaks["ok"] + 200, peaks  # decoded, it is 144 MB grey, 432 MB RGB
+
+    loader = build_train_loader(cfg_for(tmp_path, max_bad_fraction=0.5), IMG, 4, seed=0)
+    next(loader)
+    assert loader.bad_counts() == {tario.OVERSIZED_IMAGE: 1}
+    # the limit is a config key: raised, the same image decodes (PIL's own refusal at twice its limit too)
+    big = tario.decode_image(bomb_png(1000), max_pixels=10**6)
+    assert big.size == (1000, 1000)
+    with pytest.raises(tario.SampleError, match="1000x1000 = 1000000 pixels > data.max_image_pixels=999999"):
+        tario.decode_image(bomb_png(1000), max_pixels=10**6 - 1)
+
+
+# ----------------------------------------------------------------------------- damaged indexes
+
+
+def test_a_damaged_index_is_rebuilt_not_a_traceback(tmp_path: Path) -> None:
+    shard = dataset(tmp_path, n=16)
+    index = Path(str(shard) + INDEX_SUFFIX)
+    whole = index.read_bytes()
+    expected = [Indexes(str(tmp_path / "c0"), 1).load(str(shard), i).members["png"] for i in range(16)]
+    records = len(whole) - 16 * 5 * 8  # where the records start (png, cls: 5 int64 per sample)
+    damaged = {
+        "cut off": whole[:records + 3 * 40 + 7],  # header intact, records cut
+        "garbage offset": whole[:records + 40] + struct.pack("<q", 2**40) + whole[records + 48:],
+        "negative size": whole[:records + 56] + struct.pack("<q", -5) + whole[records + 64:],
+        "header not JSON": whole[:20] + b"\xff" * 8 + whole[28:],
+    }
+    for what, data in damaged.items():
+        index.write_bytes(data)
+        indexes = Indexes(str(tmp_path / what), 1)
+        got = [indexes.load(str(shard), i).members["png"] for i in range(16)]
+        assert got == expected, what
+        rebuilt = list((tmp_path / what / "index").glob("*" + INDEX_SUFFIX))
+        assert len(rebuilt) == 1, what  # built in the cache; the damaged one is left as it was
+        assert index.read_bytes() == data
+
+
+# ----------------------------------------------------------------------------- pickles
+
+
+class _Payload:
+    """What an attacker pickles: unpickling it runs `touch MARKER`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _evil(path: Path, marker: Path) -> None:
+    import torch
+
+    torch.save({"module": _Payload(marker)}, path)
+
+
+def _steps(stdout: str) -> list[str]:
+    """ds_tag.py's own lines (DeepSpeed prints around them)."""
+    return [line for line in stdout.splitlines() if line.split(" ")[0] in ("write", "load", "consolidate", "universal")]
+
+
+def _free_port() -> int:
+    from pipeline.dist import free_port
+
+    return free_port()
+
+
+def test_deepspeed_files_carrying_code_are_never_unpickled(tmp_path: Path) -> None:
+    """Resume (engine.load_checkpoint), a universal conversion and fine-tune's consolidation all read a tag
+    through ds_compat: DeepSpeed's own files load with weights_only=True; one carrying code is refused."""
+    run, marker = tmp_path / "run", tmp_path / "MARKER"
+    tag = run / "checkpoints" / "step_0000001"
+    script = [sys.executable, str(ROOT / "tests/unit/fixtures/ds_tag.py"), str(run), "1", str(_free_port())]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ok = subprocess.run([*script, "write,load,consolidate"], capture_output=True, text=True, timeout=300, env=env)
+    assert _steps(ok.stdout) == ["write ok", "load ok", "consolidate ok"], ok.stdout + ok.stderr[-3000:]
+
+    for pt in tag.glob("*.pt"):
+        _evil(pt, marker)
+    script[-1] = str(_free_port())
+    bad = subprocess.run([*script, "load,consolidate,universal"], capture_output=True, text=True, timeout=300,
+                         env=env)
+    lines = _steps(bad.stdout)
+    assert [line.split(" ")[:2] for line in lines] == [["load", "refused:"], ["consolidate", "refused:"],
+                                                       ["universal", "refused:"]], bad.stdout + bad.stderr[-3000:]
+    assert "loading it could run code from the file" in lines[0] and "posix.system" in lines[0], lines[0]
+    assert not marker.exists()
+
+
+def test_a_refused_finetune_source_leaves_nothing_that_blocks_the_corrected_command(tmp_path: Path) -> None:
+    """--from a run directory whose checkpoint carries code, and --from evil.pth: one line each, exit 1, no
+    code run, no run directory; the corrected command is a first start."""
+    from pipeline.commands import finetune_config, parse_finetune_args
+    from pipeline.config import load_config, save_config
+
+    data, marker = tmp_path / "data", tmp_path / "MARKER"
+    data.mkdir()
+    dataset(data)
+    source = tmp_path / "runs" / "theirs"  # a pretraining run stopped before export: only a checkpoint
+    tag = source / "checkpoints" / "step_0000001"
+    tag.mkdir(parents=True)
+    save_config(load_config(ROOT / "configs/pretrain/demo.yaml", [f"data.path={data}"]), source / "config.yaml")
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        _evil(tag / name, marker)
+    (tag / "complete.json").write_text(json.dumps({"tag": tag.name, "files": {
+        p.name: p.stat().st_size for p in tag.iterdir()}}))
+    evil_pth = tmp_path / "evil.pth"
+    _evil(evil_pth, marker)
+    good = tmp_path / "good.safetensors"
+
+    config = str(ROOT / "configs/finetune/demo.yaml")
+    starts = {"dir": ["--from", str(source)], "pth": ["--from", str(evil_pth), "--config", config]}
+    code = ("import sys; from pipeline.commands import finetune\n"
+            "print(finetune(sys.argv[1:]), flush=True)")
+    for what, argv in starts.items():
+        run_dir = tmp_path / f"ft-{what}"
+        out = subprocess.run([sys.executable, "-c", code, *argv, f"run.dir={run_dir}", f"data.path={data}"],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert out.stdout.strip().endswith("1") and len(errors) == 1, out.stdout + out.stderr[-3000:]
+        assert "run code from the file" in errors[0] and "Traceback" not in out.stderr, out.stderr[-3000:]
+        if what == "dir":  # refused by ds_compat's weights-only reading of DeepSpeed's files, not by DeepSpeed
+            assert "beyond tensors and DeepSpeed's own types (Trying to load unsupported GLOBAL posix.system" in errors[0]
+        assert not marker.exists() and not run_dir.exists(), what
+        # the corrected command starts afresh: nothing recorded insists on the refused source
+        args = parse_finetune_args(["--from", str(good), "--config", config, f"run.dir={run_dir}"])
+        cfg, _ = finetune_config(args)
+        assert cfg.finetune.source == str(good)
+
+
+def test_a_start_that_failed_before_its_first_checkpoint_does_not_bind_the_next(tmp_path: Path) -> None:
+    """config.yaml is written before the weights are copied into the model (a shape mismatch is found then):
+    without a complete checkpoint its recorded source binds nothing; with one, it does."""
+    from pipeline.commands import finetune_config, parse_finetune_args
+    from pipeline.config import load_config, save_config
+
+    run_dir = tmp_path / "ft"
+    run_dir.mkdir()
+    cfg = load_config(ROOT / "configs/finetune/demo.yaml", ["run.kind=finetune", "finetune.source=/elsewhere/a.pth"])
+    save_config(cfg, run_dir / "config.yaml")
+    argv = ["--from", str(tmp_path / "b.pth"), "--config", str(ROOT / "configs/finetune/demo.yaml"),
+            f"run.dir={run_dir}"]
+    assert finetune_config(parse_finetune_args(argv))[0].finetune.source == str(tmp_path / "b.pth")
+    tag = run_dir / "checkpoints" / "step_0000010"
+    tag.mkdir(parents=True)
+    (tag / "complete.json").write_text("{}")
+    with pytest.raises(SystemExit):  # a restart: "drop --from to continue it"
+        finetune_config(parse_finetune_args(argv))
