@@ -1,4 +1,4 @@
-# make demo | demo-mae | test | lint | bench. The first target run creates .venv from constraints.txt;
+# make demo | demo-mae | test | test-fast | lint | bench. The first target run creates .venv from constraints.txt;
 # later runs reuse it (re-installed only when pyproject.toml or constraints.txt change).
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -30,9 +30,10 @@ test: $(STAMP)
 	bash tests/container/install_podman.sh
 	$(PY) -m pytest tests
 
-# Unit tests only: what to run while editing.
+# The fast tier, what to run while editing: unit tests in one process, selected by markers
+# (no `slow`: subprocesses or more than a few seconds; no `dist`: multi-process DeepSpeed runs).
 test-fast: $(STAMP)
-	$(PY) -m pytest tests/unit -q
+	$(PY) -m pytest tests/unit -q -m "not slow and not dist"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeline launch benchmarks tests

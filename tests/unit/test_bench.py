@@ -62,6 +62,7 @@ def test_model_pair_has_identical_weights_and_outputs():
         torch.testing.assert_close(theirs.eval()(x), ours.eval()(x), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_plain_step_bf16_keeps_fp32_master_weights():
     torch.manual_seed(0)
     spec = TINY
@@ -120,6 +121,7 @@ def dist_figures() -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.slow
 def test_engine_bench_has_every_stage_with_check_finite(dist_figures):
     from benchmarks import engine
 
@@ -133,6 +135,7 @@ def test_engine_bench_has_every_stage_with_check_finite(dist_figures):
     assert len(engine.rows(f)) == 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["e2e", "e2e_decode"])
 def test_e2e_bench_compares_loader_with_synthetic(dist_figures, key):
     f = dist_figures[key]
@@ -142,6 +145,7 @@ def test_e2e_bench_compares_loader_with_synthetic(dist_figures, key):
     assert f["zero_stage"] == 1 and f["workers"] == 1
 
 
+@pytest.mark.slow
 def test_plain_loop_matches_deepspeed_zero1_bf16(dist_figures):
     # The overhead ratio compares equal work (DeepSpeed's bf16 + fp32 master AdamW + clipping): the same
     # losses up to rounding (DeepSpeed sums the gradient norm over its flat buffer, in another order).
@@ -153,6 +157,7 @@ def test_plain_loop_matches_deepspeed_zero1_bf16(dist_figures):
     torch.testing.assert_close(torch.tensor(plain), torch.tensor(zero1), rtol=2**-7, atol=0)
 
 
+@pytest.mark.slow
 def test_gpu_bench_code_runs_on_cpu_and_reports_every_part(dist_figures):
     from benchmarks import gpu
 
@@ -204,6 +209,7 @@ def test_cli_model_runs_and_prints_a_table(capsys):
     assert "ours" in out and "timm" in out and "step time / timm" in out
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_preemption_bench_runs_two_ranks_and_returns_the_agreement_cost(capsys):
     bench = _launch_bench()

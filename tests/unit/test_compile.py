@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))])
 def test_compiled_vit_matches_eager_logits_and_gradients(device: str):
@@ -74,6 +75,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_deepspeed_engine_compile_trains_like_eager_at_zero0_and_zero1():
     # A process group of its own, in a child process: the test process stays un-initialised.
     env = dict(os.environ, DS_ACCELERATOR="cpu", TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1")

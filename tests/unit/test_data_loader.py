@@ -136,6 +136,7 @@ def test_same_arguments_same_stream_and_different_seed_or_rank_differs(synth: Pa
     assert first[0][1].dtype == torch.long
 
 
+@pytest.mark.slow
 def test_step_sample_sets_are_the_same_on_every_layout(tmp_path: Path) -> None:
     """World sizes 1-4 x accumulation 1-4 (every one that makes G = 24), 0-3 workers: same ids per step."""
     n = id_dataset(tmp_path, [13, 0, 29, 7, 31])

@@ -196,6 +196,7 @@ def test_probe_freezes_the_encoder_and_trains_a_batchnorm_linear_head(tmp_path, 
     assert vit(torch.randn(4, 3, 32, 32)).shape == (4, 10)
 
 
+@pytest.mark.slow
 def test_mae_bench_times_both_steps_and_predicts_the_ratio():
     import argparse
 

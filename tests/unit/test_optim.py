@@ -33,6 +33,7 @@ print(json.dumps({"partitioned": partitioned,
 """
 
 
+@pytest.mark.slow
 def test_decayed_set_is_the_same_at_every_zero_stage():
     from tests.integration.runs import ROOT, env, free_port
 
@@ -101,6 +102,7 @@ def test_resumed_optimizer_follows_the_config_not_the_checkpoint():
     assert [g["lr"] for g in opt2.param_groups] == pytest.approx([g["lr"] for g in fresh.param_groups])
 
 
+@pytest.mark.slow
 def test_offload_optimizer_is_deepspeeds_cpu_adam_with_the_same_groups():
     if not os.environ.get("TORCH_EXTENSIONS_DIR"):
         pytest.skip("TORCH_EXTENSIONS_DIR unset")

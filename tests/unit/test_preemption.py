@@ -32,6 +32,7 @@ with socket.socket() as taken:
 """
 
 
+@pytest.mark.slow
 def test_a_signal_while_blocked_in_the_rendezvous_exits_75_at_once(tmp_path):
     marker = tmp_path / "joining"
     proc = subprocess.Popen([sys.executable, "-c", BLOCKED_IN_RENDEZVOUS, str(ROOT), str(marker)],

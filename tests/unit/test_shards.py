@@ -157,6 +157,7 @@ def test_folder_source_reads_an_image_folder(tmp_path: Path) -> None:
     assert info.splits["val"].num_samples in (3, 4)  # 2 of 10 cats, 2 of 11 dogs (one unreadable)
 
 
+@pytest.mark.slow
 def test_make_shards_cli_writes_digits_and_reports_errors(tmp_path: Path) -> None:
     out = tmp_path / "digits"
     run = subprocess.run([sys.executable, str(ROOT / "launch/make_shards.py"), "--source", "digits",

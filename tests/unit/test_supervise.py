@@ -15,6 +15,8 @@ import pytest
 
 from pipeline.supervise import DEFAULT_AFTER_S, catches, ranks
 
+pytestmark = pytest.mark.slow  # every test starts real processes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Named .../deepspeed so that preemption.is_launcher takes it for the runner. Forwards nothing (no handler),

@@ -144,6 +144,7 @@ def test_second_start_on_the_same_run_dir_continues_the_run(tmp_path, template_d
     assert float(run.data.tags["param_override.train.lr"]) == 1e-4
 
 
+@pytest.mark.slow
 def test_dead_server_never_blocks_training_and_replay_fills_the_store_once(tmp_path, template_db, monkeypatch,
                                                                           capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")

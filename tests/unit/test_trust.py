@@ -69,6 +69,7 @@ def cfg_for(path: Path, **kw) -> DataConfig:
 # ----------------------------------------------------------------------------- shard names
 
 
+@pytest.mark.slow
 def test_a_pipe_shard_runs_only_with_the_opt_in(tmp_path: Path) -> None:
     marker = tmp_path / "MARKER"
     shard = tmp_path / "train-000000.tar"
@@ -126,6 +127,7 @@ print(kind, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 102
 """
 
 
+@pytest.mark.slow
 def test_a_decompression_bomb_is_a_bad_sample_never_decoded(tmp_path: Path) -> None:
     bomb = bomb_png()
     assert len(bomb) < 1_000_000 and Image.open(io.BytesIO(bomb)).size == (12000, 12000)
@@ -205,6 +207,7 @@ def _free_port() -> int:
     return free_port()
 
 
+@pytest.mark.slow
 def test_deepspeed_files_carrying_code_are_never_unpickled(tmp_path: Path) -> None:
     """Resume (engine.load_checkpoint), a universal conversion and fine-tune's consolidation all read a tag
     through ds_compat: DeepSpeed's own files load with weights_only=True; one carrying code is refused."""
@@ -227,6 +230,7 @@ def test_deepspeed_files_carrying_code_are_never_unpickled(tmp_path: Path) -> No
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_a_refused_finetune_source_leaves_nothing_that_blocks_the_corrected_command(tmp_path: Path) -> None:
     """--from a run directory whose checkpoint carries code, and --from evil.pth: one line each, exit 1, no
     code run, no run directory; the corrected command is a first start."""

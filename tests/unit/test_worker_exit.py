@@ -43,6 +43,7 @@ def _run(reap: bool, timeout: float) -> tuple[subprocess.CompletedProcess | None
     return proc, time.monotonic() - began
 
 
+@pytest.mark.slow
 def test_a_worker_error_ends_the_process_with_exit_1_and_the_error_last():
     proc, took = _run(reap=True, timeout=60)
     assert proc is not None, "the process hung on its DataLoader worker at exit"
@@ -51,6 +52,7 @@ def test_a_worker_error_ends_the_process_with_exit_1_and_the_error_last():
     assert last == "ValueError: the sample's transform failed", proc.stderr[-2000:]  # not "worker killed"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_without_the_reaper_it_hangs():
     # The failure the reaper prevents, shown to exist: the same script without it does not end.
@@ -81,6 +83,7 @@ RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_workers_of_the_fork_server_end_when_their_rank_is_killed(tmp_path):
     # The workers' parent is the fork server, not the rank: torch's own check (its parent's pid) cannot see
     # the rank go. A rank killed outright (SIGKILL, or the hang watchdog's os._exit) must not leave them.
