@@ -8,7 +8,6 @@ from tests.integration.runs import (
     TINY,
     assert_same_weights,
     leaked_shm_buffers,
-    make_synthetic_shards,
     run,
     shm_buffers,
     weights,
@@ -16,11 +15,6 @@ from tests.integration.runs import (
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/demo.yaml"
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return make_synthetic_shards(tmp_path_factory.mktemp("data") / "synthetic")
 
 
 def overrides(shards, run_dir, steps=6, workers=1, zero=1):

@@ -12,7 +12,6 @@ from tests.integration.runs import (
     TINY,
     assert_same_weights,
     env,
-    make_synthetic_shards,
     metrics,
     run,
     weights,
@@ -21,8 +20,7 @@ from tests.integration.runs import (
 pytestmark = pytest.mark.dist
 
 
-def test_finetune_from_an_unexported_run_at_twice_the_resolution_with_zero3(tmp_path):
-    shards = make_synthetic_shards(tmp_path / "data")
+def test_finetune_from_an_unexported_run_at_twice_the_resolution_with_zero3(tmp_path, shards):
     pre_dir, ft_dir = tmp_path / "pre", tmp_path / "ft"
     pre = run("pretrain.py", "configs/pretrain/demo.yaml",
               [*TINY, f"data.path={shards}", f"run.dir={pre_dir}", "train.steps=4", "train.ckpt_every=2"], ranks=1)

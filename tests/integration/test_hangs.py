@@ -26,7 +26,6 @@ from tests.integration.runs import (
     command,
     env,
     free_port,
-    make_synthetic_shards,
     metrics,
     rank_proc,
     run,
@@ -35,11 +34,6 @@ from tests.integration.runs import (
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/demo.yaml"
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return make_synthetic_shards(tmp_path_factory.mktemp("data") / "synthetic")
 
 
 def overrides(shards, run_dir, steps=6):

@@ -18,7 +18,6 @@ from tests.integration.runs import (
     ROOT,
     TINY,
     assert_same_weights,
-    make_synthetic_shards,
     metrics,
     run,
     run_and_signal,
@@ -29,11 +28,6 @@ pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/mae_demo.yaml"
 MAE = ["model.objective=mae", "mae.decoder_embed_dim=16", "mae.decoder_depth=1", "mae.decoder_num_heads=2",
        "mae.knn_train_samples=64", "mae.recon_images=4", "train.grad_clip=0.0"]
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return make_synthetic_shards(tmp_path_factory.mktemp("data") / "synthetic")
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,11 @@ import pytest
 import yaml
 
 from pipeline.config import load_config, save_config
-from tests.integration.runs import DEEPSPEED, ROOT, TINY, env, make_synthetic_shards, run
+from tests.integration.runs import DEEPSPEED, ROOT, TINY, env, run
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/demo.yaml"
 FT_CONFIG = "configs/finetune/demo.yaml"
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return make_synthetic_shards(tmp_path_factory.mktemp("data") / "synthetic")
 
 
 def one_line_error(out) -> str:

@@ -9,7 +9,6 @@ import pytest
 from tests.integration.runs import (
     TINY,
     assert_same_weights,
-    make_synthetic_shards,
     metrics,
     run,
     run_and_signal,
@@ -18,11 +17,6 @@ from tests.integration.runs import (
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/demo.yaml"
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return make_synthetic_shards(tmp_path_factory.mktemp("data") / "synthetic")
 
 
 def base(shards, run_dir, zero, steps=24):

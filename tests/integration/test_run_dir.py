@@ -11,15 +11,10 @@ import time
 import pytest
 
 from pipeline.train.checkpoint import check_tag, latest_tag
-from tests.integration.runs import ROOT, TINY, command, env, make_synthetic_shards, run
+from tests.integration.runs import ROOT, TINY, command, env, run
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/demo.yaml"
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return make_synthetic_shards(tmp_path_factory.mktemp("data") / "synthetic")
 
 
 def base(shards, run_dir, steps):

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from pipeline.train.checkpoint import check_tag, latest_tag
-from tests.integration.runs import DEEPSPEED, PYTHON, ROOT, TINY, env, free_port, make_synthetic_shards
+from tests.integration.runs import DEEPSPEED, PYTHON, ROOT, TINY, env, free_port
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/demo.yaml"
@@ -36,11 +36,6 @@ finally:
     Path(os.environ["EXIT_DIR"], "rank" + os.environ["RANK"]).write_text(str(code))
 sys.exit(code)
 """
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return make_synthetic_shards(tmp_path_factory.mktemp("data") / "synthetic")
 
 
 def start(how: str, shards, run_dir, wrapper) -> subprocess.Popen:

@@ -7,13 +7,12 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.tracking import recorded_run_id
-from tests.integration.runs import PYTHON, ROOT, TINY, env, free_port, make_synthetic_shards, run
+from tests.integration.runs import PYTHON, ROOT, TINY, env, free_port, run
 
 pytestmark = pytest.mark.dist
 
 
-def test_closed_port_does_not_stall_a_20_step_run_and_replay_fills_the_store(tmp_path):
-    shards = make_synthetic_shards(tmp_path / "data")
+def test_closed_port_does_not_stall_a_20_step_run_and_replay_fills_the_store(tmp_path, shards):
     common = [*TINY, f"data.path={shards}", "train.steps=20", "train.log_every=1", "train.eval_every=10",
               "tracking.enabled=true", "tracking.timeout_s=2", "tracking.system_metrics=false"]
 

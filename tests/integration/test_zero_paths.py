@@ -7,15 +7,10 @@ trains a few fp32 steps on one rank and must end where plain ZeRO-1 with torch's
 
 import pytest
 
-from tests.integration.runs import TINY, make_synthetic_shards, run, weights
+from tests.integration.runs import TINY, run, weights
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/demo.yaml"
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return make_synthetic_shards(tmp_path_factory.mktemp("data") / "synthetic")
 
 
 def few_steps(shards, run_dir, *extra):
