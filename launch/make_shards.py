@@ -5,10 +5,14 @@
     python launch/make_shards.py --source folder:/data/imagenet --out data/imagenet --workers 8 --resize 256
     python launch/make_shards.py --source synthetic --num-samples 5000 --num-classes 10 --size 64 --out data/synth
     python launch/make_shards.py --source 'shards:/data/laion/{00000..00099}.tar' --label-key json:label --out /data/laion
+    python launch/make_shards.py --source folder:/data/imagenet --out s3://bucket/imagenet   # straight to a bucket
+    python launch/make_shards.py --source 'shards:s3://bucket/laion/{00000..00099}.tar' --out s3://bucket/laion
 
 `folder:PATH` takes PATH/train and PATH/val when they exist (one sub-folder per class), else
 PATH/CLASS/* split by --val-fraction (stratified, seeded). `shards:PATTERN` describes shards
-written by others (img2dataset, timm) in --out/dataset.json without copying them.
+written by others (img2dataset, timm) in --out/dataset.json without copying them. An s3://bucket/prefix
+--out gets each shard as it is complete and dataset.json last (boto3's credentials and endpoint
+variables: docs/data.md, Object storage).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", required=True,
                    help="folder:PATH | digits | synthetic | shards:PATTERN (brace range or glob)")
-    p.add_argument("--out", required=True, help="output folder: shards and dataset.json")
+    p.add_argument("--out", required=True, help="output folder, or s3://bucket/prefix: shards and dataset.json")
     p.add_argument("--max-samples-per-shard", type=int, default=1000, help="samples per shard (default 1000)")
     p.add_argument("--max-bytes-per-shard", type=parse_bytes, default=None,
                    help="also cap each shard's size, e.g. 500M")

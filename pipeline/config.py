@@ -81,11 +81,23 @@ class DataConfig:
     shuffle_span: int = 262144
     """Shuffle span in samples, per partition: each pass over a partition permutes its shards and spreads every shard's samples over this many (the whole partition when it is smaller). A node's cache holds about span / shard size shards of each of its partitions (docs/data.md)."""
     cache_dir: str | None = None
-    """Where shards without random access (pipe:, http(s), .tar.gz) are copied, uncompressed, and where the sample index of shards without one is built, once per machine; None: <system temp>/vit-pipeline-shards-<uid>."""
+    """Where shards without random access (pipe:, http(s), s3, .tar.gz) are copied, uncompressed, and where the sample index of shards without one is built, once per machine; None: <system temp>/vit-pipeline-shards-<uid>."""
     cache_limit_gb: float = 50.0
     """Size bound of data.cache_dir; the least recently used copies are deleted beyond it. Too small for what this node's partitions need at once (their shuffle span) is an error before training that names the size needed."""
     fetch_ahead: bool = True
     """Copy the shards each rank reads next into data.cache_dir in the background (remote shards only), within the rank's share of data.cache_limit_gb, so that a step does not wait for a download (docs/data.md)."""
+    retry_attempts: int = 10
+    """Remote shards (http(s), s3): attempts per byte range before the run stops. A transient fault (5xx, 429, S3 throttling, a reset connection, a body cut short, no byte for data.read_timeout_s) is retried from the first missing byte (an HTTP Range), with exponential backoff and jitter; a 403, a 404 or a copy whose size or sha256 differs from dataset.json stops the run at once with one line naming the URL (docs/data.md, Object storage)."""
+    retry_time_s: float = 900.0
+    """Remote shards: the most seconds one shard's download may take, retries and waits included, before the run stops naming the URL."""
+    retry_backoff_s: float = 1.0
+    """Remote shards: the wait after a first failure; it doubles with each further failure (at most 60 s), each wait drawn between half and all of it."""
+    read_timeout_s: float = 60.0
+    """Remote shards: seconds to connect, and seconds without a byte from a transfer under way, before the attempt counts as failed and is retried (a stalled server is not waited on forever)."""
+    range_mb: float = 64.0
+    """Remote shards: a shard larger than this (dataset.json's bytes) is fetched in ranges of this many MiB, data.range_parallel at once."""
+    range_parallel: int = 4
+    """Remote shards: ranged GETs in flight at once for one large shard (1: one stream)."""
     scale: tuple[float, float] = (0.08, 1.0)
     """RandomResizedCrop area range."""
     ratio: tuple[float, float] = (0.75, 1.3333333333333333)
@@ -354,6 +366,12 @@ def validate(cfg: Config, where: str = "config") -> None:
         ("data.partitions", cfg.data.partitions is None or cfg.data.partitions > 0, "> 0 or null"),
         ("data.shuffle_span", cfg.data.shuffle_span > 0, "> 0"),
         ("data.max_image_pixels", cfg.data.max_image_pixels > 0, "> 0"),
+        ("data.retry_attempts", cfg.data.retry_attempts >= 1, ">= 1"),
+        ("data.retry_time_s", cfg.data.retry_time_s > 0, "> 0 (seconds)"),
+        ("data.retry_backoff_s", cfg.data.retry_backoff_s >= 0, ">= 0 (seconds)"),
+        ("data.read_timeout_s", cfg.data.read_timeout_s > 0, "> 0 (seconds)"),
+        ("data.range_mb", cfg.data.range_mb > 0, "> 0 (MiB)"),
+        ("data.range_parallel", cfg.data.range_parallel >= 1, ">= 1"),
         ("data.decode_device", cfg.data.decode_device == "cpu" or (
             cfg.data.auto_augment is None and cfg.data.color_jitter is None),
          "'cpu' when data.auto_augment or data.color_jitter is set (the GPU decode does crop, flip and "

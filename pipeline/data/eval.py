@@ -27,6 +27,7 @@ from . import tario
 from .bad import Counters, merge_counters
 from .index import Indexes
 from .info import BadDataError, SplitInfo
+from .storage import RetryPolicy, StorageError, expected_of
 from .transforms import BatchNormalizer, as_is, empty_batch, eval_transform
 
 
@@ -35,6 +36,7 @@ class EvalStream(IterableDataset):
                  lo: int, hi: int, num_batches: int, num_classes: int, label_key: str, workers: int):
         super().__init__()
         self.shards, self.counts = list(split.shards), list(split.shard_counts)
+        self.split = split  # its sizes and digests: what a fetched copy is checked against
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
         self.cfg, self.img_size, self.batch_size = cfg, img_size, batch_size
         self.lo, self.hi, self.num_batches = lo, hi, num_batches
@@ -64,7 +66,8 @@ class EvalStream(IterableDataset):
         n = len(self.batches)
         mine = self.batches[worker * n // self.workers:(worker + 1) * n // self.workers]
         B, counters = self.batch_size, Counters()
-        indexes = Indexes(self.cfg.cache_dir, self.cfg.cache_limit_gb)
+        indexes = Indexes(self.cfg.cache_dir, self.cfg.cache_limit_gb, RetryPolicy.from_config(self.cfg),
+                          expected_of(self.split))
         try:
             for b in mine:
                 images = empty_batch((B, 3, *self.img_size), shared=info is not None)
@@ -82,6 +85,8 @@ class EvalStream(IterableDataset):
                        "ids": np.arange(self.lo + b * B, self.lo + (b + 1) * B, dtype=np.int64),
                        "valid": np.asarray(valid, dtype=bool), "counters": copy.deepcopy(counters),
                        "worker": worker, "batch": b}
+        except StorageError as e:  # a shard that cannot be fetched: its one line, not a worker's traceback
+            yield {"error": str(e)}
         finally:
             indexes.close()
 
@@ -144,6 +149,8 @@ class EvalLoader:
             seen: set[int] = set()
             try:
                 for item in self._loader(todo):
+                    if "error" in item:
+                        raise BadDataError(item["error"])
                     self._worker_counters[item["worker"]] = item["counters"]
                     msg = self._counters().bad_fraction_message(self.cfg.max_bad_fraction, f"rank {self.rank} (eval)")
                     if msg is not None:

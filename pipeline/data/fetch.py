@@ -1,6 +1,6 @@
 """Fetch ahead: copy the shards a rank reads next into the node's cache before its workers need them.
 
-Remote shards (http(s), `pipe:`, `.tar.gz`) are copied whole into `data.cache_dir` by the first
+Remote shards (http(s), s3, `pipe:`, `.tar.gz`) are copied whole into `data.cache_dir` by the first
 process that needs one (index.local_copy). Without fetching ahead, the step that first touches a
 shard waits for its download. A `FetchAhead` process per rank (started from the rank's fork server
 when its train stream starts) walks the rank's coming steps through the real order, and copies
@@ -25,6 +25,7 @@ from pipeline.train.preemption import exit_with, worker_context
 
 from .index import local_copy, needs_copy
 from .order import GlobalOrder
+from .storage import Expected, RetryPolicy
 
 WAKE_S = 0.2  # how often the fetcher looks at where the rank is
 CHUNK_STEPS = 8  # steps whose shards are computed at once
@@ -61,7 +62,8 @@ def plan(order: GlobalOrder, shard_bytes: list[int], rank: int, world_size: int,
 
 
 def _loop(order: GlobalOrder, shards: list[str], shard_bytes: list[int], rank: int, world_size: int,
-          cache_dir: str | None, limit: int, budget: int, step: Any, stop: Any, ready: Any, rank_pid: int) -> None:
+          cache_dir: str | None, limit: int, budget: int, step: Any, stop: Any, ready: Any, rank_pid: int,
+          expected: dict[str, Expected], policy: RetryPolicy | None) -> None:
     # Started by the rank's fork server with SIGTERM/SIGUSR1 blocked. This helper must end on terminate()
     # (multiprocessing ends daemonic children with SIGTERM at the rank's exit) and leave preemption and
     # Ctrl-C to the rank.
@@ -78,7 +80,8 @@ def _loop(order: GlobalOrder, shards: list[str], shard_bytes: list[int], rank: i
                 break  # the rank moved on: plan again from where it is
             if needs_copy(shards[s]):
                 try:
-                    local_copy(shards[s], cache_dir, limit)  # fetched, or touched if already there
+                    # fetched (retried, verified), or touched if already there
+                    local_copy(shards[s], cache_dir, limit, expected.get(shards[s]), policy)
                 except Exception:  # noqa: BLE001 - the reader meets the same error and counts it
                     pass
         stop.wait(WAKE_S)
@@ -88,7 +91,8 @@ class FetchAhead:
     """The fetcher of one rank; `advance(step)` after each step, `stop()` at the end."""
 
     def __init__(self, order: GlobalOrder, shards: list[str], shard_bytes: list[int | None], rank: int,
-                 world_size: int, cache_dir: str | None, limit: int, budget: int):
+                 world_size: int, cache_dir: str | None, limit: int, budget: int,
+                 expected: dict[str, Expected] | None = None, policy: RetryPolicy | None = None):
         known = [b for b in shard_bytes if b]
         sizes = [b or (max(known) if known else 1 << 30) for b in shard_bytes]
         ctx = worker_context()  # not a fork of the rank (see worker_context)
@@ -97,7 +101,7 @@ class FetchAhead:
         self.ready = ctx.Event()  # set once the process has its own signal dispositions
         self.process = ctx.Process(target=_loop, daemon=True, name=f"fetch-ahead-rank{rank}",
                                    args=(order, shards, sizes, rank, world_size, cache_dir, limit, budget,
-                                         self._step, self._stop, self.ready, os.getpid()))
+                                         self._step, self._stop, self.ready, os.getpid(), expected or {}, policy))
         self.process.start()
 
     def advance(self, step: int) -> None:

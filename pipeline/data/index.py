@@ -8,9 +8,9 @@ from scanning tar headers in every process:
 - a shard without one (written by others) gets it built once per machine, in `data.cache_dir`,
   by the first process that needs it (under a file lock; written to a temporary name, then
   renamed), and every other process on the machine reads that file;
-- a shard without random access (`pipe:` commands, http(s) URLs, `.tar.gz`) is first copied
-  whole into `data.cache_dir`, decompressed, and its index built next to the copy, under the
-  same lock (`local_copy`).
+- a shard without random access (`pipe:` commands, http(s) and s3 URLs, `.tar.gz`) is first copied
+  whole into `data.cache_dir` (a URL with retries, checked against dataset.json: storage.py),
+  decompressed, and its index built next to the copy, under the same lock (`local_copy`).
 
 An index file: `MAGIC`, the header's length (8 bytes, little endian), the header (JSON: shard
 size, sample count, member extensions, why the archive ends early if it does), zero padding to
@@ -45,6 +45,7 @@ from webdataset.tariterators import base_plus_ext
 
 from . import tario
 from .info import is_remote
+from .storage import Expected, RetryPolicy, StorageError, fetch
 
 MAGIC = b"VITIDX01"
 INDEX_SUFFIX = ".idx"
@@ -200,9 +201,12 @@ class Indexes:
     """Shard location -> ShardIndex (index found or built on first use; an LRU of open files), and the
     bytes this process read: `bytes_read` from shard files, `index_bytes_read` from index files."""
 
-    def __init__(self, cache_dir: str | None, cache_limit_gb: float):
+    def __init__(self, cache_dir: str | None, cache_limit_gb: float, policy: RetryPolicy | None = None,
+                 expected: dict[str, Expected] | None = None):
         self.cache_dir = cache_dir
         self.limit = int(cache_limit_gb * 2**30)
+        self.policy = policy  # how remote copies are retried (None: RetryPolicy's defaults)
+        self.expected = expected or {}  # shard -> its size and digest in dataset.json: copies are checked
         self._known: dict[str, ShardIndex] = {}  # a few hundred bytes per shard the process has read from
         self._open: OrderedDict[str, ShardIndex] = OrderedDict()  # those whose files are open
         self.errors: dict[str, tario.ShardError] = {}
@@ -217,12 +221,15 @@ class Indexes:
         if shard in self._known:
             return self._known[shard]
         try:
-            path = local_copy(shard, self.cache_dir, self.limit) if needs_copy(shard) else shard
+            path = (local_copy(shard, self.cache_dir, self.limit, self.expected.get(shard), self.policy)
+                    if needs_copy(shard) else shard)
             index_path = index_for(path, shard, self.cache_dir)
             header, body = read_header(index_path)  # index_for checked it whole (check_index)
         except tario.ShardError as e:
             self.errors[shard] = e
             raise
+        except StorageError:
+            raise  # a network fault is not a bad sample: the run stops, naming the URL (storage.py)
         except (OSError, ValueError) as e:  # ValueError: a scheme webdataset's gopen does not know
             self.errors[shard] = tario.ShardError(tario.UNREADABLE_SHARD, shard, f"{type(e).__name__}: {e}")
             raise self.errors[shard] from None
@@ -327,9 +334,11 @@ def cache_name(shard: str) -> str:
     return hashlib.sha256(shard.encode()).hexdigest()[:16] + ".tar"
 
 
-def local_copy(shard: str, cache_dir: str | None, limit: int) -> str:
+def local_copy(shard: str, cache_dir: str | None, limit: int, expected: Expected | None = None,
+               policy: RetryPolicy | None = None) -> str:
     """Path of an uncompressed local copy of `shard` in the cache (with its index beside it), fetched
-    if needed."""
+    if needed. A remote shard is fetched with retries and checked against `expected` (dataset.json's size
+    and digest) under a temporary name: only a verified copy is renamed into the cache (storage.py)."""
     folder = Path(cache_dir or default_cache_dir())
     folder.mkdir(parents=True, exist_ok=True)
     name = cache_name(shard)
@@ -341,7 +350,7 @@ def local_copy(shard: str, cache_dir: str | None, limit: int) -> str:
             return str(final)
         tmp = folder / f"{name}.{os.getpid()}.tmp"
         try:
-            _fetch(shard, tmp)
+            _fetch(shard, tmp, expected or Expected(), policy)
             _evict(folder, limit - tmp.stat().st_size)
             write_index(str(final) + INDEX_SUFFIX, build_index(str(tmp), shard))
             os.replace(tmp, final)
@@ -350,9 +359,10 @@ def local_copy(shard: str, cache_dir: str | None, limit: int) -> str:
     return str(final)
 
 
-def _fetch(shard: str, out: Path) -> None:
-    """Copy (and gunzip) `shard` to `out`; OSError with the cause (exit status, stderr) on failure. A
-    `pipe:` name runs here, so only names `info.check_shard_names` let through reach this."""
+def _fetch(shard: str, out: Path, expected: Expected, policy: RetryPolicy | None) -> None:
+    """Copy (and gunzip) `shard` to `out`; OSError with the cause (exit status, stderr) on failure, StorageError
+    for a URL that cannot be had. A `pipe:` name runs here, so only names `info.check_shard_names` let
+    through reach this. dataset.json's size and digest are of the stored bytes (before a gunzip)."""
     raw = out.with_suffix(".raw")
     try:
         if shard.startswith("pipe:"):
@@ -367,10 +377,7 @@ def _fetch(shard: str, out: Path) -> None:
                 raise OSError(f"command '{shard[5:]}' exited with status {p.returncode}"
                               + (f": {err[-1]}" if err else ""))
         elif is_remote(shard):
-            from webdataset import gopen  # http(s), and whatever else webdataset knows
-
-            with gopen(shard, "rb") as src, open(raw, "wb") as f:
-                shutil.copyfileobj(src, f, 1 << 20)
+            fetch(shard, raw, expected, policy)  # retried, resumed by range, verified (storage.py)
         else:
             shutil.copyfile(shard, raw)
         with open(raw, "rb") as f:

@@ -61,8 +61,8 @@ class DatasetInfo:
         return self.splits[name]
 
 
-# URL schemes of shard names the loaders read (index.local_copy through webdataset's gopen); see scheme_readable.
-READABLE_SCHEMES = ("http", "https")
+# URL schemes of shard names the loaders read (index.local_copy through storage.fetch); see scheme_readable.
+READABLE_SCHEMES = ("http", "https", "s3")
 PIPE_SWITCH = "data.allow_pipe_shards=true"
 
 
@@ -111,11 +111,19 @@ def check_shard_names(info: DatasetInfo, allow_pipe_shards: bool) -> None:
                                 f"{', '.join(s + '://' for s in READABLE_SCHEMES)}); copy the shards to one of them")
 
 
-def resolve_shard(folder: Path, name: str) -> str:
-    """A shard name from a json file -> where to open it (relative names are relative to the json's folder)."""
+def is_url(location: str) -> bool:
+    """A remote folder or object whose dataset.json the loaders read (http(s)://, s3://)."""
+    return shard_scheme(location) in READABLE_SCHEMES
+
+
+def resolve_shard(folder: Path | str, name: str) -> str:
+    """A shard name from a json file -> where to open it (relative names are relative to the json's folder,
+    a local one or a URL prefix such as s3://bucket/data)."""
     if is_remote(name) or os.path.isabs(name):
         return name
-    return str(folder / name)
+    if isinstance(folder, str) and is_url(folder):
+        return folder.rstrip("/") + "/" + name
+    return str(Path(folder) / name)
 
 
 def _load_json(path: Path) -> dict[str, Any]:
@@ -131,7 +139,10 @@ def _load_json(path: Path) -> dict[str, Any]:
 
 
 def read_dataset_info(path: str | os.PathLike[str], check_files: bool = True) -> DatasetInfo:
-    """Read and check `PATH/dataset.json` (or timm's `PATH/_info.json`); `path` may also name the json file."""
+    """Read and check `PATH/dataset.json` (or timm's `PATH/_info.json`); `path` may also name the json file,
+    and be a URL (s3://bucket/prefix, https://host/prefix): its dataset.json is read the same way."""
+    if isinstance(path, str) and is_url(path):
+        return _read_remote_info(path)
     path = Path(path)
     if path.is_file():
         folder, candidates = path.parent, [path]
@@ -156,6 +167,38 @@ def read_dataset_info(path: str | os.PathLike[str], check_files: bool = True) ->
         f"--source 'shards:{path}/*.tar' --out {path}`")
 
 
+def _read_remote_info(url: str) -> DatasetInfo:
+    """dataset.json (or _info.json) under the URL prefix `url`, fetched with storage.py's retries. One GET
+    (two for timm's layout): no LIST of the bucket."""
+    from .storage import StorageError, read_bytes
+
+    base = url.rstrip("/")
+    if base.endswith(".json"):
+        folder, candidates = base.rsplit("/", 1)[0], [base]
+    else:
+        folder, candidates = base, [f"{base}/{DATASET_JSON}", f"{base}/{TIMM_INFO_JSON}"]
+    for candidate in candidates:
+        try:
+            raw = read_bytes(candidate)
+        except StorageError as e:
+            if e.status == 404 and candidate != candidates[-1]:
+                continue  # no dataset.json: perhaps timm's _info.json
+            if e.status == 404:
+                raise DataError(f"no {DATASET_JSON} at '{url}' ({e}); write shards there with `python "
+                                f"launch/make_shards.py --source ... --out {base}`") from None
+            raise DataError(f"cannot read the data set description: {e}") from None
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"'{candidate}' is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise DataError(f"'{candidate}' must hold a JSON object")
+        if candidate.endswith(TIMM_INFO_JSON):
+            return _parse_timm_info(data, folder, candidate)
+        return _parse_dataset_json(data, folder, candidate)
+    raise AssertionError("unreachable")
+
+
 def _require(data: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
     if key not in data:
         raise DataError(f"{where}: missing key '{key}'")
@@ -164,7 +207,7 @@ def _require(data: dict[str, Any], key: str, kind: type | tuple[type, ...], wher
     return data[key]
 
 
-def _parse_dataset_json(data: dict[str, Any], folder: Path, where_path: Path) -> DatasetInfo:
+def _parse_dataset_json(data: dict[str, Any], folder: Path | str, where_path: Path | str) -> DatasetInfo:
     where = str(where_path)
     class_names = [str(c) for c in _require(data, "class_names", list, where)]
     num_classes = _require(data, "num_classes", int, where)
@@ -200,7 +243,7 @@ def _parse_dataset_json(data: dict[str, Any], folder: Path, where_path: Path) ->
                        str(data.get("label_key", "cls")), str(folder))
 
 
-def _parse_timm_info(data: dict[str, Any], folder: Path, where_path: Path) -> DatasetInfo:
+def _parse_timm_info(data: dict[str, Any], folder: Path | str, where_path: Path | str) -> DatasetInfo:
     """timm's wds layout: {"splits": {"train": {"num_samples", "filenames", "shard_lengths"}}, ...}."""
     where = str(where_path)
     splits_raw = _require(data, "splits", dict, where)

@@ -15,11 +15,14 @@ dataset.json describing shards that are not all there.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import io
 import os
+import shutil
 import tarfile
+import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -38,6 +41,8 @@ from .info import (
     DataError,
     fsync_dir,
     is_remote,
+    is_url,
+    shard_scheme,
     write_json_atomic,
 )
 from .sources import (  # noqa: F401 (re-exported: the writers' inputs)
@@ -73,11 +78,13 @@ class ShardWriter:
     """Writes `{prefix}-000000.tar`, `{prefix}-000001.tar`, ... with at most `max_samples` samples
     and (roughly) `max_bytes` bytes each; each shard appears under its name only when complete."""
 
-    def __init__(self, out_dir: str | Path, prefix: str, max_samples: int = 1000, max_bytes: int | None = None):
+    def __init__(self, out_dir: str | Path, prefix: str, max_samples: int = 1000, max_bytes: int | None = None,
+                 on_shard: Callable[[Path], None] | None = None):
         if max_samples < 1:
             raise DataError(f"max samples per shard must be >= 1, got {max_samples}")
         self.out_dir = Path(out_dir)
         self.prefix = prefix
+        self.on_shard = on_shard  # called with each complete shard's path (make_shards --out s3://: upload it)
         self.max_samples = max_samples
         self.max_bytes = max_bytes
         self.records: list[ShardRecord] = []
@@ -113,6 +120,8 @@ class ShardWriter:
         os.replace(self._tmp, final)
         self.records.append(ShardRecord(name, self._count, size, file_sha256(final)))  # just written: page cache
         self._tar = self._file = self._tmp = None
+        if self.on_shard is not None:
+            self.on_shard(final)
 
     def write(self, key: str, members: dict[str, bytes]) -> None:
         """One sample: {'jpg': bytes, 'cls': b'3'} -> KEY.jpg, KEY.cls (in that order)."""
@@ -220,21 +229,72 @@ def write_dataset(source: Source, out_dir: str | Path, max_samples_per_shard: in
                   max_bytes_per_shard: int | None = None, seed: int = 0, workers: int = 1,
                   overwrite: bool = False, progress: bool = True, log: Callable[[str], None] = print
                   ) -> WriteSummary:
-    """Shuffle each split (seeded: shards are not sorted by class), write shards, then dataset.json."""
+    """Shuffle each split (seeded: shards are not sorted by class), write shards, then dataset.json.
+    `out_dir` may be s3://bucket/prefix: each shard is uploaded as soon as it is complete (from a local
+    staging folder that holds one shard at a time), dataset.json last."""
+    if is_url(str(out_dir)):
+        with _BucketOut(str(out_dir), overwrite) as bucket:
+            return _write_dataset(source, bucket.staging, max_samples_per_shard, max_bytes_per_shard, seed,
+                                  workers, True, progress, log, bucket)
+    return _write_dataset(source, Path(out_dir), max_samples_per_shard, max_bytes_per_shard, seed, workers,
+                          overwrite, progress, log, None)
+
+
+class _BucketOut:
+    """make_shards --out s3://bucket/prefix: a local staging folder, and uploads from it. A shard is visible
+    under its key only once whole (a PUT is atomic); dataset.json goes up last, so no dataset.json in the
+    bucket ever names a shard not yet there. Nothing LISTs or deletes in the bucket."""
+
+    def __init__(self, url: str, overwrite: bool):
+        if shard_scheme(url) != "s3":
+            raise DataError(f"--out {url}: only s3:// prefixes are written to (http(s) is read-only)")
+        self.url = url.rstrip("/")
+        self.overwrite = overwrite
+
+    def __enter__(self) -> _BucketOut:
+        from . import s3
+
+        try:
+            if not self.overwrite and s3.exists(f"{self.url}/{DATASET_JSON}"):
+                raise DataError(f"'{self.url}' already holds a {DATASET_JSON}; pass --overwrite to replace it")
+        except s3.Permanent as e:
+            raise DataError(f"cannot write to '{self.url}': {e}") from None
+        self.staging = Path(tempfile.mkdtemp(prefix="vit-pipeline-upload-"))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def upload(self, path: Path) -> None:
+        """Put a staged file under the prefix, then drop the local copy (and its local index)."""
+        from . import s3
+
+        try:
+            s3.upload(str(path), f"{self.url}/{path.name}")
+        except s3.Permanent as e:
+            raise DataError(str(e)) from None
+        path.unlink()
+        Path(str(path) + INDEX_SUFFIX).unlink(missing_ok=True)  # readers index their cached copy
+
+
+def _write_dataset(source: Source, out: Path, max_samples_per_shard: int, max_bytes_per_shard: int | None,
+                   seed: int, workers: int, overwrite: bool, progress: bool, log: Callable[[str], None],
+                   bucket: _BucketOut | None) -> WriteSummary:
     from tqdm import tqdm
 
-    out = Path(out_dir)
+    shown = bucket.url if bucket is not None else out
     prepare_out_dir(out, overwrite)
     t0 = time.perf_counter()
     total = sum(len(v) for v in source.splits.values())
     splits_json: dict[str, Any] = {}
     skipped = 0
     formats: set[str] = set()
-    with tqdm(total=total, unit="img", desc=f"shards -> {out}", disable=not progress, dynamic_ncols=True) as bar:
+    with tqdm(total=total, unit="img", desc=f"shards -> {shown}", disable=not progress, dynamic_ncols=True) as bar:
         for split, items in source.splits.items():
             order = np.random.default_rng([seed, zlib.crc32(split.encode())]).permutation(len(items))
             items = [items[i] for i in order]
-            writer = ShardWriter(out, split, max_samples_per_shard, max_bytes_per_shard)
+            writer = ShardWriter(out, split, max_samples_per_shard, max_bytes_per_shard,
+                                 bucket.upload if bucket is not None else None)
             n = 0
             try:
                 for item, result in zip(items, _encoded(source, items, workers)):
@@ -266,11 +326,13 @@ def write_dataset(source: Source, out_dir: str | Path, max_samples_per_shard: in
         "num_classes": len(source.class_names), "class_names": source.class_names,
         "image_format": image_format, "label_key": "cls" if source.class_names else "", "splits": splits_json,
     })
+    if bucket is not None:
+        bucket.upload(out / DATASET_JSON)  # last: the shards it names are all there
     seconds = time.perf_counter() - t0
     nbytes = sum(s["bytes"] for sp in splits_json.values() for s in sp["shards"])
     summary = WriteSummary(sum(sp["num_samples"] for sp in splits_json.values()),
                            sum(len(sp["shards"]) for sp in splits_json.values()), nbytes, seconds, skipped)
-    log(summary.line(out))
+    log(summary.line(shown))
     return summary
 
 
@@ -328,8 +390,12 @@ def index_shards(splits: dict[str, str], out_dir: str | Path, label_key: str = "
     """
     from tqdm import tqdm
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    remote_out = is_url(str(out_dir))
+    if remote_out and shard_scheme(str(out_dir)) != "s3":
+        raise DataError(f"--out {out_dir}: only s3:// prefixes are written to (http(s) is read-only)")
+    out: Path | str = str(out_dir).rstrip("/") if remote_out else Path(out_dir)
+    if not remote_out:
+        out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     expanded = {split: expand_shards(pattern) for split, pattern in splits.items()}
     splits_json: dict[str, Any] = {}
@@ -339,13 +405,14 @@ def index_shards(splits: dict[str, str], out_dir: str | Path, label_key: str = "
         for split, shards in expanded.items():
             entries = []
             for shard in shards:
-                n, labels, unlabelled = scan_shard(shard, label_key)
+                with _readable_copy(shard) as local:
+                    n, labels, unlabelled = scan_shard(local, label_key)
+                    entry: dict[str, Any] = {"name": _relative_to(shard, out), "num_samples": n}
+                    if not local.startswith("pipe:"):  # a file (a URL's verified copy): its size and digest
+                        entry["bytes"] = os.stat(local).st_size
+                        entry["sha256"] = file_sha256(local)
                 unlabelled_total += unlabelled
                 max_label = max([max_label, *labels])
-                entry: dict[str, Any] = {"name": _relative_to(shard, out), "num_samples": n}
-                if not is_remote(shard):
-                    entry["bytes"] = os.stat(shard).st_size
-                    entry["sha256"] = file_sha256(shard)
                 entries.append(entry)
                 bar.update(1)
             splits_json[split] = {"num_samples": sum(e["num_samples"] for e in entries), "shards": entries}
@@ -358,20 +425,50 @@ def index_shards(splits: dict[str, str], out_dir: str | Path, label_key: str = "
         log(f"warning: {unlabelled_total} samples have no image or no integer label at '{label_key}'; "
             f"the loader will skip and count them")
     num_classes = max_label + 1
-    write_json_atomic(out / DATASET_JSON, {
+    description = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "source": "shards:" + ",".join(splits.values()),
         "num_classes": num_classes, "class_names": [str(i) for i in range(num_classes)],
         "image_format": "jpg", "label_key": label_key, "splits": splits_json,
-    })
+    }
+    where = f"{out}/{DATASET_JSON}"
+    if isinstance(out, Path):
+        write_json_atomic(out / DATASET_JSON, description)
+    else:
+        with _BucketOut(out, overwrite=True) as bucket:
+            write_json_atomic(bucket.staging / DATASET_JSON, description)
+            bucket.upload(bucket.staging / DATASET_JSON)
     total_bytes = sum(e.get("bytes", 0) for sp in splits_json.values() for e in sp["shards"])
     summary = WriteSummary(sum(sp["num_samples"] for sp in splits_json.values()), nshards, total_bytes,
                            time.perf_counter() - t0, 0)
     log(f"indexed {summary.samples} samples in {summary.shards} shards, {num_classes} classes "
-        f"-> {out / DATASET_JSON} in {summary.seconds:.1f} s")
+        f"-> {where} in {summary.seconds:.1f} s")
     return summary
 
 
-def _relative_to(shard: str, folder: Path) -> str:
+@contextlib.contextmanager
+def _readable_copy(shard: str) -> Iterator[str]:
+    """A local file holding the shard: itself, or for an http(s)/s3 URL a copy fetched once with retries
+    (storage.py) into a temporary file, removed after. `pipe:` names are streamed as before."""
+    if not is_url(shard):
+        yield shard
+        return
+    from .storage import StorageError, fetch
+
+    fd, name = tempfile.mkstemp(prefix="vit-pipeline-index-", suffix=".tar")
+    os.close(fd)
+    try:
+        try:
+            fetch(shard, Path(name))
+        except StorageError as e:
+            raise DataError(str(e)) from None
+        yield name
+    finally:
+        os.unlink(name)
+
+
+def _relative_to(shard: str, folder: Path | str) -> str:
+    if isinstance(folder, str):  # a URL prefix: names under it are written relative to it
+        return shard[len(folder) + 1:] if shard.startswith(folder + "/") else shard
     if is_remote(shard):
         return shard
     path = Path(shard).resolve()

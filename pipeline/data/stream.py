@@ -44,6 +44,7 @@ from .gpu_decode import CropDraw, GpuBatchDecoder, open_lazy, pack_batch, replac
 from .index import Indexes, needs_copy
 from .info import BadDataError, DataError, SplitInfo
 from .order import MIXUP, GlobalOrder, micro_batch_positions, seed_for
+from .storage import RetryPolicy, expected_of
 from .transforms import BatchNormalizer, as_is, build_mixup, empty_batch, seeded, train_transform
 
 STATE_VERSION = 3  # 2: the shuffle-window order before partitions
@@ -98,7 +99,8 @@ class TrainStream(IterableDataset):
         if self.per_batch is not None:
             out["per_batch"] = self.per_batch(positions)
         if self._indexes is None:
-            self._indexes = Indexes(self.cfg.cache_dir, self.cfg.cache_limit_gb)
+            self._indexes = Indexes(self.cfg.cache_dir, self.cfg.cache_limit_gb, RetryPolicy.from_config(self.cfg),
+                                    expected_of(self))
         counters = Counters()
         bytes0, index_bytes0 = self._indexes.bytes_read, self._indexes.index_bytes_read
         items: list[Any] = [self._sample(p, sid, counters, restore=not in_worker) for p, sid in zip(positions, ids)]
@@ -191,7 +193,8 @@ class TrainLoader:
             self.fetcher = FetchAhead(self.stream.order, self.stream.shards, self.stream.shard_bytes,
                                       self.stream.rank, self.stream.world_size, self.cfg.cache_dir,
                                       int(self.cfg.cache_limit_gb * 2**30),
-                                      int(self.cfg.cache_limit_gb * 2**30) // self.local_ranks)
+                                      int(self.cfg.cache_limit_gb * 2**30) // self.local_ranks,
+                                      expected_of(self.stream), RetryPolicy.from_config(self.cfg))
             weakref.finalize(self, self.fetcher.stop)
         if self.fetcher is not None:
             self.fetcher.advance(self._j // self.accum)

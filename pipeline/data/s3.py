@@ -1,0 +1,130 @@
+"""`s3://bucket/key` objects through boto3: ranged GETs for storage.fetch, whole-object PUTs for make_shards.
+
+Credentials and endpoint come from boto3's standard chain: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
+(and AWS_SESSION_TOKEN), AWS_PROFILE with ~/.aws/config and ~/.aws/credentials, then instance or pod
+roles; AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL point it at an S3-compatible store (MinIO, Ceph, R2,
+SeaweedFS, GCS's interoperability endpoint). Nothing here LISTs a bucket: a shard is one GET per range.
+
+Reads turn off botocore's own retries: storage.py retries every scheme alike (backoff with jitter, a
+range resumed from the missing byte, one log line per retry, a bound in count and time).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .storage import Body, Permanent, RetryPolicy, Transient, _cause, _content_range_total
+
+READ_CHUNK = 256 << 10  # a stalled read loses at most this much (StreamingBody.read fills its whole amount)
+THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "RequestTimeout",
+             "InternalError", "ServiceUnavailable", "RequestThrottled", "TooManyRequests"}
+
+_clients: dict[tuple[int, str, float], Any] = {}  # per process (a client is not fork-safe) and purpose
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """'s3://bucket/a/b.tar' -> ('bucket', 'a/b.tar')."""
+    rest = url.split("://", 1)[1]
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"'{url}' names no bucket (expected s3://BUCKET/KEY)")
+    return bucket, key
+
+
+def client(purpose: str = "read", timeout_s: float = 60.0, attempts: int = 10) -> Any:
+    """A boto3 S3 client of this process. 'read': no retries of its own (storage.py retries); 'write':
+    botocore's standard retries (make_shards' uploads)."""
+    key = (os.getpid(), purpose, timeout_s)
+    c = _clients.get(key)
+    if c is None:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise Permanent("s3:// needs boto3: pip install 'vit-pipeline[s3]'") from None
+        retries = {"total_max_attempts": 1} if purpose == "read" else {"mode": "standard",
+                                                                        "total_max_attempts": attempts}
+        config = Config(retries=retries, connect_timeout=timeout_s, read_timeout=timeout_s, max_pool_connections=32)
+        c = _clients[key] = boto3.session.Session().client("s3", config=config)
+    return c
+
+
+def _status(e: Any) -> tuple[int, str]:
+    response = getattr(e, "response", {}) or {}
+    return (int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0),
+            str(response.get("Error", {}).get("Code") or type(e).__name__))
+
+
+def classify(e: BaseException) -> Exception:
+    """A boto3/botocore/urllib3 error -> Transient or Permanent."""
+    from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
+
+    if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
+        return Permanent(f"{e} (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role)")
+    if isinstance(e, ClientError):
+        status, code = _status(e)
+        text = f"HTTP {status} {code}" if status else code
+        if status >= 500 or status in (408, 429) or code in THROTTLED:
+            return Transient(text)
+        return Permanent(text)
+    return Transient(_cause(e))  # connection refused or reset, a body cut short, a read timeout
+
+
+def s3_open(url: str, start: int, end: int | None, policy: RetryPolicy) -> tuple[int | None, Body]:
+    from botocore.exceptions import BotoCoreError, ClientError
+    from urllib3.exceptions import HTTPError
+
+    bucket, key = split_url(url)
+    kwargs = {"Bucket": bucket, "Key": key}
+    if start or end is not None:
+        kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+    try:
+        response = client("read", policy.timeout_s).get_object(**kwargs)
+    except (BotoCoreError, ClientError, HTTPError, OSError) as e:
+        raise classify(e) from None
+    total = _content_range_total(response.get("ContentRange"))
+    if total is None and "Range" not in kwargs:
+        total = response.get("ContentLength")
+    stream = response["Body"]
+
+    def body() -> Body:
+        try:
+            # StreamingBody raises IncompleteReadError when the body is shorter than its Content-Length.
+            while chunk := stream.read(READ_CHUNK):
+                yield chunk
+        except (BotoCoreError, HTTPError, OSError) as e:
+            raise classify(e) from None
+        finally:
+            stream.close()
+
+    return total, body()
+
+
+def exists(url: str) -> bool:
+    """Does the object exist (one HEAD)? Permanent for a denied or failing request."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, key = split_url(url)
+    try:
+        client("write").head_object(Bucket=bucket, Key=key)
+        return True
+    except ClientError as e:
+        if _status(e)[0] == 404:
+            return False
+        raise Permanent(f"HEAD {url}: {_status(e)}") from None
+    except BotoCoreError as e:
+        raise Permanent(f"HEAD {url}: {_cause(e)}") from None
+
+
+def upload(path: str, url: str) -> None:
+    """Put the local file at `url`: visible under its key only once complete (S3 PUTs and multipart
+    uploads are atomic), so a reader never sees half a shard. Retried by botocore (standard mode)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, key = split_url(url)
+    try:
+        client("write").upload_file(path, bucket, key)
+    except (BotoCoreError, ClientError) as e:
+        status, code = _status(e)
+        raise Permanent(f"PUT {url}: {f'HTTP {status} {code}' if status else _cause(e)}") from None
