@@ -100,7 +100,7 @@ class SeaweedS3:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the weed process and only it
             try:
-                self.proc.wait(timeout=5)
+                self.proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()

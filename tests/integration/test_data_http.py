@@ -6,8 +6,6 @@ logged and no bad copy cached; over one that stalls forever, one line naming the
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -15,19 +13,17 @@ from pathlib import Path
 import pytest
 
 from tests.integration.faults import FaultServer, every_nth_plan
-from tests.integration.runs import (
-    ROOT,
-    TINY,
-    assert_same_weights,
-    env,
-    free_port,
-    make_synthetic_shards,
-    weights,
+from tests.integration.remote_runs import (
+    assert_cache_holds_only_good_copies,
+    finish,
+    overrides,
+    reference_weights,
+    remote_dataset,
+    torchrun,
 )
+from tests.integration.runs import assert_same_weights, free_port, make_synthetic_shards, weights
 
 pytestmark = pytest.mark.dist
-CONFIG = "configs/pretrain/demo.yaml"
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 class CountingServer(ThreadingHTTPServer):
@@ -62,63 +58,9 @@ def shards(tmp_path_factory):
     return make_synthetic_shards(tmp_path_factory.mktemp("data") / "synthetic", samples=320, per_shard=32)
 
 
-_LOCAL: dict[str, dict] = {}  # the one local run, shared with test_data_s3.py (the shards are byte-identical)
-
-
-def reference_weights(shards: Path, tmp_path_factory) -> dict:
-    """1 node x 2 ranks from local disk: the weights every remote run must end with. make_shards writes
-    the same synthetic shards byte for byte wherever it writes them, so one run serves every module."""
-    if "weights" not in _LOCAL:
-        out = tmp_path_factory.mktemp("local")
-        finish([torchrun(1, 0, 2, free_port(), overrides(shards, out / "one_node", out / "cache_local"))])
-        _LOCAL["weights"] = weights(out / "one_node")
-    return _LOCAL["weights"]
-
-
 @pytest.fixture(scope="module")
 def local_weights(shards: Path, tmp_path_factory) -> dict:
     return reference_weights(shards, tmp_path_factory)
-
-
-def remote_dataset(shards: Path, base_url: str, out: Path) -> Path:
-    """A dataset.json in `out` naming the train shards at `base_url` (val stays on local disk)."""
-    info = json.loads((shards / "dataset.json").read_text())
-    for s in info["splits"]["train"]["shards"]:
-        s["name"] = f"{base_url}/{s['name']}"
-    for s in info["splits"]["val"]["shards"]:
-        s["name"] = str(shards / s["name"])
-    out.mkdir()
-    (out / "dataset.json").write_text(json.dumps(info))
-    return out
-
-
-def overrides(data: Path | str, run_dir: Path, cache: Path) -> list[str]:
-    return [*TINY, f"data.path={data}", f"run.dir={run_dir}", f"data.cache_dir={cache}", "train.steps=16",
-            "train.global_batch_size=16", "train.micro_batch_size=8", "deepspeed.bf16=false",
-            "deepspeed.zero_stage=1", "train.grad_clip=0", "train.eval_every=0", "train.ckpt_every=0"]
-
-
-def torchrun(nnodes: int, node_rank: int, nproc: int, port: int, args: list[str],
-             extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    argv = [TORCHRUN, "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(port), str(ROOT / "launch/pretrain.py"),
-            "--config", CONFIG, *args]
-    return subprocess.Popen(argv, cwd=ROOT, env={**env(), **(extra_env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def finish(procs: list[subprocess.Popen], timeout: float = 900) -> None:
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append(out)
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-4000:]
 
 
 def test_two_nodes_fetch_each_http_shard_once_and_train_the_one_node_weights(shards: Path, local_weights: dict,
@@ -146,15 +88,6 @@ def test_two_nodes_fetch_each_http_shard_once_and_train_the_one_node_weights(sha
     assert [len(c) for c in copies] == [4, 4] and not set(copies[0]) & set(copies[1])
     # the same samples on the same ranks, one epoch (16 steps of 16): bit-identical weights in fp32
     assert_same_weights(weights(tmp_path / "two_nodes"), local_weights)
-
-
-def assert_cache_holds_only_good_copies(cache: Path, shards: Path, base_url: str) -> None:
-    from pipeline.data.index import cache_name
-
-    names = {cache_name(f"{base_url}/{p.name}"): p for p in shards.glob("*.tar")}
-    for copy in cache.glob("*.tar"):
-        assert copy.read_bytes() == names[copy.name].read_bytes(), f"bad copy of {names[copy.name]} in the cache"
-    assert not [p for p in cache.iterdir() if ".tmp" in p.name or p.suffix == ".raw"]
 
 
 def test_over_a_faulty_http_server_the_same_weights_the_retries_logged_no_bad_copy(

