@@ -345,7 +345,8 @@ def local_copy(shard: str, cache_dir: str | None, limit: int, expected: Expected
     final = folder / name
     with open(folder / (name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one fetch per shard per machine; others wait, then reuse it
-        if final.exists() and _matches(str(final) + INDEX_SUFFIX, final.stat().st_size):
+        if final.exists() and _matches(str(final) + INDEX_SUFFIX, final.stat().st_size) and _sized_as(
+                final, shard, expected):
             os.utime(final)  # recently used
             return str(final)
         tmp = folder / f"{name}.{os.getpid()}.tmp"
@@ -357,6 +358,15 @@ def local_copy(shard: str, cache_dir: str | None, limit: int, expected: Expected
         finally:
             tmp.unlink(missing_ok=True)
     return str(final)
+
+
+def _sized_as(copy: Path, shard: str, expected: Expected | None) -> bool:
+    """Is a cached copy the size dataset.json gives (free to check on every hit; the digest was checked when
+    it was fetched)? A copy cut short by a cache from before copies were verified is fetched again. A
+    gzipped shard's copy is decompressed: its size says nothing."""
+    if expected is None or expected.bytes is None or shard.endswith((".gz", ".tgz")):
+        return True
+    return copy.stat().st_size == expected.bytes
 
 
 def _fetch(shard: str, out: Path, expected: Expected, policy: RetryPolicy | None) -> None:

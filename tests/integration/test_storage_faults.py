@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.data.index import cache_name, local_copy
+from pipeline.data.index import INDEX_SUFFIX, build_index, cache_name, local_copy, write_index
 from pipeline.data.storage import Expected, RetryPolicy, StorageError, fetch, read_bytes
 from tests.integration.faults import FaultServer, every_nth_plan
 
@@ -120,3 +120,19 @@ def test_other_bytes_than_dataset_json_says_never_enter_the_cache(folder: Path, 
 def test_read_bytes_retries_too(folder: Path) -> None:
     with FaultServer(folder=folder, plan=first_request_fails("reset")) as server:
         assert read_bytes(f"{server.url}/obj2.tar", FAST) == (folder / "obj2.tar").read_bytes()
+
+
+def test_a_cached_copy_of_the_wrong_size_is_fetched_again(folder: Path, tmp_path: Path) -> None:
+    """A copy cut short in a cache written before copies were verified is not trusted: its size differs
+    from dataset.json's, so it is fetched again (the digest is checked when a copy is fetched)."""
+    cache = tmp_path / "cache"
+    good = expected(folder / "obj3.tar")
+    with FaultServer(folder=folder) as server:
+        url = f"{server.url}/obj3.tar"
+        copy = Path(local_copy(url, str(cache), 1 << 30, good, FAST))
+        data = copy.read_bytes()
+        copy.write_bytes(data[:len(data) // 2])  # an old, short copy, with a sound index of its own
+        write_index(str(copy) + INDEX_SUFFIX, build_index(str(copy), url))
+        before = len(server.log)
+        assert Path(local_copy(url, str(cache), 1 << 30, good, FAST)).read_bytes() == data
+        assert len(server.log) == before + 1
