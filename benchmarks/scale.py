@@ -31,7 +31,7 @@ class ScaleRow:
     fetched: float
     """Shard bytes fetched per epoch / data set bytes (1.0: every shard by one node)."""
     shared_partitions: int
-    """Partitions read by more than one node."""
+    """Partition slices (the partitions when each is one slice) read by more than one node."""
     index_reads: float
     """Index bytes read per epoch / sample bytes read."""
     distinct_shards: float
@@ -40,7 +40,7 @@ class ScaleRow:
     def line(self) -> str:
         return (f"nodes {self.nodes}: fetched/data set {self.fetched:.3f}, index reads/data set "
                 f"{self.index_reads:.5f}, distinct shards per global batch {self.distinct_shards:.0f}"
-                + (f" ({self.shared_partitions} partitions read by more than one node)"
+                + (f" ({self.shared_partitions} partition slices read by more than one node)"
                    if self.shared_partitions else ""))
 
 
@@ -79,8 +79,10 @@ def project(shards: int, samples_per_shard: int, global_batch: int, node_counts:
         process = rank * workers + step % workers
         index_pairs = len(np.unique(process * shards + shard))
         read = len(positions)
-        shared = sum(1 for p in range(order.partitions)
-                     if len({n for n in range(nodes) if p in order.node_partitions(n, nodes)}) > 1)
+        readers = np.zeros(order.slices, dtype=np.int64)  # nodes reading each slice
+        for n in range(nodes):
+            readers[list(order.node_slices(n, nodes))] += 1
+        shared = int(np.count_nonzero(readers > 1))
         rows.append(ScaleRow(nodes, fetched_pairs * samples_per_shard * sample_bytes / data_bytes,
                              shared, (index_pairs * header + read * record) / (read * sample_bytes), distinct))
     return order, rows
@@ -94,14 +96,14 @@ def bench_scale(args: argparse.Namespace) -> dict[str, Any]:
                           getattr(args, "scale_workers", 8), args.sample_bytes, args.partitions)
     print(f"{args.shards} shards x {args.samples_per_shard} samples of {args.sample_bytes} bytes, global batch "
           f"{args.global_batch}, {args.gpus_per_node} GPUs and {getattr(args, 'scale_workers', 8)} loader workers "
-          f"per node: {order.partitions} partitions (sizes {order.sizes.min()}-{order.sizes.max()}), shuffle span "
-          f"{order.span}")
+          f"per node: {order.partitions} partitions (sizes {order.sizes.min()}-{order.sizes.max()}) of "
+          f"{order.slices_per_partition} slices each, shuffle span {order.span}")
     for row in rows:
         print(row.line() if isinstance(row, ScaleRow) else row)
     figures: dict[str, Any] = {"shards": args.shards, "samples_per_shard": args.samples_per_shard,
                                "sample_bytes": args.sample_bytes, "global_batch": args.global_batch,
                                "gpus_per_node": args.gpus_per_node, "workers": getattr(args, "scale_workers", 8),
-                               "partitions": order.partitions, "shuffle_span": order.span}
+                               "partitions": order.partitions, "slices": order.slices, "shuffle_span": order.span}
     for row in rows:
         if isinstance(row, ScaleRow):
             figures[f"nodes{row.nodes}"] = {"fetched_per_dataset": round(row.fetched, 4),

@@ -44,8 +44,8 @@ def upcoming_shards(order: GlobalOrder, rank: int, world_size: int, step: int, s
 def plan(order: GlobalOrder, shard_bytes: list[int], rank: int, world_size: int, step: int, budget: int
          ) -> list[int]:
     """The shards to hold, from `step` on, in the order of first need, until their bytes reach `budget`
-    or one pass of the rank's largest partition is covered."""
-    horizon = step + int(order.sizes.max()) // order.per_step + 1
+    or one pass of the rank's largest partition slice is covered."""
+    horizon = step + int(order.slice_sizes.max()) // order.slice_step + 1
     out: list[int] = []
     seen: set[int] = set()
     total = 0

@@ -78,17 +78,17 @@ FETCH_AHEAD_SHARDS = 2
 
 
 def cache_needed_bytes(order: GlobalOrder, shard_bytes: list[int | None], node: int, nodes: int) -> int | None:
-    """Bytes this node's cache must hold at once: for each partition it reads, the shards of one shuffle
-    span plus those fetched ahead, at the partition's largest shard size. None when no shard's size is
+    """Bytes this node's cache must hold at once: for each partition slice it reads, the shards of one
+    shuffle span plus those fetched ahead, at the slice's largest shard size. None when no shard's size is
     known (dataset.json records it for shards make_shards wrote or indexed)."""
     known = [b for b in shard_bytes if b]
     if not known:
         return None
     fallback = max(known)  # shards of unknown size are taken to be as large as the largest known one
     total = 0
-    for p in order.node_partitions(node, nodes):
-        largest = max(shard_bytes[s] or fallback for s in order.shards[p])
-        total += min(len(order.shards[p]), order.span_shards(p) + FETCH_AHEAD_SHARDS) * largest
+    for q in order.node_slices(node, nodes):
+        largest = max(shard_bytes[s] or fallback for s in order.slice_shards[q])
+        total += min(len(order.slice_shards[q]), order.span_shards(q) + FETCH_AHEAD_SHARDS) * largest
     return total
 
 

@@ -11,13 +11,22 @@ partitions P, shuffle span) and of nothing about the layout:
    step takes G / P samples from every partition, and a contiguous run of slots - what the
    ranks of one node take, see `micro_batch_positions` - reads a contiguous run of partitions:
    with N nodes and N dividing P, node n reads partitions [n P / N, (n + 1) P / N) only.
-3. Passes. Partition p's i-th slot of step t is its draw d = t G / P + i. Draws walk through
-   the partition's samples in passes: pass e = d // n_p permutes the partition's shards
-   (seeded from (seed, p, e)), concatenates their samples and spreads each shard's samples
+3. Slices. Each partition is cut into k slices of equal sample count (within one sample), in its
+   shards' order; a cut that falls inside a shard splits that shard's samples between two slices
+   of the partition. The slot run of a partition is cut the same way: slice j of partition p takes
+   G / (P k) of its slots. k is the largest power of two with P k <= DEFAULT_PARTITIONS, P k
+   dividing G, and P (k - 1) <= MAX_SPLIT_FETCH x the non-empty shards (`choose_slices`), with
+   the automatic P; k = 1 when data.partitions sets P. A function of the data set, G and P only. With N nodes dividing P k, node n reads slices
+   [n P k / N, (n + 1) P k / N): at most P (k - 1) shards (the split ones) are read by two nodes,
+   so an epoch fetches at most 1 + MAX_SPLIT_FETCH times the data set, up to P k nodes, while the
+   partitions themselves stay whole-shard and balanced. With k = 1 a slice is its partition.
+4. Passes. Slice q's i-th slot of step t is its draw d = t G / (P k) + i. Draws walk through
+   the slice's samples in passes: pass e = d // n_q permutes the slice's shards (or shard pieces;
+   seeded from (seed, q, e)), concatenates their samples and spreads each shard's samples
    uniformly over a span of `span` samples centred on the shard's place (Streaming's py1e), then
    sorts: a sample moves at most span / 2 away, so a node needs only about span / shard size
-   shards of the partition at a time (the cache) while a global batch mixes samples of many
-   shards. A span at least the partition's size is a plain permutation of the whole partition.
+   shards of the slice at a time (the cache) while a global batch mixes samples of many
+   shards. A span at least the slice's size is a plain permutation of the whole slice.
 
 Partitions of unequal size run their passes at the same rate (G / P draws per step), so a
 sample of a smaller partition is seen more often, by the ratio of the partition sizes; the
@@ -49,6 +58,8 @@ DEFAULT_PARTITIONS = 512
 """Upper bound of the automatic partition count: locality on up to 512 nodes where the data set allows."""
 MAX_IMBALANCE = 0.02
 """The automatic partition count keeps (largest partition / smallest) - 1 within this."""
+MAX_SPLIT_FETCH = 0.05
+"""Slices may split at most this fraction of the non-empty shards: what an epoch fetches beyond the data set."""
 DEFAULT_SPAN = 1 << 18
 """Shuffle span in samples (Streaming's minimum shuffle block), or the whole partition when smaller."""
 
@@ -118,6 +129,41 @@ def choose_partitions(counts: list[int] | np.ndarray, global_batch: int, request
     return p
 
 
+def choose_slices(counts: list[int] | np.ndarray, global_batch: int, partitions: int) -> int:
+    """Slices per partition: the largest power of two k with P k <= DEFAULT_PARTITIONS, P k dividing the
+    global batch, and P (k - 1) shards split (at most one per cut) within MAX_SPLIT_FETCH of the non-empty
+    shards. A function of the data set, G and P: never of the layout."""
+    counts = np.asarray(counts)
+    nonempty = int(np.count_nonzero(counts))
+    smallest = int(min(counts[s].sum() for s in deal_shards(counts, partitions)))
+    k = 1
+    while (partitions * 2 * k <= DEFAULT_PARTITIONS and global_batch % (partitions * 2 * k) == 0
+           and partitions * (2 * k - 1) <= MAX_SPLIT_FETCH * nonempty and smallest >= 2 * k):
+        k *= 2
+    return k
+
+
+def slice_partition(counts: np.ndarray, shards: np.ndarray, k: int) -> list[np.ndarray]:
+    """Cut a partition (its shards in order) into k slices of equal sample count (within one sample):
+    each slice a [segments, 3] array of (shard, first, end) sample ranges. A cut inside a shard splits
+    it between two slices; an empty shard stays whole in the slice where its place falls."""
+    size = int(counts[shards].sum())
+    cuts = [j * size // k for j in range(k + 1)]
+    out: list[list[tuple[int, int, int]]] = [[] for _ in range(k)]
+    place = 0
+    for s in shards.tolist():
+        n = int(counts[s])
+        if n == 0:
+            out[min(k - 1, int(np.searchsorted(cuts, place, side="right")) - 1)].append((s, 0, 0))
+            continue
+        for j in range(k):
+            lo, hi = max(place, cuts[j]), min(place + n, cuts[j + 1])
+            if lo < hi:
+                out[j].append((s, lo - place, hi - place))
+        place += n
+    return [np.asarray(seg, dtype=np.int64).reshape(-1, 3) for seg in out]
+
+
 # ----------------------------------------------------------------------------- the order
 
 
@@ -140,24 +186,35 @@ class GlobalOrder:
         self.partition_of_shard = np.empty(len(self.counts), dtype=np.int64)
         for p, s in enumerate(self.shards):
             self.partition_of_shard[s] = p
-        # Two passes of every partition: a step may straddle a pass boundary.
+        # Slices: what the order and the nodes work on (with k = 1, the partitions themselves).
+        # A partition count set by hand (data.partitions) is taken as the unit the user asked for: one slice.
+        self.slices_per_partition = (choose_slices(self.counts, self.global_batch, self.partitions)
+                                     if partitions is None else 1)
+        k = self.slices_per_partition
+        self.segments = [seg for s in self.shards for seg in slice_partition(self.counts, s, k)]
+        self.slices = len(self.segments)
+        self.slice_sizes = np.asarray([int((seg[:, 2] - seg[:, 1]).sum()) for seg in self.segments], dtype=np.int64)
+        self.slice_shards = [np.unique(seg[:, 0]) for seg in self.segments]
+        self.slice_step = self.global_batch // self.slices  # draws of each slice per step
+        # Two passes of every slice: a step may straddle a pass boundary.
         self._passes: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self._pass_cache = 2 * self.partitions
+        self._pass_cache = 2 * self.slices
         self._augment: OrderedDict[int, np.ndarray] = OrderedDict()
 
-    def pass_order(self, p: int, e: int) -> np.ndarray:
-        """Global ids of partition p in the order of its pass e."""
-        return _cached(self._passes, (p, e), self._pass_cache, lambda: self._make_pass(p, e))
+    def pass_order(self, q: int, e: int) -> np.ndarray:
+        """Global ids of slice q (with one slice per partition: partition q) in the order of its pass e."""
+        return _cached(self._passes, (q, e), self._pass_cache, lambda: self._make_pass(q, e))
 
-    def _make_pass(self, p: int, e: int) -> np.ndarray:
-        rng = _rng(PASS, self.seed, p, e)
-        shards = self.shards[p][rng.permutation(len(self.shards[p]))]
-        counts = self.counts[shards]
-        # ids in shard order: shard s contributes starts[s], starts[s] + 1, ...
-        first = np.repeat(self.starts[shards] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    def _make_pass(self, q: int, e: int) -> np.ndarray:
+        rng = _rng(PASS, self.seed, q, e)
+        segs = self.segments[q][rng.permutation(len(self.segments[q]))]
+        counts = segs[:, 2] - segs[:, 1]
+        # ids in segment order: segment (s, a, b) contributes starts[s] + a, ..., starts[s] + b - 1
+        first = np.repeat(self.starts[segs[:, 0]] + segs[:, 1] - np.concatenate([[0], np.cumsum(counts)[:-1]]),
+                          counts)
         ids = first + np.arange(int(counts.sum()), dtype=np.int64)
         n = len(ids)
-        if self.span >= n:  # the span covers the partition: a plain permutation
+        if self.span >= n:  # the span covers the slice: a plain permutation
             return ids[rng.permutation(n)]
         # py1e: each sample lands uniformly within span / 2 of its shard's middle; sort by landing place.
         middles = np.repeat(np.cumsum(counts) - counts / 2.0, counts)
@@ -165,15 +222,15 @@ class GlobalOrder:
         return ids[np.argsort(keys, kind="stable")]
 
     def draws(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(partition, draw number in that partition) of each global position."""
+        """(slice, draw number in that slice) of each global position."""
         step, slot = np.divmod(np.asarray(positions, dtype=np.int64), self.global_batch)
-        p, i = np.divmod(slot, self.per_step)
-        return p, step * self.per_step + i
+        q, i = np.divmod(slot, self.slice_step)
+        return q, step * self.slice_step + i
 
     def draw_ids(self, p: np.ndarray, d: np.ndarray) -> np.ndarray:
-        """Global ids of draws d of partitions p (arrays of the same shape)."""
+        """Global ids of draws d of slices p (arrays of the same shape)."""
         p, d = np.asarray(p, dtype=np.int64), np.asarray(d, dtype=np.int64)
-        e, k = np.divmod(d, self.sizes[p])
+        e, k = np.divmod(d, self.slice_sizes[p])
         out = np.empty(p.shape, dtype=np.int64)
         for pp, ee in set(zip(p.tolist(), e.tolist())):
             mask = (p == pp) & (e == ee)
@@ -208,13 +265,18 @@ class GlobalOrder:
         lo, hi = node * self.global_batch // nodes, (node + 1) * self.global_batch // nodes
         return range(lo // self.per_step, (hi - 1) // self.per_step + 1)
 
-    def span_shards(self, p: int) -> int:
-        """Shards of partition p a reader needs at once: those within span / 2 of the read place on
-        either side, plus the one being read (the whole partition when the span covers it)."""
-        count = len(self.shards[p])
-        if self.span >= self.sizes[p]:
+    def node_slices(self, node: int, nodes: int) -> range:
+        """Slices whose slots the ranks of `node` (of `nodes`) take: what the node reads."""
+        lo, hi = node * self.global_batch // nodes, (node + 1) * self.global_batch // nodes
+        return range(lo // self.slice_step, (hi - 1) // self.slice_step + 1)
+
+    def span_shards(self, q: int) -> int:
+        """Shards of slice q a reader needs at once: those within span / 2 of the read place on
+        either side, plus the one being read (the whole slice when the span covers it)."""
+        count = len(self.segments[q])
+        if self.span >= self.slice_sizes[q]:
             return count
-        mean = self.sizes[p] / count
+        mean = self.slice_sizes[q] / count
         return min(count, int(np.ceil(self.span / mean)) + 2)
 
 

@@ -123,9 +123,9 @@ class TrainStream(IterableDataset):
         return {**out, "images": images, "targets": targets.numpy(), "counters": counters}
 
     def _replacement(self, position: int, counters: dict[str, Any], restore: bool) -> Any:
-        """The first good sample after a bad `position` among its partition's next draws, augmented as
-        `position`'s would have been: a function of the position only, so the same on every layout, and
-        read from the same partition, so from the same node's shards."""
+        """The first good sample after a bad `position` among its partition slice's next draws, augmented
+        as `position`'s would have been: a function of the position only, so the same on every layout, and
+        read from the same slice, so from the same node's shards."""
         scratch = Counters()  # those bad samples are counted at their own positions
         p, d = (int(x[0]) for x in self.order.draws(np.asarray([position])))
         for q in range(d + 1, d + 1 + MAX_REPLACEMENT_SEARCH):
@@ -134,7 +134,7 @@ class TrainStream(IterableDataset):
             if item is not None:
                 return item
         shard = max(counters.bad_shards.items(), key=lambda kv: kv[1])[0]
-        raise BadDataError(f"no good sample in the {MAX_REPLACEMENT_SEARCH} draws of partition {p} after bad "
+        raise BadDataError(f"no good sample in the {MAX_REPLACEMENT_SEARCH} draws of partition slice {p} after bad "
                            f"position {position} (shard '{shard}': {counters.causes.get(shard, '')})")
 
     def _sample(self, position: int, sid: int, counters: dict[str, Any], restore: bool) -> Any:
@@ -288,7 +288,7 @@ class TrainLoader:
         # would be other samples at the same positions.
         content = hashlib.sha256(repr(s.shard_sha256).encode()).hexdigest()[:16] if any(s.shard_sha256) else None
         return {"seed": s.seed, "global_batch_size": self.global_batch, "partitions": s.order.partitions,
-                "shuffle_span": s.order.span, "num_samples": s.order.n,
+                "slices": s.order.slices_per_partition, "shuffle_span": s.order.span, "num_samples": s.order.n,
                 "shards": hashlib.sha256(repr(names).encode()).hexdigest()[:16], "shard_content": content}
 
     def counters(self) -> Counters:
@@ -310,6 +310,7 @@ class TrainLoader:
                    "a checkpoint from before the elastic loader")
             raise DataError(f"data loader state has version {version}, expected {STATE_VERSION} ({why}: the "
                             f"checkpoint's position means other samples now); use a new run.dir")
+        state = {"slices": 1, **state}  # states from before slices: one slice per partition
         diff = {k: (state.get(k), v) for k, v in self.fingerprint().items() if state.get(k) != v}
         if list(diff) == ["shard_content"]:
             raise DataError("cannot continue the data stream: the shards were rewritten since the checkpoint (the "

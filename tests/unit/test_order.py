@@ -126,3 +126,45 @@ def test_scale_projection_fetches_each_shard_once_when_nodes_divide_partitions()
     assert all(0 < r.index_reads < 0.02 for r in by_nodes.values())
     _, rows = project(48, 50, 48, [3], gpus_per_node=1, workers=1, partitions=8)
     assert rows[0].shared_partitions == 2 and 1.0 < rows[0].fetched <= 1.0 + 2 / 8  # partitions 2 and 5 (see above)
+
+
+def nodes_per_shard_fetch(order: GlobalOrder, nodes: int) -> float:
+    """Shards fetched per epoch / shards, from the slices each node reads (each slice's pass reads all of it)."""
+    fetched = sum(len(set().union(*(order.slice_shards[q].tolist() for q in order.node_slices(n, nodes))))
+                  for n in range(nodes))
+    return fetched / int(np.count_nonzero(order.counts))
+
+
+def test_slices_fetch_each_shard_about_once_up_to_512_nodes() -> None:
+    big = GlobalOrder([1000] * 10_000, seed=0, global_batch=4096)
+    assert big.partitions == 128 and big.slices_per_partition == 4 and big.slices == 512
+    assert big.slice_sizes.max() - big.slice_sizes.min() <= 250  # 78000 / 4 or 79000 / 4
+    by_nodes = {n: nodes_per_shard_fetch(big, n) for n in (2**i for i in range(10))}
+    assert all(by_nodes[n] == 1.0 for n in (1, 2, 4, 8, 16, 32, 64, 128)), by_nodes
+    assert 1.0 < by_nodes[256] < by_nodes[512] <= 1.05, by_nodes  # the cuts inside shards, nothing else
+    small = GlobalOrder([1000] * 1000, seed=0, global_batch=4096)
+    assert small.partitions == 16 and small.slices == 64 and nodes_per_shard_fetch(small, 64) <= 1.05
+    assert nodes_per_shard_fetch(small, 128) > 1.9  # beyond the slices: two nodes per slice
+    # data.partitions set by hand: one slice per partition, as asked
+    assert GlobalOrder([1000] * 10_000, seed=0, global_batch=4096, partitions=128).slices == 128
+
+
+def test_slices_keep_the_order_layout_free_and_every_sample_once_per_epoch() -> None:
+    counts = [40] * 200  # 8 partitions of 25 shards, 2 slices each: a cut inside every partition's 13th shard
+    G, steps = 32, 12
+    order = GlobalOrder(counts, seed=5, global_batch=G, span=60)
+    assert order.partitions == 8 and order.slices_per_partition == 2 and order.slice_step == 2
+    split = [s for s in range(200) if sum(s in sh for sh in order.slice_shards) > 1]
+    assert len(split) == 8 and all(order.slice_sizes == 500)
+    ids = order.sample_ids(np.arange(8000))  # one epoch: 250 steps
+    assert sorted(ids.tolist()) == list(range(8000))
+    reference = [set().union(*s.values()) for s in step_ids(order, 1, 1, 1, steps)]
+    layouts = [(n, g, a) for n in (1, 2, 4, 8, 16) for g in (1, 2) for a in (1, 2) if G % (n * g * a) == 0]
+    for nodes, gpus, accum in layouts:
+        layout = GlobalOrder(counts, seed=5, global_batch=G, span=60)
+        got = step_ids(layout, nodes, gpus, accum, steps)
+        assert [set().union(*s.values()) for s in got] == reference, (nodes, gpus, accum)
+        for n in range(nodes):
+            mine = set().union(*(layout.slice_shards[q].tolist() for q in layout.node_slices(n, nodes)))
+            read = {int(s) for t in got for s in layout.shard_of(np.fromiter(t[n], int))}
+            assert read <= mine, (nodes, n)
