@@ -39,6 +39,7 @@ from pipeline.train.preemption import WorkerInit, reap_workers_at_exit, worker_c
 
 from . import tario
 from .bad import Counters
+from .buffers import RING, BatchRing, Releaser
 from .fetch import FetchAhead
 from .gpu_decode import CropDraw, GpuBatchDecoder, open_lazy, pack_batch, replace_bad
 from .index import Indexes, needs_copy
@@ -74,6 +75,8 @@ class TrainStream(IterableDataset):
         self.gpu_decode = cfg.decode_device == "cuda"  # workers draw crops; TrainLoader.to_device decodes
         self.draw = CropDraw(self.transform) if self.gpu_decode else None
         self.start = 0  # first micro batch (of this rank) to build; set by TrainLoader before each start
+        self.released: torch.Tensor | None = None  # set by TrainLoader before each start: see buffers.py
+        self._ring: BatchRing | None = None
         self._indexes: Indexes | None = None
 
     def positions(self, j: int) -> range:
@@ -82,14 +85,16 @@ class TrainStream(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         k, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        for j in count(self.start + k, nw):
+        self._ring = BatchRing(k, self.released) if info is not None and self.released is not None else None
+        for use, j in enumerate(count(self.start + k, nw)):
             try:
-                yield self.micro_batch(j, in_worker=info is not None)
+                yield self.micro_batch(j, in_worker=info is not None, use=use)
             except BadDataError as e:
                 yield {"error": str(e), "j": j}
                 return
 
-    def micro_batch(self, j: int, in_worker: bool) -> dict[str, Any]:
+    def micro_batch(self, j: int, in_worker: bool, use: int = 0) -> dict[str, Any]:
+        """This rank's micro batch j; `use`: the how-many-th batch of this worker (which buffer it reuses)."""
         positions = self.positions(j)
         ids = self.order.sample_ids(positions).tolist()
         # ids and targets travel as NumPy arrays, only the images as a (shared-memory) tensor: see as_is.
@@ -114,7 +119,11 @@ class TrainStream(IterableDataset):
         if self.draw is not None:  # raw bytes + boxes; decoded and mixed up by TrainLoader.to_device
             return {**out, "images": pack_batch([t for t, _ in items], mix_seed), "targets": targets.numpy(),
                     "counters": counters}
-        images = empty_batch((len(items), 3, *self.img_size), shared=in_worker)
+        shape = (len(items), 3, *self.img_size)
+        if self._ring is not None and in_worker:
+            images, out["buffer"] = self._ring.take(use, shape)
+        else:
+            images = empty_batch(shape, shared=in_worker)
         for i, (tensor, _) in enumerate(items):
             self.normalize(tensor, out=images[i])  # uint8 -> normalised float32
         if self.mixup is not None:
@@ -180,6 +189,7 @@ class TrainLoader:
         self._j = 0  # micro batches handed out by this rank since position 0
         self._it: Iterator[dict[str, Any]] | None = None
         self._counters = Counters()  # this rank's, plus (rank 0) the counts restored from a checkpoint
+        self._releaser: Releaser | None = None  # the workers' batch buffers still in use here (buffers.py)
         self.last_ids: torch.Tensor | None = None
         self.last_positions: range | None = None
         self.last_per_batch: torch.Tensor | None = None  # stream.per_batch of the last micro batch
@@ -199,6 +209,11 @@ class TrainLoader:
         if self.fetcher is not None:
             self.fetcher.advance(self._j // self.accum)
         reap_workers_at_exit()  # the workers block SIGTERM: an exit must not wait on them
+        self._releaser = None
+        self.stream.released = None
+        if self.num_workers > 0 and not self.stream.ids_only and not self.stream.gpu_decode:
+            self._releaser = Releaser(torch.zeros((self.num_workers, RING), dtype=torch.int64).share_memory_())
+            self.stream.released = self._releaser.released  # travels to the workers with the stream
         loader = DataLoader(
             self.stream, batch_size=None, collate_fn=as_is,  # arrays stay arrays (see as_is)
             num_workers=self.num_workers, pin_memory=self.pin_memory,
@@ -216,6 +231,8 @@ class TrainLoader:
         if self._it is None:
             self._start()
         assert self._it is not None
+        if self._releaser is not None:
+            self._releaser.poll()  # before the next batch: the caller may have let go of the last one
         item = next(self._it)
         if "error" in item:
             self.close()
@@ -231,6 +248,9 @@ class TrainLoader:
         if self.stream.ids_only:
             return self.last_ids, self.last_ids
         self._add(item["counters"])
+        if self._releaser is not None and "buffer" in item:
+            # pinned: the DataLoader's pin thread made a copy, the shared buffer is free already
+            self._releaser.handed_out(item["buffer"], item["images"], copied=self.pin_memory)
         return item["images"], torch.from_numpy(item["targets"])
 
     def _add(self, counters: Counters) -> None:

@@ -601,3 +601,30 @@ def test_randaugment_posterize_at_magnitude_10_keeps_0_bits_as_a_black_image():
     assert np.asarray(_posterize(img, 0)).max() == 0
     assert np.array_equal(np.asarray(_posterize(img, 3)), np.asarray(ImageOps.posterize(img, 3)))
     assert _posterize(img, 8) is img
+
+
+def test_worker_batch_buffers_are_reused_only_once_nothing_refers_to_them(synth: Path) -> None:
+    """buffers.py: a worker writes into a buffer again only after the main process let go of every
+    tensor and view of it; kept batches stay as they were, dropped ones are reused; the pixels are
+    those of the main-process loader either way."""
+    from pipeline.data.buffers import RING, storage_users
+
+    reference = take(build_train_loader(cfg_for(synth, num_workers=0), IMG, 8, seed=3), 24)
+    loader = build_train_loader(cfg_for(synth, num_workers=2), IMG, 8, seed=3)
+    it = iter(loader)
+    kept = [(x.clone(), y) for x, y in [next(it) for _ in range(12)]]  # clones: the originals are let go
+    views = []
+    for j in range(12, 24):
+        images, targets = next(it)
+        assert torch.equal(images, reference[j][0]) and torch.equal(targets, reference[j][1]), j
+        if j < 15:
+            views.append((j, images[2:5]))  # a view keeps its batch's buffer from reuse
+        del images, targets
+    assert all(torch.equal(x, reference[j][0]) for j, (x, _) in enumerate(kept))
+    for j, view in views:
+        assert torch.equal(view, reference[j][0][2:5]), j  # not overwritten by later batches
+    released = loader._releaser.released
+    assert int(released.sum()) > 0 and int(released.max()) > 1  # buffers went round the ring more than once
+    assert released.shape == (2, RING)
+    assert all(storage_users(s) > 1 for _, s in loader._releaser.held[:3])  # the views' batches: still held
+    loader.close()
