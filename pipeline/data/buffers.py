@@ -31,8 +31,10 @@ RING = 4
 
 
 def storage_users(storage: torch.UntypedStorage) -> int:
-    """How many tensors and storage objects share this storage (the storage object itself included)."""
-    return int(torch._C._storage_Use_Count(storage._cdata))
+    """How many tensors and storage objects share this storage (the storage object itself included).
+    A private torch function: where it is missing, every batch counts as in use (never reused)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return 2 if use_count is None else int(use_count(storage._cdata))
 
 
 @dataclass
