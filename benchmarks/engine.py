@@ -3,7 +3,7 @@
 One process, world size 1 (gloo on CPU, NCCL on a GPU): what is measured is DeepSpeed's own work per
 step (flat buffers, gradient hooks, partitioning bookkeeping, its bf16 optimizer wrapper), not
 communication. Everything comes from the pipeline: the model from pipeline.train.trainer.build_model
-(ZeRO-3 builds it inside deepspeed.zero.Init), the DeepSpeed JSON from pipeline.config.deepspeed_config,
+(ZeRO-3 builds it inside deepspeed.zero.Init), the DeepSpeed JSON from pipeline.derived.deepspeed_config,
 the optimizer from pipeline.train.optim, the step body from pipeline.train.trainer.fit. The plain loop
 (benchmarks.common.PlainStep) does the same work by hand: same model and weights, optimizer,
 clipping, schedule and dtype (bf16 with fp32 master weights, as DeepSpeed's bf16 mode).
@@ -32,7 +32,8 @@ from benchmarks.common import (
     throughput,
     use_cpu_accelerator,
 )
-from pipeline.config import Config, deepspeed_config
+from pipeline.config import Config
+from pipeline.derived import deepspeed_config
 
 
 def init_single_process() -> Any:

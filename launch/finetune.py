@@ -10,7 +10,7 @@
 the newest finished pretraining run under runs/ (printed). Without --config: the paper's recipe (the train
 section of configs/finetune/vit_b16_384.yaml) with the source run's architecture and data set.
 A restart on the same run.dir keeps the source recorded at its first start. Exit codes as launch/pretrain.py
-(pipeline/train/exit_codes.py).
+(pipeline/exit_codes.py).
 """
 
 import sys
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if __name__ == "__main__":
     # First thing: SIGUSR1/SIGTERM during setup (imports, DeepSpeed init, checkpoint load) must only raise the
     # preemption flag; the trainer then exits 75 at its first safe point and Slurm requeues the job.
-    from pipeline.train.preemption import install_signal_handlers
+    from pipeline.signals import install_signal_handlers
 
     install_signal_handlers()
 

@@ -7,7 +7,7 @@
     python launch/pretrain.py                                                             # the demo config
 
 Starting again with the same run.dir resumes from its newest complete checkpoint. Exit codes
-(pipeline/train/exit_codes.py): 0 done, 75 checkpointed on SIGUSR1/SIGTERM (requeue), 3 stopped on
+(pipeline/exit_codes.py): 0 done, 75 checkpointed on SIGUSR1/SIGTERM (requeue), 3 stopped on
 non-finite losses, 1 data/checkpoint error, 2 config/usage error. See docs/run-directory.md.
 """
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if __name__ == "__main__":
     # First thing: SIGUSR1/SIGTERM during setup (imports, DeepSpeed init, checkpoint load) must only raise the
     # preemption flag; the trainer then exits 75 at its first safe point and Slurm requeues the job.
-    from pipeline.train.preemption import install_signal_handlers
+    from pipeline.signals import install_signal_handlers
 
     install_signal_handlers()
 

@@ -1,5 +1,5 @@
 """The two training commands, `launch/pretrain.py` and `launch/finetune.py`: a command line becomes one
-run config, then one run that ends in an exit code of `pipeline.train.exit_codes`.
+run config, then one run that ends in an exit code of `pipeline.exit_codes`.
 
     pretrain(argv) -> int     # --config (default: the demo) + key=value overrides
     finetune(argv) -> int     # --from / --config / --res, each with a default (below) + key=value overrides
@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.config import Config, ConfigError, FinetuneConfig, apply_overrides, load_or_exit
-from pipeline.train.preemption import install_signal_handlers
+from pipeline.signals import install_signal_handlers
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PRETRAIN_CONFIG = "configs/pretrain/demo.yaml"
@@ -280,9 +280,9 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
     # Imported after the config is read: a typo is reported at once, not after DeepSpeed's import.
     from pipeline.data import BadDataError, DataError, EvalFailed
     from pipeline.dist import PortInUse
+    from pipeline.exit_codes import ExitCode
     from pipeline.model.weights import WeightsError
     from pipeline.train.checkpoint import CheckpointError
-    from pipeline.train.exit_codes import ExitCode
     from pipeline.train.lock import RunDirLocked
     from pipeline.train.resume import TrainError
     from pipeline.train.trainer import fit

@@ -9,7 +9,7 @@ line naming the file/key and what was expected. The launchers turn that into
 ``error: ...`` and exit code 2, never a traceback.
 
 What can be derived is never written twice: the accumulation steps are
-``global_batch_size / (micro_batch_size x world_size)`` (see `resolve_batch`), DeepSpeed's
+``global_batch_size / (micro_batch_size x world_size)`` (see `pipeline.derived.resolve_batch`), DeepSpeed's
 ``train_batch_size`` is the global batch, and the data resolution is the model's ``img_size``.
 """
 
@@ -24,8 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
-from pipeline.derived import accumulation_steps, deepspeed_config, image_size, resolve_batch  # noqa: F401 (re-exported)
-from pipeline.typed_yaml import ConfigError, describe, from_tree, parse_override, set_dotted  # noqa: F401 (re-exported)
+from pipeline.typed_yaml import ConfigError, describe, from_tree, parse_override, set_dotted
 
 # ----------------------------------------------------------------------------- sections
 

@@ -1,5 +1,6 @@
 """What a run config implies, never written twice: the batch split on a layout (accumulation steps),
-DeepSpeed's JSON config, the image size as (height, width). `pipeline.config` re-exports these.
+DeepSpeed's JSON config, the image size as (height, width). It reads `pipeline.config`'s sections
+(types only); `pipeline.config` never imports it, so there is no cycle.
 
     g, accum = resolve_batch(cfg.train, world_size)     # ConfigError naming the numbers if impossible
     ds_json = deepspeed_config(cfg, world_size)         # train_batch_size is the global batch

@@ -12,7 +12,7 @@ runtime's SIGKILL); torchrun exits 1. Put this in front of the launcher and:
   1. COMMAND starts in a session of its own: a signal to our process group (Ctrl-C, `kill -TERM -PGID`,
      `tini -g`) reaches only us, and we decide where it goes.
   2. SIGTERM or SIGUSR1 goes to every rank, and only to the ranks: a process started by a launcher
-     (the runner, DeepSpeed's per-node launcher, torchrun; see preemption.is_launcher) that is not one
+     (the runner, DeepSpeed's per-node launcher, torchrun; see signals.is_launcher) that is not one
      itself, or COMMAND itself when it is not a launcher. Launchers are left alone: signalled, the runner
      exits at once and DeepSpeed's launcher and torchrun SIGKILL the ranks after 30 s, which a large
      checkpoint can outlast. A rank gets the signal once it catches it (/proc/PID/status, SigCgt), so
@@ -40,8 +40,8 @@ import subprocess
 import sys
 import time
 
-from pipeline.train.exit_codes import ExitCode
-from pipeline.train.preemption import is_launcher
+from pipeline.exit_codes import ExitCode
+from pipeline.signals import is_launcher
 
 POLL_S = 0.1
 DEFAULT_AFTER_S = 5  # a process that does not catch the signal gets it (and its default action) after this

@@ -31,7 +31,7 @@
 #   RUN_DIR default: runs/<job name>-<job id>
 set -euo pipefail
 
-USAGE_EXIT_CODE=2  # ExitCode.USAGE (pipeline/train/exit_codes.py), as in slurm/pretrain.sh
+USAGE_EXIT_CODE=2  # ExitCode.USAGE (pipeline/exit_codes.py), as in slurm/pretrain.sh
 die() { echo "error: $*" >&2; exit "$USAGE_EXIT_CODE"; }
 
 if [[ -z ${SLURM_JOB_ID:-} ]]; then

@@ -45,7 +45,7 @@
 #   EXTRA_ARGS       arguments placed before the overrides (slurm/finetune.sh uses it)
 set -euo pipefail
 
-# The trainer's exit codes this script acts on: ExitCode in pipeline/train/exit_codes.py (a test checks
+# The trainer's exit codes this script acts on: ExitCode in pipeline/exit_codes.py (a test checks
 # that these agree; docs/run-directory.md lists them all).
 PREEMPTED_EXIT_CODE=75   # ExitCode.PREEMPTED: checkpointed after SIGUSR1/SIGTERM, requeue me
 USAGE_EXIT_CODE=2        # ExitCode.USAGE: a config or command-line error; this script's own errors too

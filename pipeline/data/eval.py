@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.config import DataConfig
-from pipeline.train.preemption import WorkerInit, reap_workers_at_exit, worker_context
+from pipeline.signals import WorkerInit, reap_workers_at_exit, worker_context
 
 from . import tario
 from .bad import Counters, merge_counters

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.train.preemption import exit_with, worker_context
+from pipeline.signals import exit_with, worker_context
 
 from .index import local_copy, needs_copy
 from .order import GlobalOrder

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pipeline.config import DataConfig, accumulation_steps, image_size
+from pipeline.config import DataConfig
+from pipeline.derived import accumulation_steps, image_size
 
 from .bad import Counters, merge_counters
 from .eval import EvalLoader, EvalStream

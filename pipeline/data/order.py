@@ -51,7 +51,7 @@ import numpy as np
 # First entry of a SeedSequence: which stream the seed is for (not a salt: a namespace).
 # 0 and 1 were the shard and window streams of the order before partitions.
 AUGMENT, MIXUP, PASS = 2, 3, 4
-# MAE's masks: a training sample's by its global position, a validation sample's by its index (pipeline/train/mae.py).
+# MAE's masks: a training sample's by its global position, a validation sample's by its index (the MAE objective).
 MASK, MASK_EVAL = 5, 6
 
 DEFAULT_PARTITIONS = 512

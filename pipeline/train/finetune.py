@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.config import Config, ConfigError, FinetuneConfig, image_size, load_config
+from pipeline.config import Config, ConfigError, FinetuneConfig, load_config
+from pipeline.derived import image_size
 from pipeline.model.pos_embed import resize_pos_embed
 from pipeline.model.vit import VisionTransformer, _init_param
 from pipeline.model.weights import WeightsError, load_weights

@@ -2,7 +2,7 @@
 
 Used by launch/pretrain.py and launch/finetune.py alike; fine-tuning only adds a `prepare_model` hook
 that loads the source weights into the freshly built model. Whether to start or resume, and what a
-resume restores in which order, is `pipeline.train.resume`. Exit codes: `pipeline.train.exit_codes`.
+resume restores in which order, is `pipeline.train.resume`. Exit codes: `pipeline.exit_codes`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.config import Config, deepspeed_config, resolve_batch, save_config, to_dict
+from pipeline.config import Config, save_config, to_dict
 from pipeline.data import (
     DataError,
     build_eval_loader,
@@ -30,16 +30,18 @@ from pipeline.data import (
     raise_if_any_failed,
     read_dataset_info,
 )
+from pipeline.derived import deepspeed_config, resolve_batch
 from pipeline.dist import DistEnv, init_distributed
+from pipeline.exit_codes import ExitCode
 from pipeline.model.mae import MaskedAutoencoderViT, mae_flops
 from pipeline.model.vit import VisionTransformer, model_flops, model_kwargs_from_config
+from pipeline.signals import exit_at_once_on_signal
 from pipeline.tracking import start_tracking
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import mae, resume
-from pipeline.train.exit_codes import ExitCode
 from pipeline.train.metrics import ThroughputMeter, device_peak_flops, topk_correct
 from pipeline.train.optim import build_optimizer, build_scheduler, param_groups, peak_group_lr
-from pipeline.train.preemption import Preemption, exit_at_once_on_signal
+from pipeline.train.preemption import Preemption
 from pipeline.train.watchdog import Watchdog, process_group_timeout_s
 
 # Agree on preemption every N optimizer steps (an all-reduce of one int; `python launch/bench.py preemption` measures its cost).

@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.train.exit_codes import ExitCode
+from pipeline.exit_codes import ExitCode
 
 ERRORS_DIR = "errors"  # RUN_DIR/errors/: the same folder as DeepSpeed's tracebacks (ds_compat)
 PG_TIMEOUT_MARGIN_S = 60.0

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 # Under the guard: a DataLoader worker may run this file again as __mp_main__ (see launch/pretrain.py).
 if __name__ == "__main__":
-    from pipeline.train.preemption import install_signal_handlers
+    from pipeline.signals import install_signal_handlers
 
     install_signal_handlers()  # as the launch scripts do, first
 

@@ -173,10 +173,10 @@ def test_layout_that_cannot_make_the_global_batch_is_a_one_line_error(synth: Pat
                                           r"world size 3 = 6"):
         build_train_loader(cfg_for(synth), IMG, 2, seed=0, rank=0, world_size=3, global_batch_size=10)
     with pytest.raises(ConfigError, match="global_batch_size=64 is not a multiple of train.micro_batch_size=24"):
-        from pipeline.config import resolve_batch
+        from pipeline.derived import resolve_batch
         resolve_batch(load_config(None, ["train.global_batch_size=64", "train.micro_batch_size=24"]).train, 1)
     cfg = load_config(None, ["train.global_batch_size=64", "train.micro_batch_size=8"])
-    from pipeline.config import deepspeed_config
+    from pipeline.derived import deepspeed_config
     ds = deepspeed_config(cfg, 2)
     assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (64, 4)
     with pytest.raises(ConfigError, match="grad_accum_steps=2 contradicts"):

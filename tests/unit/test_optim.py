@@ -18,7 +18,8 @@ TINY = ["model.variant=vit_ti16", "model.img_size=16", "model.patch_size=4", "mo
 # and prints the names of the decayed parameters. One subprocess per stage: zero.Init patches torch.
 DECAYED = """
 import json, sys
-from pipeline.config import deepspeed_config, load_config
+from pipeline.config import load_config
+from pipeline.derived import deepspeed_config
 from pipeline.model.vit import model_kwargs_from_config
 from pipeline.train.optim import no_weight_decay
 from pipeline.dist import init_distributed

@@ -1,4 +1,4 @@
-"""pipeline.train.preemption: a signal during the rendezvous, with a real process blocked in torch's C++
+"""pipeline.signals: a signal during the rendezvous, with a real process blocked in torch's C++
 store client and a real SIGTERM."""
 
 import signal
@@ -20,7 +20,7 @@ import socket, sys
 from datetime import timedelta
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from pipeline.train.preemption import exit_at_once_on_signal, install_signal_handlers
+from pipeline.signals import exit_at_once_on_signal, install_signal_handlers
 install_signal_handlers()
 import torch.distributed as dist
 with socket.socket() as taken:

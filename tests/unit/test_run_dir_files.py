@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.exit_codes import ExitCode
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.exit_codes import ExitCode
 from pipeline.train.lock import RunDirLocked, lock_run_dir
 
 ROOT = Path(__file__).resolve().parents[2]

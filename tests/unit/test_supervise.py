@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # every test starts real processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Named .../deepspeed so that preemption.is_launcher takes it for the runner. Forwards nothing (no handler),
+# Named .../deepspeed so that signals.is_launcher takes it for the runner. Forwards nothing (no handler),
 # exits with the highest code of its ranks, as DeepSpeed's launcher does.
 LAUNCHER = """
 import subprocess, sys

@@ -1,5 +1,5 @@
 """A rank whose DataLoader worker raised must exit, not hang. The workers block SIGTERM/SIGUSR1
-(`preemption.block_in_worker`), and multiprocessing's exit handler ends daemonic children with SIGTERM
+(`signals.block_in_worker`), and multiprocessing's exit handler ends daemonic children with SIGTERM
 and then joins them with no timeout: before `reap_workers_at_exit`, a worker's exception re-raised in the
 main process (seen: timm's RandAugment posterize on Pillow 13) left the rank waiting on its worker and
 the worker waiting on its parent, for good. A real process, a real worker, a real exception."""
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
     import torch
-    from pipeline.train.preemption import block_in_worker, reap_workers_at_exit
+    from pipeline.signals import block_in_worker, reap_workers_at_exit
 
     class Failing(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -74,7 +74,7 @@ RANK = textwrap.dedent("""
     import time
     from pids import Pids
     import torch
-    from pipeline.train.preemption import WorkerInit, worker_context
+    from pipeline.signals import WorkerInit, worker_context
 
     it = iter(torch.utils.data.DataLoader(Pids(), num_workers=2, multiprocessing_context=worker_context(),
                                           worker_init_fn=WorkerInit("train")))
