@@ -156,7 +156,7 @@ class TrainConfig:
     min_lr: float = 0.0
     """Learning rate at the end of the decay."""
     weight_decay: float = 0.05
-    """Decoupled weight decay; never applied to norms, biases, position embeddings or the class token."""
+    """Decoupled weight decay; never applied to norms and biases, nor to what the model's no_weight_decay() names."""
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam betas."""
     momentum: float = 0.9

@@ -130,6 +130,12 @@ class MaskedAutoencoderViT(VisionTransformer):
         return {"pos_embed": sincos_pos_embed_2d(self.embed_dim, grid),
                 "decoder_pos_embed": sincos_pos_embed_2d(self.decoder_pos_embed.shape[-1], grid)}
 
+    def no_weight_decay(self) -> set[str]:
+        """None: official MAE pretraining (main_pretrain.py, timm's `add_weight_decay` with no skip list)
+        exempts only 1-D parameters and biases, so the class token and the mask token are decayed. The
+        position tables are fixed buffers here (frozen parameters there), never decayed either way."""
+        return set()
+
     def init_mae_weights(self) -> None:
         """The official initialisation: xavier-uniform for every Linear (as the JAX ViT) and for the patch
         projection seen as a Linear (D, C*P*P), zero biases, normal(0.02) class and mask tokens. The patch

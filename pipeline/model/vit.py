@@ -229,6 +229,19 @@ class VisionTransformer(nn.Module):
     def grid_size(self) -> tuple[int, int]:
         return self.patch_embed.grid_size
 
+    def no_weight_decay(self) -> set[str]:
+        """Names of parameters with more than one dimension that are not decayed (timm's and DeiT's set:
+        the position embedding and the class token). Biases and norm weights (ndim <= 1) are never
+        decayed whatever this says; the optimizer adds them (`pipeline.train.optim.param_groups`)."""
+        return {"pos_embed", "cls_token"}
+
+    def group_matcher(self, coarse: bool = False) -> dict[str, str]:
+        """Which parameters make up the stem (layer 0) and block i (layer i + 1), as regular expressions
+        over parameter names in timm's style; everything else (the final norm, the head) is the last
+        layer. Layer-wise lr decay numbers layers by it (BEiT numbering). `coarse` is timm's argument,
+        kept for its signature: the blocks are the unit either way."""
+        return {"stem": r"^(cls_token|pos_embed|patch_embed)", "blocks": r"^blocks\.(\d+)"}
+
     def init_weights(self) -> None:
         """timm's 'original' ViT init: trunc-normal(0.02) for Linear weights, position embedding and
         class token; zero biases; LayerNorm at (1, 0); the patch projection as PyTorch's Conv2d default

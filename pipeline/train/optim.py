@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -21,17 +22,21 @@ def real_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(getattr(param, "ds_shape", param.shape))
 
 
-def no_weight_decay(name: str, param: torch.Tensor) -> bool:
-    """Norm weights, biases (1-D), the position embedding and the class token are not decayed."""
-    return len(real_shape(param)) <= 1 or name.endswith(("pos_embed", "cls_token")) or name.endswith(".bias")
+def no_weight_decay(model: nn.Module, name: str, param: torch.Tensor) -> bool:
+    """Biases and 1-D parameters (norm weights) are never decayed, as in timm's `param_groups_weight_decay`;
+    past those, the model says which (its `no_weight_decay()`, timm's convention)."""
+    skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
+    return len(real_shape(param)) <= 1 or name.endswith(".bias") or name in skip
 
 
-def layer_id(name: str, depth: int) -> int:
-    """0 for the embeddings, i + 1 for block i, depth + 1 for the final norm and head (BEiT numbering)."""
-    if name.startswith(("cls_token", "pos_embed", "patch_embed")):
+def layer_id(name: str, matcher: dict[str, str], depth: int) -> int:
+    """0 for the stem, i + 1 for block i, depth + 1 for the rest (the final norm, the head): BEiT numbering,
+    from the model's `group_matcher()` (a stem pattern and a blocks pattern capturing the block index)."""
+    if re.match(matcher["stem"], name):
         return 0
-    if name.startswith("blocks."):
-        return int(name.split(".")[1]) + 1
+    block = re.match(matcher["blocks"], name)
+    if block:
+        return int(block.group(1)) + 1
     return depth + 1
 
 
@@ -44,11 +49,15 @@ def param_groups(model: nn.Module, cfg: TrainConfig, depth: int) -> list[dict[st
     rate scale of decay ** (depth + 1 - layer) so that early layers move less (BEiT/DeiT fine-tuning).
     Each group carries `decay` and `layer` so that a resumed run can re-derive its hyperparameters."""
     groups: dict[tuple[bool, int], dict[str, Any]] = {}
+    if cfg.layer_decay is not None and not hasattr(model, "group_matcher"):
+        raise ValueError(f"train.layer_decay is set but {type(model).__name__} has no group_matcher() "
+                         "to say which layer each parameter is in")
+    matcher = model.group_matcher() if cfg.layer_decay is not None else {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        decay = not no_weight_decay(name, param)
-        layer = layer_id(name, depth) if cfg.layer_decay is not None else 0
+        decay = not no_weight_decay(model, name, param)
+        layer = layer_id(name, matcher, depth) if cfg.layer_decay is not None else 0
         key = (decay, layer)
         if key not in groups:
             scale = lr_scale(cfg, layer, depth)
