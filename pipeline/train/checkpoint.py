@@ -62,6 +62,10 @@ class TrainerState:
     model: dict[str, Any]  # the model's resolved constructor arguments (num_classes may come from the data)
     config: dict[str, Any]
     version: int = STATE_VERSION
+    # The trainable parameters of more than one dimension that the optimizer does not decay (the model's
+    # no_weight_decay()): the parameter groups the saved optimizer state belongs to. None: a tag written
+    # before it was recorded, when the ViT's rule (position embedding, class token) applied to every model.
+    no_weight_decay: list[str] | None = None
 
     @property
     def zero_stage(self) -> int:
@@ -79,7 +83,8 @@ class TrainerState:
             if d.get("version") != STATE_VERSION:
                 raise CheckpointError(f"{path}: trainer state version {d.get('version')}, this trainer reads "
                                       f"version {STATE_VERSION}")
-            return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+            return cls(**{f.name: d[f.name] if f.default is dataclasses.MISSING else d.get(f.name, f.default)
+                          for f in dataclasses.fields(cls)})
         except FileNotFoundError:
             raise CheckpointError(f"{path} is missing: {tag_dir} was not written by this trainer") from None
         except (ValueError, KeyError, TypeError) as e:  # truncated or hand-edited JSON

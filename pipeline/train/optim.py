@@ -29,6 +29,13 @@ def no_weight_decay(model: nn.Module, name: str, param: torch.Tensor) -> bool:
     return len(real_shape(param)) <= 1 or name.endswith(".bias") or name in skip
 
 
+def exempt_names(model: nn.Module) -> list[str]:
+    """The trainable parameters the model exempts from weight decay by name (its `no_weight_decay()`),
+    sorted: what a checkpoint records of its parameter groups beyond the shape rule."""
+    skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
+    return sorted(n for n, p in model.named_parameters() if p.requires_grad and n in skip)
+
+
 def layer_id(name: str, matcher: dict[str, str], depth: int) -> int:
     """0 for the stem, i + 1 for block i, depth + 1 for the rest (the final norm, the head): BEiT numbering,
     from the model's `group_matcher()` (a stem pattern and a blocks pattern capturing the block index)."""

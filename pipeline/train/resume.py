@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 from pipeline.config import Config, to_dict
 from pipeline.dist import DistEnv
@@ -39,7 +40,7 @@ from pipeline.train import checkpoint as ckpt
 from pipeline.train import ds_compat
 from pipeline.train.ds_compat import DeepSpeedFailed, UnsafeCheckpoint
 from pipeline.train.lock import RunDirLocked, lock_run_dir
-from pipeline.train.optim import RESUMABLE_HPARAMS, apply_hparams
+from pipeline.train.optim import RESUMABLE_HPARAMS, apply_hparams, exempt_names
 
 SHAPE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
               "num_classes", "representation_size")
@@ -151,6 +152,29 @@ def check_same_model(state: ckpt.TrainerState, model_kwargs: dict[str, Any], tag
     if diff:
         raise TrainError(f"{tag_dir} was trained with a different model; refusing to resume: " + "; ".join(diff)
                          + ". Use a new run.dir or the matching config.")
+
+
+# What every model exempted from weight decay before models said so themselves (see TrainerState).
+LEGACY_NO_WEIGHT_DECAY = ("cls_token", "pos_embed")
+
+
+def check_same_decay_groups(p: ResumePlan | None, model: nn.Module) -> None:
+    """Refuse, in one line, a checkpoint whose optimizer state belongs to other parameter groups than
+    this model's (a pre-change MAE run decayed no class token; official MAE, and this trainer, do)."""
+    if p is None:
+        return
+    now = exempt_names(model)
+    trainable = {n for n, q in model.named_parameters() if q.requires_grad}
+    saved = p.state.no_weight_decay
+    if saved is None:
+        saved = sorted(n for n in LEGACY_NO_WEIGHT_DECAY if n in trainable)
+    if sorted(saved) != now:
+        path = ckpt.checkpoint_dir(p.root.parent) / p.tag / ckpt.STATE_FILE  # root: checkpoints/ or universal/
+        raise TrainError(f"{path}: its optimizer state was saved with no weight decay on "
+                         f"{', '.join(saved) or 'nothing'} beyond biases and norms; this model exempts "
+                         f"{', '.join(now) or 'nothing'} (its no_weight_decay()), so the parameter groups differ "
+                         "and the optimizer state cannot be loaded. Start a new run.dir (or fine-tune from "
+                         "its model.safetensors).")
 
 
 def check_resumable_hparams(state: ckpt.TrainerState, cfg: Config, tag_dir: Path) -> None:

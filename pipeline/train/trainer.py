@@ -40,7 +40,7 @@ from pipeline.tracking import start_tracking
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import mae, resume
 from pipeline.train.metrics import ThroughputMeter, device_peak_flops, topk_correct
-from pipeline.train.optim import build_optimizer, build_scheduler, param_groups, peak_group_lr
+from pipeline.train.optim import build_optimizer, build_scheduler, exempt_names, param_groups, peak_group_lr
 from pipeline.train.preemption import Preemption
 from pipeline.train.watchdog import Watchdog, process_group_timeout_s
 
@@ -111,6 +111,7 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
 
     model = build_model(cfg, model_kwargs, ds_config)
     tags = prepare_model(model) if prepare_model is not None else {}
+    resume.check_same_decay_groups(plan, model)  # before DeepSpeed loads an optimizer state of other groups
     groups = param_groups(model, cfg.train, model_kwargs["depth"])
     optimizer = build_optimizer(groups, cfg.train, offload=cfg.deepspeed.offload_optimizer)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
@@ -155,7 +156,8 @@ def save(s: Setup, cfg: Config, step: int) -> str:
     counters = merge_counters(ckpt.gather_to_all(s.train_loader.counters()))  # bad data of all ranks
     client = {"data": s.train_loader.state_dict(counters), "rng": ckpt.gather_to_all(ckpt.rng_state())}
     state = ckpt.TrainerState(step=step, world_size=s.env.world_size,
-                              model={k: resume.plain(v) for k, v in s.model_kwargs.items()}, config=to_dict(cfg))
+                              model={k: resume.plain(v) for k, v in s.model_kwargs.items()}, config=to_dict(cfg),
+                              no_weight_decay=exempt_names(s.engine.module))
     return ckpt.save_checkpoint(s.engine, Path(cfg.run.dir), state, client, cfg.train.keep_last,
                                 cfg.train.keep_every)
 

@@ -140,3 +140,25 @@ def test_mae_decay_set_is_official_maes():
     assert decayed_names(model, cfg) == block | {"patch_embed.proj.weight", "cls_token", "mask_token",
                                                  "decoder_embed.weight", "decoder_pred.weight"}
     assert "pos_embed" not in dict(model.named_parameters())  # a buffer: never trained nor decayed
+
+
+def test_resume_refuses_an_optimizer_state_of_other_decay_groups_in_one_line(tmp_path):
+    """A tag written before models named their own exemptions (no record: the ViT's rule applied to every
+    model) resumes a ViT, and is refused for MAE, whose class token is now decayed, naming the file."""
+    from pipeline.model.mae import MaskedAutoencoderViT
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.train.resume import ResumePlan, TrainError, check_same_decay_groups
+
+    def plan(no_weight_decay):
+        state = ckpt.TrainerState(step=20, world_size=1, model={}, config={}, no_weight_decay=no_weight_decay)
+        return ResumePlan("step_0000020", state, tmp_path / "checkpoints", universal=False, fallbacks=[])
+
+    vit, _ = model_and_cfg()
+    check_same_decay_groups(plan(None), vit)
+    check_same_decay_groups(plan(["cls_token", "pos_embed"]), vit)
+    mae = MaskedAutoencoderViT(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2,
+                               decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2)
+    check_same_decay_groups(plan([]), mae)
+    with pytest.raises(TrainError, match=r"checkpoints/step_0000020/trainer_state.json: .*no weight decay on "
+                                         r"cls_token.*this model exempts nothing"):
+        check_same_decay_groups(plan(None), mae)
