@@ -84,7 +84,8 @@ def build_engine(spec: BenchSpec, zero_stage: int, overrides: Sequence[str] = ()
 def trainer_step(engine: Any, images: torch.Tensor, targets: torch.Tensor, check_finite: bool,
                  loss_sum: torch.Tensor) -> None:
     """The body of pipeline.train.trainer.fit's loop for one micro batch (data and logging left out)."""
-    from pipeline.train.trainer import all_finite, loss_fn
+    from pipeline.objectives.supervised import loss_fn
+    from pipeline.train.trainer import all_finite
 
     loss = loss_fn(engine(images).float(), targets, 0.0)
     if check_finite and not all_finite(loss):

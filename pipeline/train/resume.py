@@ -213,7 +213,7 @@ def convert(env: DistEnv, run_dir: Path, tag: str, state: ckpt.TrainerState, why
 
 
 def restore(p: ResumePlan | None, cfg: Config, env: DistEnv, engine, optimizer, groups, scheduler,
-            train_loader, depth: int) -> int:
+            train_loader, depth: int, objective=None) -> int:
     """Load the planned checkpoint into the built engine and loader; return the step to continue from."""
     if p is None:
         return 0
@@ -241,6 +241,8 @@ def restore(p: ResumePlan | None, cfg: Config, env: DistEnv, engine, optimizer, 
     if changed:
         log(env, "resume: overrides applied to the resumed optimizer and schedule: " + ", ".join(changed))
     train_loader.load_state_dict(client["data"])  # 8
+    if objective is not None:  # its own state (a teacher); none in a tag written before objectives had any
+        objective.load_state_dict(client.get("objective", {}))
     if state.world_size == env.world_size:  # 9
         ckpt.set_rng_state(client["rng"][env.rank])
     else:

@@ -7,7 +7,6 @@ resume restores in which order, is `pipeline.train.resume`. Exit codes: `pipelin
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -18,28 +17,19 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import Config, save_config, to_dict
-from pipeline.data import (
-    DataError,
-    build_eval_loader,
-    build_train_loader,
-    merge_counters,
-    raise_if_any_failed,
-    read_dataset_info,
-)
+from pipeline.data import build_train_loader, merge_counters, read_dataset_info
 from pipeline.derived import deepspeed_config, resolve_batch
 from pipeline.dist import DistEnv, init_distributed
 from pipeline.exit_codes import ExitCode
-from pipeline.model.mae import MaskedAutoencoderViT, mae_flops
-from pipeline.model.vit import VisionTransformer, model_flops, model_kwargs_from_config
+from pipeline.objectives import OBJECTIVES, EvalResult, Objective, build_objective
 from pipeline.signals import exit_at_once_on_signal
 from pipeline.tracking import start_tracking
 from pipeline.train import checkpoint as ckpt
-from pipeline.train import mae, resume
-from pipeline.train.metrics import ThroughputMeter, device_peak_flops, topk_correct
+from pipeline.train import resume
+from pipeline.train.metrics import ThroughputMeter, device_peak_flops
 from pipeline.train.optim import build_optimizer, build_scheduler, exempt_names, param_groups, peak_group_lr
 from pipeline.train.preemption import Preemption
 from pipeline.train.watchdog import Watchdog, process_group_timeout_s
@@ -56,14 +46,19 @@ class Setup:
     groups: list[dict[str, Any]]  # what each of its groups is (decay? layer?), as param_groups built them
     model_kwargs: dict[str, Any]
     train_loader: Any
-    eval_loader: Any
+    eval_loaders: list[Any]  # the objective's: each batch is progress for the watchdog
     tracker: Any
     dtype: torch.dtype
     flops_per_image: float
     plan: resume.ResumePlan | None
-    is_mae: bool = False  # model.objective: mae (pipeline/train/mae.py)
-    knn_loader: Any = None  # MAE's k-NN memory: a labelled subset of train, visited like the eval split
+    objective: Objective  # what the recipe is (pipeline/objectives/): model, data view, loss, eval
+    run_dir: Path
     watchdog: Watchdog | None = None  # started with the loop (fit)
+
+    @property
+    def eval_loader(self) -> Any:
+        """The objective's validation pass."""
+        return self.objective.eval_loader
 
 
 def log(env: DistEnv, msg: str) -> None:
@@ -74,16 +69,20 @@ def log(env: DistEnv, msg: str) -> None:
 # ----------------------------------------------------------------------------- setup
 
 
-def build_model(cfg: Config, model_kwargs: dict[str, Any], ds_config: dict[str, Any]) -> VisionTransformer:
+def build_model(cfg: Config, model_kwargs: dict[str, Any], ds_config: dict[str, Any],
+                objective: Objective | None = None) -> nn.Module:
+    """The objective's model (by default the one model.objective registers), seeded, under zero.Init
+    with ZeRO-3."""
     # Same seed on every rank: identical initial weights without a broadcast (ZeRO-3 broadcasts rank 0's).
     torch.manual_seed(cfg.train.seed)
-    model_class = MaskedAutoencoderViT if cfg.model.objective == "mae" else VisionTransformer
+    build = objective.build_model if objective is not None else \
+        (lambda kwargs: OBJECTIVES[cfg.model.objective].model_class(**kwargs))
     if cfg.deepspeed.zero_stage == 3:
         # Parameters are partitioned as they are created: a model larger than one device still builds.
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
-            model = model_class(**model_kwargs)
+            model = build(model_kwargs)
     else:
-        model = model_class(**model_kwargs)
+        model = build(model_kwargs)
     model.set_grad_checkpointing(cfg.model.grad_checkpointing)
     return model
 
@@ -93,14 +92,8 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
         env = init_distributed(process_group_timeout_s(cfg.dist.timeout_s))
     run_dir = Path(cfg.run.dir)
     info = read_dataset_info(cfg.data.path)
-    is_mae = cfg.model.objective == "mae"
-    if not is_mae and info.num_classes == 0:
-        raise DataError(f"{cfg.data.path}: the shards have no labels (dataset.json: num_classes 0); supervised "
-                        f"training needs them: pretrain on them with model.objective=mae, or write labelled shards")
-    model_kwargs = mae.mae_model_kwargs(cfg) if is_mae else model_kwargs_from_config(cfg.model, info.num_classes)
-    if not is_mae and model_kwargs["num_classes"] != info.num_classes:
-        raise DataError(f"model.num_classes={model_kwargs['num_classes']} but {cfg.data.path}/dataset.json has "
-                        f"{info.num_classes} classes")
+    objective = build_objective(cfg, info)
+    model_kwargs = objective.model_kwargs()
     plan = resume.plan(cfg, env, model_kwargs)  # locks run_dir; refuses a wrong checkpoint before DeepSpeed
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -109,7 +102,7 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
     if plan is not None and plan.universal:
         ds_config["checkpoint"] = {"load_universal": True}
 
-    model = build_model(cfg, model_kwargs, ds_config)
+    model = build_model(cfg, model_kwargs, ds_config, objective)
     tags = prepare_model(model) if prepare_model is not None else {}
     resume.check_same_decay_groups(plan, model)  # before DeepSpeed loads an optimizer state of other groups
     groups = param_groups(model, cfg.train, model_kwargs["depth"])
@@ -121,29 +114,15 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
 
     img_size = model_kwargs["img_size"]
     # The loader hands out micro batches; loader.accum of them (DeepSpeed's accumulation) make a step.
-    # MAE reads no labels: label-free shards train, and a labelled set's labels are not needed.
-    train_data = mae.label_free(cfg.data) if is_mae else cfg.data
-    train_loader = build_train_loader(train_data, img_size, cfg.train.micro_batch_size, seed=cfg.train.seed,
-                                      rank=env.rank, world_size=env.world_size, info=info,
+    train_loader = build_train_loader(objective.train_data(), img_size, cfg.train.micro_batch_size,
+                                      seed=cfg.train.seed, rank=env.rank, world_size=env.world_size, info=info,
                                       global_batch_size=resolve_batch(cfg.train, env.world_size)[0],
-                                      per_batch=mae.train_noise_fn(cfg.train.seed, mae.num_patches(model_kwargs))
-                                      if is_mae else None)
-    eval_batch = cfg.train.eval_batch_size or cfg.train.micro_batch_size
-    labelled = info.num_classes > 0
-    eval_data = mae.label_free(cfg.data) if is_mae and not labelled else cfg.data
-    eval_loader = build_eval_loader(eval_data, img_size, eval_batch, rank=env.rank, world_size=env.world_size,
-                                    info=info)
-    knn_loader = None
-    if is_mae and labelled and cfg.mae.knn_k > 0:
-        # The k-NN memory: the first mae.knn_train_samples of the train split, eval transform, labels read.
-        knn_loader = build_eval_loader(dataclasses.replace(cfg.data, val_split=cfg.data.train_split), img_size,
-                                       eval_batch, rank=env.rank, world_size=env.world_size, info=info,
-                                       limit=cfg.mae.knn_train_samples)
+                                      per_batch=objective.per_batch(model_kwargs))
+    eval_loaders = objective.build_eval(env, img_size, cfg.train.eval_batch_size or cfg.train.micro_batch_size)
     tracker = start_tracking(cfg, run_dir, env.is_main, env.world_size, tags=tags)
     dtype = torch.bfloat16 if cfg.deepspeed.bf16 else torch.float32
-    flops = mae_flops(model_kwargs, cfg.mae.mask_ratio) if is_mae else model_flops(model_kwargs)
-    return Setup(env, engine, optimizer, groups, model_kwargs, train_loader, eval_loader, tracker, dtype,
-                 flops, plan, is_mae, knn_loader)
+    return Setup(env, engine, optimizer, groups, model_kwargs, train_loader, eval_loaders, tracker, dtype,
+                 objective.flops_per_image(model_kwargs), plan, objective, run_dir)
 
 
 # ----------------------------------------------------------------------------- save
@@ -154,7 +133,8 @@ def save(s: Setup, cfg: Config, step: int) -> str:
     (client state) + what the tag is (trainer_state.json, written by rank 0)."""
     s.watchdog.beat("checkpoint save", step)
     counters = merge_counters(ckpt.gather_to_all(s.train_loader.counters()))  # bad data of all ranks
-    client = {"data": s.train_loader.state_dict(counters), "rng": ckpt.gather_to_all(ckpt.rng_state())}
+    client = {"data": s.train_loader.state_dict(counters), "rng": ckpt.gather_to_all(ckpt.rng_state()),
+              "objective": s.objective.state_dict()}
     state = ckpt.TrainerState(step=step, world_size=s.env.world_size,
                               model={k: resume.plain(v) for k, v in s.model_kwargs.items()}, config=to_dict(cfg),
                               no_weight_decay=exempt_names(s.engine.module))
@@ -165,32 +145,9 @@ def save(s: Setup, cfg: Config, step: int) -> str:
 # ----------------------------------------------------------------------------- step and eval
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-    if targets.ndim == 2:  # Mixup/CutMix soft targets (already smoothed)
-        return torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
-    return F.cross_entropy(logits, targets, label_smoothing=label_smoothing)
-
-
-@torch.no_grad()
-def evaluate(s: Setup) -> dict[str, float]:
-    """Loss, top-1, top-5 over the whole validation split; padded samples are masked out."""
-    s.engine.eval()
-    device = s.engine.device
-    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1 hits, top-5 hits, count
-    for images, targets, valid in s.eval_loader:
-        logits = s.engine(images.to(device, s.dtype, non_blocking=True)).float()
-        targets, valid = targets.to(device, non_blocking=True), valid.to(device, torch.float64)
-        loss = F.cross_entropy(logits, targets, reduction="none").double()
-        top1, top5 = topk_correct(logits, targets)
-        totals += torch.stack([(loss * valid).sum(), (top1.double() * valid).sum(), (top5.double() * valid).sum(),
-                               valid.sum()])
-    raise_if_any_failed(s.eval_loader)  # collective: a pass that failed on one rank stops all of them here
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-    s.engine.train()
-    n = max(totals[3].item(), 1.0)
-    return {"eval/loss": totals[0].item() / n, "eval/top1": totals[1].item() / n, "eval/top5": totals[2].item() / n,
-            "eval/samples": totals[3].item()}
+def evaluate(s: Setup, step: int) -> EvalResult:
+    """The objective's evaluation (collective); rank 0 is given the run directory to write figures to."""
+    return s.objective.evaluate(s.engine, s.dtype, s.run_dir if s.env.is_main else None, step)
 
 
 def all_finite(loss: torch.Tensor) -> bool:
@@ -246,12 +203,8 @@ def micro_batch_loss(s: Setup, cfg: Config, data, meter: ThroughputMeter, guard:
         images, targets = next(data)
         wait = time.perf_counter() - t0
         images, targets = s.train_loader.to_device(images, targets, s.engine.device, s.dtype)  # data.decode_device
-        if s.is_mae:
-            # The mask of each sample is a function of its global position: the same on any layout.
-            noise = s.train_loader.last_per_batch  # drawn in the loader's workers (mae.train_noise_fn)
-            loss = s.engine(images, mask_ratio=cfg.mae.mask_ratio, noise=noise.to(s.engine.device))[0].float()
-        else:
-            loss = loss_fn(s.engine(images).float(), targets, cfg.data.label_smoothing)
+        # Extras (the objective's per_batch) were computed in the loader's workers with this micro batch.
+        loss = s.objective.loss(s.engine, images, targets, s.train_loader.last_per_batch)
         meter.add(images.shape[0], wait)
         if guard is None or guard.finite(s.env, loss, step):
             return loss
@@ -261,7 +214,7 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
     s = setup(cfg, prepare_model)
     env, engine = s.env, s.engine
     step = resume.restore(s.plan, cfg, env, engine, s.optimizer, s.groups, engine.lr_scheduler, s.train_loader,
-                          s.model_kwargs["depth"])
+                          s.model_kwargs["depth"], s.objective)
     preemption = Preemption(every=PREEMPTION_CHECK_EVERY)
     if preemption.should_stop():  # first safe point: a signal arrived during setup or the checkpoint load
         log(env, f"preempted during setup: nothing new to save (step {step}); exiting with {int(ExitCode.PREEMPTED)} "
@@ -270,9 +223,8 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
         return ExitCode.PREEMPTED
     # From here on a rank that stops making progress ends the job and says where (pipeline/train/watchdog.py).
     s.watchdog = Watchdog(cfg.dist.timeout_s, env.rank, Path(cfg.run.dir))
-    for loader in (s.eval_loader, s.knn_loader):
-        if loader is not None:
-            loader.progress = s.watchdog.touch  # each eval batch is progress
+    for loader in s.eval_loaders:
+        loader.progress = s.watchdog.touch  # each eval batch is progress
     try:
         return train_loop(s, cfg, step, preemption)
     finally:
@@ -303,6 +255,7 @@ def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
                 engine.step()
                 loss_sum += loss.detach()
                 micro_count += 1
+            s.objective.after_step(engine, step + 1)  # DeepSpeed stepped the optimizer at the last one
         except NonFiniteLosses as e:
             good = ckpt.latest_tag(Path(cfg.run.dir))
             print(f"error: {e}; stopping without saving. Last good checkpoint: {good or 'none'} in "
@@ -327,20 +280,11 @@ def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
         evaluating = (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps
         if evaluating:
             s.watchdog.beat("eval", step)
-        if s.is_mae and evaluating:
-            metrics, image = mae.evaluate_mae(engine, s.eval_loader, s.knn_loader, cfg, s.dtype,
-                                              Path(cfg.run.dir) if env.is_main else None, step)
-            s.tracker.log_metrics(metrics, step)
-            if image is not None:
-                s.tracker.log_artifact(image, "reconstructions")
-            knn = f" | k-NN top-1 {100 * metrics['eval/knn_top1']:.2f}%" if "eval/knn_top1" in metrics else ""
-            _print_log(env, bar, f"eval step {step} | reconstruction loss {metrics['eval/recon_loss']:.4f}{knn}")
-            meter.reset()
-        elif evaluating:
-            metrics = evaluate(s)
-            s.tracker.log_metrics(metrics, step)
-            _print_log(env, bar, f"eval step {step} | loss {metrics['eval/loss']:.4f} | "
-                                 f"top-1 {100 * metrics['eval/top1']:.2f}% | top-5 {100 * metrics['eval/top5']:.2f}%")
+            result = evaluate(s, step)
+            s.tracker.log_metrics(result.metrics, step)
+            for path, folder in result.artifacts:
+                s.tracker.log_artifact(path, folder)
+            _print_log(env, bar, result.line)
             meter.reset()  # eval time is not training throughput
         if tc.ckpt_every and step % tc.ckpt_every == 0 and step < tc.steps:
             save(s, cfg, step)

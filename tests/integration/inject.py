@@ -42,9 +42,9 @@ if __name__ == "__main__":
         print(f"inject: rank {FAULT_RANK} killed its eval worker {workers[0].pid}", file=sys.stderr, flush=True)
 
 
-    def evaluate(s):
+    def evaluate(s, step):
         if s.env.rank != FAULT_RANK or done:
-            return real_evaluate(s)
+            return real_evaluate(s, step)
         done.append(True)
         if FAULT == "signal-in-eval":
             os.kill(os.getpid(), signal.SIGUSR1)
@@ -61,7 +61,7 @@ if __name__ == "__main__":
             s.eval_loader.progress = after_first_batch
         else:
             raise SystemExit(f"inject: unknown FAULT={FAULT!r}")
-        return real_evaluate(s)
+        return real_evaluate(s, step)
 
 
     trainer.evaluate = evaluate

@@ -1,4 +1,4 @@
-"""What MAE pretraining adds to the trainer: the model from the config, each sample's mask from its
+"""The MAE objective (He et al. 2021): the model from the config, each sample's mask from its
 position in the global order, and the MAE evaluation (reconstruction loss, reconstructions as an image,
 k-NN top-1 of the encoder's features where the validation split has labels).
 
@@ -22,9 +22,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipeline.config import Config, DataConfig
-from pipeline.data import raise_if_any_failed
+from pipeline.data import build_eval_loader, raise_if_any_failed
 from pipeline.data.order import MASK, MASK_EVAL
-from pipeline.model.mae import MaskedAutoencoderViT, mae_kwargs
+from pipeline.dist import DistEnv
+from pipeline.model.mae import MaskedAutoencoderViT, mae_flops, mae_kwargs
+from pipeline.objectives.base import EvalResult, Objective
 
 # k-NN vote (Wu et al. 2018, as DINO evaluates): neighbours weighted by exp(cosine similarity / T).
 KNN_TEMPERATURE = 0.07
@@ -213,3 +215,47 @@ def _to_unit(x: torch.Tensor, data: DataConfig, grey: torch.Tensor | None = None
     if grey is not None:
         out = torch.where(grey, torch.full_like(out, 0.5), out)
     return out
+
+
+class MAE(Objective):
+    """Masked autoencoder pretraining: labels unread, each micro batch's mask noise drawn in the loader
+    workers from its samples' global positions, reconstruction loss (+ k-NN top-1 where labelled)."""
+
+    model_class = MaskedAutoencoderViT
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return mae_model_kwargs(self.cfg)
+
+    def train_data(self) -> DataConfig:
+        # Label-free shards train, and a labelled set's labels are not needed.
+        return label_free(self.cfg.data)
+
+    def per_batch(self, model_kwargs: dict[str, Any]) -> Callable[[range], np.ndarray]:
+        return train_noise_fn(self.cfg.train.seed, num_patches(model_kwargs))
+
+    def build_eval(self, env: DistEnv, img_size: tuple[int, int], batch: int) -> list[Any]:
+        cfg, info = self.cfg, self.info
+        labelled = info.num_classes > 0
+        self.eval_loader = build_eval_loader(cfg.data if labelled else label_free(cfg.data), img_size, batch,
+                                             rank=env.rank, world_size=env.world_size, info=info)
+        self.knn_loader = None
+        if labelled and cfg.mae.knn_k > 0:
+            # The k-NN memory: the first mae.knn_train_samples of the train split, eval transform, labels read.
+            self.knn_loader = build_eval_loader(dataclasses.replace(cfg.data, val_split=cfg.data.train_split),
+                                                img_size, batch, rank=env.rank, world_size=env.world_size,
+                                                info=info, limit=cfg.mae.knn_train_samples)
+        return [x for x in (self.eval_loader, self.knn_loader) if x is not None]
+
+    def loss(self, engine: Any, images: torch.Tensor, targets: torch.Tensor,
+             extras: torch.Tensor | None) -> torch.Tensor:
+        # The mask of each sample is a function of its global position: the same on any layout.
+        return engine(images, mask_ratio=self.cfg.mae.mask_ratio, noise=extras.to(engine.device))[0].float()
+
+    def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:
+        metrics, image = evaluate_mae(engine, self.eval_loader, self.knn_loader, self.cfg, dtype, run_dir, step)
+        knn = f" | k-NN top-1 {100 * metrics['eval/knn_top1']:.2f}%" if "eval/knn_top1" in metrics else ""
+        return EvalResult(metrics, f"eval step {step} | reconstruction loss {metrics['eval/recon_loss']:.4f}{knn}",
+                          [(image, "reconstructions")] if image is not None else [])
+
+    def flops_per_image(self, model_kwargs: dict[str, Any]) -> float:
+        return mae_flops(model_kwargs, self.cfg.mae.mask_ratio)

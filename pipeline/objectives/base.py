@@ -1,0 +1,102 @@
+"""The Objective interface: what differs between training recipes, behind one set of hooks.
+
+The trainer (pipeline/train/trainer.py) names no objective. It asks the objective, in this order:
+
+    objective = build_objective(cfg, info)            # the class registered under model.objective
+    kwargs = objective.model_kwargs()                 # checked against a checkpoint before anything is built
+    model = objective.build_model(kwargs)             # under deepspeed.zero.Init with ZeRO-3
+    train_data, per_batch = objective.train_data(), objective.per_batch(kwargs)   # the loader's view
+    objective.build_eval(env, img_size, eval_batch)   # its evaluation loaders
+    ... every micro batch:  loss = objective.loss(engine, images, targets, extras)
+    ... every optimizer step: objective.after_step(engine, step)   # a teacher's EMA, a schedule
+    ... at eval steps:      result = objective.evaluate(engine, dtype, run_dir, step)
+    objective.state_dict() / load_state_dict()        # its own state, saved with every checkpoint
+
+A new objective is one file here, a config section and one line in `pipeline.objectives.OBJECTIVES`
+(docs/objectives.md walks through it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from pipeline.config import Config, DataConfig
+from pipeline.dist import DistEnv
+
+
+@dataclass
+class EvalResult:
+    """What one evaluation gives the trainer: metrics to log, the line to print, files to upload (path and
+    the MLflow artifact folder it goes to)."""
+
+    metrics: dict[str, float]
+    line: str
+    artifacts: list[tuple[Path, str | None]] = field(default_factory=list)
+
+
+class Objective:
+    """One training recipe. Subclasses set `model_class` and implement `model_kwargs`, `loss`, `evaluate`
+    and `flops_per_image`; the other hooks have defaults that do nothing."""
+
+    model_class: ClassVar[type[nn.Module]]
+
+    def __init__(self, cfg: Config, info: Any):
+        self.cfg, self.info = cfg, info  # info: the data set's dataset.json (pipeline.data.DatasetInfo)
+        self.eval_loader: Any = None  # the validation pass; the trainer marks its batches as progress
+
+    # -- the model(s)
+    def model_kwargs(self) -> dict[str, Any]:
+        """The model's resolved constructor arguments (recorded in each checkpoint, compared on resume)."""
+        raise NotImplementedError
+
+    def build_model(self, model_kwargs: dict[str, Any]) -> nn.Module:
+        """The trained model (the one DeepSpeed wraps). An objective with a second model (a teacher) builds
+        it here too, keeps it on `self`, and saves it through `state_dict`."""
+        return self.model_class(**model_kwargs)
+
+    # -- the data
+    def train_data(self) -> DataConfig:
+        """The train loader's view of the data config (e.g. labels not read)."""
+        return self.cfg.data
+
+    def per_batch(self, model_kwargs: dict[str, Any]) -> Callable[[range], np.ndarray] | None:
+        """A picklable function of a micro batch's global sample positions, run in the loader workers; its
+        result reaches `loss` as `extras` (MAE's mask noise). None: no extras."""
+        return None
+
+    def build_eval(self, env: DistEnv, img_size: tuple[int, int], batch: int) -> list[Any]:
+        """Build the evaluation loaders; return all of them (the trainer counts their batches as progress).
+        Sets `self.eval_loader`."""
+        raise NotImplementedError
+
+    # -- a step
+    def loss(self, engine: Any, images: torch.Tensor, targets: torch.Tensor,
+             extras: torch.Tensor | None) -> torch.Tensor:
+        """The float32 scalar loss of one micro batch (forward only; the trainer runs backward)."""
+        raise NotImplementedError
+
+    def after_step(self, engine: Any, step: int) -> None:
+        """After each optimizer step (`step` is the number of steps done): a teacher's EMA update, say."""
+
+    # -- evaluation, cost, state
+    def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:
+        """Collective: every rank runs the same number of forward passes. `run_dir` is set on rank 0 only."""
+        raise NotImplementedError
+
+    def flops_per_image(self, model_kwargs: dict[str, Any]) -> float:
+        """Forward FLOPs per training image (MFU counts 3x for forward + backward)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The objective's own state (a teacher, running centers), saved with every checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (an empty dict for a checkpoint that has none)."""
