@@ -62,37 +62,29 @@ def run_config(spec: BenchSpec, zero_stage: int, overrides: Sequence[str] = ()) 
 
 
 def build_engine(spec: BenchSpec, zero_stage: int, overrides: Sequence[str] = ()) -> Any:
-    """deepspeed.initialize exactly as pipeline.train.trainer.setup does it (no data, no tracking)."""
-    import deepspeed
-
+    """The engine pipeline.train.trainer.setup builds, by its own functions (no data, no tracking)."""
     from pipeline.model.vit import model_kwargs_from_config
-    from pipeline.train.optim import build_optimizer, build_scheduler, param_groups
+    from pipeline.train.trainer import build_engine as trainer_build_engine
     from pipeline.train.trainer import build_model
 
     cfg = run_config(spec, zero_stage, overrides)
     ds_config = deepspeed_config(cfg, world_size=1)
     kwargs = model_kwargs_from_config(cfg.model)
     model = build_model(cfg, kwargs, ds_config)
-    optimizer = build_optimizer(param_groups(model, cfg.train, kwargs["depth"]), cfg.train)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                           lr_scheduler=build_scheduler(optimizer, cfg.train), config=ds_config)
-    if cfg.train.compile:
-        engine.compile()
-    return engine
+    return trainer_build_engine(cfg, model, kwargs["depth"], ds_config)[0]
 
 
 def trainer_step(engine: Any, images: torch.Tensor, targets: torch.Tensor, check_finite: bool,
                  loss_sum: torch.Tensor) -> None:
     """The body of pipeline.train.trainer.fit's loop for one micro batch (data and logging left out)."""
     from pipeline.objectives.supervised import loss_fn
-    from pipeline.train.trainer import all_finite
+    from pipeline.train.trainer import all_finite, backward_and_step
 
     loss = loss_fn(engine(images).float(), targets, 0.0)
     if check_finite and not all_finite(loss):
         raise RuntimeError("non-finite loss in the benchmark")
     engine.is_gradient_accumulation_boundary()
-    engine.backward(loss)
-    engine.step()
+    backward_and_step(engine, loss)
     loss_sum += loss.detach()
 
 

@@ -87,6 +87,19 @@ def build_model(cfg: Config, model_kwargs: dict[str, Any], ds_config: dict[str, 
     return model
 
 
+def build_engine(cfg: Config, model: nn.Module, depth: int, ds_config: dict[str, Any]
+                 ) -> tuple[Any, torch.optim.Optimizer, list[dict[str, Any]]]:
+    """The DeepSpeed engine around `model`: parameter groups, optimizer, schedule, compile where asked.
+    Returns (engine, the client optimizer, what each of its groups is). benchmarks/engine.py uses it too."""
+    groups = param_groups(model, cfg.train, depth)
+    optimizer = build_optimizer(groups, cfg.train, offload=cfg.deepspeed.offload_optimizer)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                           lr_scheduler=build_scheduler(optimizer, cfg.train), config=ds_config)
+    if cfg.train.compile:
+        engine.compile()
+    return engine, optimizer, groups
+
+
 def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> Setup:
     with exit_at_once_on_signal("joining the process group"):
         env = init_distributed(process_group_timeout_s(cfg.dist.timeout_s))
@@ -105,12 +118,7 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
     model = build_model(cfg, model_kwargs, ds_config, objective)
     tags = prepare_model(model) if prepare_model is not None else {}
     resume.check_same_decay_groups(plan, model)  # before DeepSpeed loads an optimizer state of other groups
-    groups = param_groups(model, cfg.train, model_kwargs["depth"])
-    optimizer = build_optimizer(groups, cfg.train, offload=cfg.deepspeed.offload_optimizer)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                           lr_scheduler=build_scheduler(optimizer, cfg.train), config=ds_config)
-    if cfg.train.compile:
-        engine.compile()
+    engine, optimizer, groups = build_engine(cfg, model, model_kwargs["depth"], ds_config)
 
     img_size = model_kwargs["img_size"]
     # The loader hands out micro batches; loader.accum of them (DeepSpeed's accumulation) make a step.
@@ -210,6 +218,13 @@ def micro_batch_loss(s: Setup, cfg: Config, data, meter: ThroughputMeter, guard:
             return loss
 
 
+def backward_and_step(engine: Any, loss: torch.Tensor) -> None:
+    """One micro batch's backward; DeepSpeed steps the optimizer (and the schedule) at the last micro
+    batch of the step and only accumulates before it. benchmarks/engine.py times this very function."""
+    engine.backward(loss)
+    engine.step()
+
+
 def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> int:
     s = setup(cfg, prepare_model)
     env, engine = s.env, s.engine
@@ -251,8 +266,7 @@ def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
         try:
             for _ in range(accum):  # the micro batches of this step; DeepSpeed steps at the last one
                 loss = micro_batch_loss(s, cfg, data, meter, guard, step)
-                engine.backward(loss)
-                engine.step()
+                backward_and_step(engine, loss)
                 loss_sum += loss.detach()
                 micro_count += 1
             s.objective.after_step(engine, step + 1)  # DeepSpeed stepped the optimizer at the last one
