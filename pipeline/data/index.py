@@ -43,6 +43,8 @@ from typing import Any
 import numpy as np
 from webdataset.tariterators import base_plus_ext
 
+from pipeline import atomic
+
 from . import tario
 from .info import is_remote
 from .storage import Expected, RetryPolicy, StorageError, fetch
@@ -83,14 +85,7 @@ def encode_index(samples: list[SampleMembers], shard_bytes: int, truncated: str 
 
 def write_index(path: str | Path, data: bytes) -> None:
     """Write atomically (temporary name, then rename): a reader sees the whole index or none."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic.write_bytes(path, data)
 
 
 def scan(path: str, shard: str) -> tuple[list[SampleMembers], str | None]:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline import atomic
+
 DATASET_JSON = "dataset.json"
 TIMM_INFO_JSON = "_info.json"
 FORMAT_NAME = "vit-pipeline-shards"
@@ -292,25 +294,5 @@ def check_shards(info: DatasetInfo, where: str) -> None:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write, fsync, rename: a crash leaves the old file or none, never half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """Write, fsync, rename (`pipeline.atomic`): a crash leaves the old file or none, never half a file."""
+    atomic.write_text(path, json.dumps(data, indent=1) + "\n")

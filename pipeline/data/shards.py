@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.atomic import fsync_dir
+
 from . import tario
 from .index import INDEX_SUFFIX, SampleMembers, encode_index, write_index
 from .info import (
@@ -39,7 +41,6 @@ from .info import (
     FORMAT_NAME,
     FORMAT_VERSION,
     DataError,
-    fsync_dir,
     is_remote,
     is_url,
     shard_scheme,

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.atomic import atomic_path
+
 
 class WeightsError(ValueError):
     """A weights file that cannot be used; the message names the file and what is wrong."""
@@ -27,11 +29,9 @@ def refused_global(e: pickle.UnpicklingError) -> str:
 
 def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors file atomically (a crash leaves the old file, never half a new one)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    # safetensors refuses shared storage and non-contiguous views; clone makes each tensor its own.
-    save_file({k: v.detach().contiguous().clone() for k, v in state_dict.items()}, str(tmp), metadata=metadata)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:  # a unique temporary name, fsynced, renamed (pipeline/atomic.py)
+        # safetensors refuses shared storage and non-contiguous views; clone makes each tensor its own.
+        save_file({k: v.detach().contiguous().clone() for k, v in state_dict.items()}, str(tmp), metadata=metadata)
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from pipeline import atomic
+
 METRICS_FILE = "metrics.jsonl"
 RECORD_FILE = "tracking.json"
 SYNC_FILE = "mlflow_sync.json"
@@ -63,9 +65,7 @@ def ui_hint(uri: str, experiment_id: str | None = None) -> str:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    atomic.write_text(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

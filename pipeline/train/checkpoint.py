@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
-import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipeline import atomic
 from pipeline.model.weights import save_weights
 from pipeline.train import ds_compat
 
@@ -157,17 +157,7 @@ def latest_tag(run_dir: Path) -> str | None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)  # rename is atomic on POSIX: readers see the old or the new file, never half
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # make the rename itself durable
-    finally:
-        os.close(fd)
+    atomic.write_text(path, text)  # readers see the old or the new file, never half
 
 
 def rng_state() -> dict[str, Any]:

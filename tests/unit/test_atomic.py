@@ -1,0 +1,48 @@
+"""pipeline.atomic: the one atomic write every writer uses (model.safetensors included)."""
+
+import os
+
+import pytest
+import torch
+
+from pipeline import atomic
+from pipeline.model.weights import save_weights
+
+
+def test_write_replaces_whole_and_leaves_no_temporary(tmp_path):
+    target = tmp_path / "state.json"
+    target.write_text("old")
+    atomic.write_text(target, "new")
+    assert target.read_text() == "new"
+    assert os.listdir(tmp_path) == ["state.json"]
+
+
+def test_failed_write_keeps_the_old_file_and_removes_its_temporary(tmp_path):
+    target = tmp_path / "model.safetensors"
+    target.write_text("old")
+    with pytest.raises(RuntimeError), atomic.atomic_path(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("crash mid-write")
+    assert target.read_text() == "old"
+    assert os.listdir(tmp_path) == ["model.safetensors"]
+
+
+def test_temporary_names_are_unique_per_call(tmp_path):
+    with atomic.atomic_path(tmp_path / "a") as one, atomic.atomic_path(tmp_path / "a") as two:
+        assert one != two and one.parent == two.parent == tmp_path
+        one.write_text("1")
+        two.write_text("2")
+    assert (tmp_path / "a").read_text() == "1"  # the outer block finished last
+
+
+def test_model_safetensors_goes_through_it(tmp_path, monkeypatch):
+    used = []
+    real = atomic.atomic_path
+
+    def spy(path):
+        used.append(path)
+        return real(path)
+
+    monkeypatch.setattr("pipeline.model.weights.atomic_path", spy)
+    save_weights({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+    assert used == [tmp_path / "model.safetensors"] and os.listdir(tmp_path) == ["model.safetensors"]
