@@ -8,8 +8,8 @@ Sources (sources.py; see `launch/make_shards.py`):
     shards:GLOB   shards written by others (img2dataset, timm): indexed in place, nothing copied
 
 Each shard gets its sample index beside it (`train-000000.tar.idx`, index.py): readers never
-scan its tar headers. Every shard is written to a hidden temporary name, fsynced, then renamed, and `dataset.json`
-is written the same way last: a crash leaves no half shard under a shard's name and no
+scan its tar headers. Every shard is written through pipeline/atomic.py's `atomic_path` (a hidden temporary
+name, fsynced, renamed, the folder fsynced), and `dataset.json` is written the same way last: a crash leaves no half shard under a shard's name and no
 dataset.json describing shards that are not all there.
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.atomic import fsync_dir
+from pipeline.atomic import atomic_path, fsync_dir
 
 from . import tario
 from .index import INDEX_SUFFIX, SampleMembers, encode_index, write_index
@@ -92,6 +92,7 @@ class ShardWriter:
         self._file: Any = None
         self._tar: tarfile.TarFile | None = None
         self._tmp: Path | None = None
+        self._atomic: Any = None  # atomic_path(final) of the shard being written, entered by hand (see _open)
         self._count = 0
         self._bytes = 0
         self._samples: list[SampleMembers] = []  # the index of the shard being written
@@ -100,7 +101,10 @@ class ShardWriter:
         return f"{self.prefix}-{len(self.records):06d}.tar"
 
     def _open(self) -> None:
-        self._tmp = self.out_dir / f".{self._name()}.tmp-{os.getpid()}"
+        # A shard is written over many write() calls, not in one block: the context is entered here, left in
+        # _finish (fsync, rename, folder fsync) or, with the error, in abort (the temporary file removed).
+        self._atomic = atomic_path(self.out_dir / self._name())
+        self._tmp = self._atomic.__enter__()
         self._file = open(self._tmp, "wb")  # noqa: SIM115 (closed in _finish)
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
         self._count = 0
@@ -110,15 +114,14 @@ class ShardWriter:
     def _finish(self) -> None:
         assert self._tar is not None and self._tmp is not None
         self._tar.close()
-        self._file.flush()
-        os.fsync(self._file.fileno())
         self._file.close()
         name = self._name()
         final = self.out_dir / name
         size = self._tmp.stat().st_size
         # The index first: a shard under its name always has its index (a crash leaves at most an index).
         write_index(str(final) + INDEX_SUFFIX, encode_index(self._samples, size))
-        os.replace(self._tmp, final)
+        atomic, self._atomic = self._atomic, None
+        atomic.__exit__(None, None, None)  # fsync, rename to `final`, fsync the folder
         self.records.append(ShardRecord(name, self._count, size, file_sha256(final)))  # just written: page cache
         self._tar = self._file = self._tmp = None
         if self.on_shard is not None:
@@ -159,8 +162,10 @@ class ShardWriter:
             try:
                 self._file.close()
             finally:
-                if self._tmp is not None:
-                    self._tmp.unlink(missing_ok=True)
+                atomic, self._atomic = self._atomic, None
+                if atomic is not None:
+                    stop = DataError("shard writing aborted")
+                    atomic.__exit__(DataError, stop, None)  # removes the temporary file; returns False
             self._tar = self._file = self._tmp = None
 
 
@@ -222,7 +227,7 @@ def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
     # dataset.json goes first: an interrupted rewrite must not leave it describing old shards.
     for p in sorted(ours, key=lambda p: p.name != DATASET_JSON):
         p.unlink()
-    for p in out_dir.glob(".*.tmp-*"):
+    for p in out_dir.glob(".*.tmp"):  # a killed writer's temporary files (atomic_path's names)
         p.unlink()
 
 

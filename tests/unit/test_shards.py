@@ -93,6 +93,33 @@ def test_interrupted_write_leaves_no_half_shard_under_a_shard_name(tmp_path: Pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train-000000.tar", "train-000000.tar.idx"]
 
 
+def test_shards_go_through_the_one_atomic_write_and_a_killed_writers_temporary_is_cleared(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipeline.data.shards as shards_mod
+    from pipeline import atomic
+
+    renamed: list[str] = []
+    real = atomic.atomic_path
+
+    def spy(path: str | Path):  # noqa: ANN202 - a context manager, as atomic_path
+        renamed.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(shards_mod, "atomic_path", spy)
+    w = ShardWriter(tmp_path, "train", max_samples=2)
+    for i in range(3):
+        w.write(f"{i:06d}", {"png": b"x", "cls": b"0"})
+    hidden = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert len(hidden) == 1 and hidden[0].startswith(".train-000001.tar.")  # atomic_path's temporary name
+    w.close()
+    assert renamed == ["train-000000.tar", "train-000001.tar"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    # a writer killed mid-shard leaves its temporary file: the next --overwrite run removes it
+    (tmp_path / ".train-000002.tar.123.abcd1234.tmp").write_bytes(b"half")
+    write_dataset(synthetic_source(20, 2, 8), tmp_path, overwrite=True, **QUIET)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
 def test_writer_refuses_to_mix_with_old_shards_unless_overwrite(tmp_path: Path) -> None:
     source = synthetic_source(20, 2, 8)
     write_dataset(source, tmp_path, **QUIET)
