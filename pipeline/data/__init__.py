@@ -19,7 +19,7 @@ Reading (the trainer):
 """
 
 from .eval import EvalFailed, raise_if_any_failed
-from .info import BadDataError, DataError, DatasetInfo, SplitInfo, read_dataset_info
+from .info import BadDataError, DataError, DatasetInfo, SplitInfo, dataset_info_of, read_dataset_info
 from .loader import EvalLoader, TrainLoader, build_eval_loader, build_train_loader, merge_counters
 from .tario import BAD_KINDS
 
@@ -34,6 +34,7 @@ __all__ = [
     "TrainLoader",
     "build_eval_loader",
     "build_train_loader",
+    "dataset_info_of",
     "merge_counters",
     "raise_if_any_failed",
     "read_dataset_info",

@@ -14,9 +14,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline import atomic
+
+if TYPE_CHECKING:  # storage.py imports this module
+    from .storage import RetryPolicy
 
 DATASET_JSON = "dataset.json"
 TIMM_INFO_JSON = "_info.json"
@@ -140,11 +143,13 @@ def _load_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def read_dataset_info(path: str | os.PathLike[str], check_files: bool = True) -> DatasetInfo:
+def read_dataset_info(path: str | os.PathLike[str], check_files: bool = True, policy: RetryPolicy | None = None
+                      ) -> DatasetInfo:
     """Read and check `PATH/dataset.json` (or timm's `PATH/_info.json`); `path` may also name the json file,
-    and be a URL (s3://bucket/prefix, https://host/prefix): its dataset.json is read the same way."""
+    and be a URL (s3://bucket/prefix, https://host/prefix): its dataset.json is read the same way, retried
+    by `policy` (a run passes its data.retry_* settings: `dataset_info_of`; None: RetryPolicy's defaults)."""
     if isinstance(path, str) and is_url(path):
-        return _read_remote_info(path)
+        return _read_remote_info(path, policy)
     path = Path(path)
     if path.is_file():
         folder, candidates = path.parent, [path]
@@ -169,7 +174,15 @@ def read_dataset_info(path: str | os.PathLike[str], check_files: bool = True) ->
         f"--source 'shards:{path}/*.tar' --out {path}`")
 
 
-def _read_remote_info(url: str) -> DatasetInfo:
+def dataset_info_of(cfg: Any) -> DatasetInfo:
+    """The data set a run's DataConfig names, read with the run's own retry settings (data.retry_*,
+    data.read_timeout_s), as its shards are."""
+    from .storage import RetryPolicy
+
+    return read_dataset_info(cfg.path, policy=RetryPolicy.from_config(cfg))
+
+
+def _read_remote_info(url: str, policy: RetryPolicy | None = None) -> DatasetInfo:
     """dataset.json (or _info.json) under the URL prefix `url`, fetched with storage.py's retries. One GET
     (two for timm's layout): no LIST of the bucket."""
     from .storage import StorageError, read_bytes
@@ -181,7 +194,7 @@ def _read_remote_info(url: str) -> DatasetInfo:
         folder, candidates = base, [f"{base}/{DATASET_JSON}", f"{base}/{TIMM_INFO_JSON}"]
     for candidate in candidates:
         try:
-            raw = read_bytes(candidate)
+            raw = read_bytes(candidate, policy)
         except StorageError as e:
             if e.status == 404 and candidate != candidates[-1]:
                 continue  # no dataset.json: perhaps timm's _info.json

@@ -22,7 +22,7 @@ from pipeline.derived import accumulation_steps, image_size
 from .bad import Counters, merge_counters
 from .eval import EvalLoader, EvalStream
 from .index import needs_copy
-from .info import DataError, DatasetInfo, check_shard_names, read_dataset_info
+from .info import DataError, DatasetInfo, check_shard_names, dataset_info_of
 from .nodes import node_place
 from .order import GlobalOrder
 from .stream import STATE_VERSION, TrainLoader, TrainStream
@@ -60,7 +60,7 @@ def build_train_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_s
         raise DataError(f"train.seed must be >= 0, got {seed}")
     global_batch = global_batch_size or batch_size * world_size
     accum = accumulation_steps(global_batch, world_size, batch_size)
-    info = info or read_dataset_info(cfg.path)
+    info = info or dataset_info_of(cfg)
     check_shard_names(info, cfg.allow_pipe_shards)  # before any worker could run one
     split = info.split(cfg.train_split)
     if split.num_samples == 0:
@@ -115,7 +115,7 @@ def build_eval_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_si
     """One exactly-once pass over the validation split, the same number of batches on every rank
     (`limit`: over its first `limit` samples only)."""
     _check_placement(batch_size, rank, world_size)
-    info = info or read_dataset_info(cfg.path)
+    info = info or dataset_info_of(cfg)
     check_shard_names(info, cfg.allow_pipe_shards)
     split = info.split(cfg.val_split)
     n = split.num_samples if limit is None else min(limit, split.num_samples)

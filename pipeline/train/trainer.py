@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import Config, save_config, to_dict
-from pipeline.data import build_train_loader, merge_counters, read_dataset_info
+from pipeline.data import build_train_loader, dataset_info_of, merge_counters
 from pipeline.derived import deepspeed_config, resolve_batch
 from pipeline.dist import DistEnv, init_distributed
 from pipeline.exit_codes import ExitCode
@@ -104,7 +104,7 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
     with exit_at_once_on_signal("joining the process group"):
         env = init_distributed(process_group_timeout_s(cfg.dist.timeout_s))
     run_dir = Path(cfg.run.dir)
-    info = read_dataset_info(cfg.data.path)
+    info = dataset_info_of(cfg.data)  # a dataset.json at a URL is retried by data.retry_*, as shards are
     objective = build_objective(cfg, info)
     model_kwargs = objective.model_kwargs()
     plan = resume.plan(cfg, env, model_kwargs)  # locks run_dir; refuses a wrong checkpoint before DeepSpeed

@@ -347,3 +347,26 @@ def test_shards_rewritten_under_a_run_are_refused_on_resume(tmp_path: Path) -> N
                   overwrite=True, **QUIET)
     with pytest.raises(DataError, match=r"the shards were rewritten since the checkpoint \(the sha256 digests"):
         build_train_loader(cfg, 8, 4, seed=0, ids_only=True).load_state_dict(state)
+
+
+def test_a_runs_dataset_json_at_a_url_is_read_with_its_data_retry_settings(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer reads dataset.json through dataset_info_of: data.retry_* apply, not RetryPolicy's defaults."""
+    import pipeline.data.storage as storage
+    from pipeline.data import dataset_info_of
+
+    write_dataset(synthetic_source(8, 2, 8), tmp_path, **QUIET)
+    seen = []
+
+    def read_bytes(url: str, policy: storage.RetryPolicy | None = None) -> bytes:
+        seen.append((url, policy))
+        return (tmp_path / "dataset.json").read_bytes()
+
+    monkeypatch.setattr(storage, "read_bytes", read_bytes)
+    cfg = DataConfig(path="s3://bucket/digits", retry_attempts=3, retry_time_s=7.0, read_timeout_s=2.0)
+    info = dataset_info_of(cfg)
+    assert info.splits["train"].num_samples > 0
+    [(url, policy)] = seen
+    assert url == "s3://bucket/digits/dataset.json"
+    assert policy == storage.RetryPolicy.from_config(cfg)
+    assert (policy.attempts, policy.total_s, policy.timeout_s) == (3, 7.0, 2.0)
