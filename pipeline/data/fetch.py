@@ -63,7 +63,7 @@ def plan(order: GlobalOrder, shard_bytes: list[int], rank: int, world_size: int,
 
 def _loop(order: GlobalOrder, shards: list[str], shard_bytes: list[int], rank: int, world_size: int,
           cache_dir: str | None, limit: int, budget: int, step: Any, stop: Any, ready: Any, rank_pid: int,
-          expected: dict[str, Expected], policy: RetryPolicy | None) -> None:
+          expected: dict[str, Expected], policy: RetryPolicy | None, budget_key: str | None) -> None:
     # Started by the rank's fork server with SIGTERM/SIGUSR1 blocked. This helper must end on terminate()
     # (multiprocessing ends daemonic children with SIGTERM at the rank's exit) and leave preemption and
     # Ctrl-C to the rank.
@@ -81,8 +81,9 @@ def _loop(order: GlobalOrder, shards: list[str], shard_bytes: list[int], rank: i
             if needs_copy(shards[s]):
                 try:
                     # fetched (retried, verified), or touched if already there
-                    local_copy(shards[s], cache_dir, limit, expected.get(shards[s]), policy)
+                    local_copy(shards[s], cache_dir, limit, expected.get(shards[s]), policy, budget_key)
                 except Exception:  # noqa: BLE001 - the reader meets the same error and counts it
+                    # (a StorageError at once: the budget_key's record says the budget is spent)
                     pass
         stop.wait(WAKE_S)
 
@@ -92,7 +93,8 @@ class FetchAhead:
 
     def __init__(self, order: GlobalOrder, shards: list[str], shard_bytes: list[int | None], rank: int,
                  world_size: int, cache_dir: str | None, limit: int, budget: int,
-                 expected: dict[str, Expected] | None = None, policy: RetryPolicy | None = None):
+                 expected: dict[str, Expected] | None = None, policy: RetryPolicy | None = None,
+                 budget_key: str | None = None):
         known = [b for b in shard_bytes if b]
         sizes = [b or (max(known) if known else 1 << 30) for b in shard_bytes]
         ctx = worker_context()  # not a fork of the rank (see worker_context)
@@ -101,7 +103,8 @@ class FetchAhead:
         self.ready = ctx.Event()  # set once the process has its own signal dispositions
         self.process = ctx.Process(target=_loop, daemon=True, name=f"fetch-ahead-rank{rank}",
                                    args=(order, shards, sizes, rank, world_size, cache_dir, limit, budget,
-                                         self._step, self._stop, self.ready, os.getpid(), expected or {}, policy))
+                                         self._step, self._stop, self.ready, os.getpid(), expected or {}, policy,
+                                         budget_key))
         self.process.start()
 
     def advance(self, step: int) -> None:

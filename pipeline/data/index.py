@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,11 +198,12 @@ class Indexes:
     bytes this process read: `bytes_read` from shard files, `index_bytes_read` from index files."""
 
     def __init__(self, cache_dir: str | None, cache_limit_gb: float, policy: RetryPolicy | None = None,
-                 expected: dict[str, Expected] | None = None):
+                 expected: dict[str, Expected] | None = None, budget_key: str | None = None):
         self.cache_dir = cache_dir
         self.limit = int(cache_limit_gb * 2**30)
         self.policy = policy  # how remote copies are retried (None: RetryPolicy's defaults)
         self.expected = expected or {}  # shard -> its size and digest in dataset.json: copies are checked
+        self.budget_key = budget_key  # shared with the rank's fetch-ahead: one retry budget per shard (local_copy)
         self._known: dict[str, ShardIndex] = {}  # a few hundred bytes per shard the process has read from
         self._open: OrderedDict[str, ShardIndex] = OrderedDict()  # those whose files are open
         self.errors: dict[str, tario.ShardError] = {}
@@ -216,7 +218,8 @@ class Indexes:
         if shard in self._known:
             return self._known[shard]
         try:
-            path = (local_copy(shard, self.cache_dir, self.limit, self.expected.get(shard), self.policy)
+            path = (local_copy(shard, self.cache_dir, self.limit, self.expected.get(shard), self.policy,
+                                 self.budget_key)
                     if needs_copy(shard) else shard)
             index_path = index_for(path, shard, self.cache_dir)
             header, body = read_header(index_path)  # index_for checked it whole (check_index)
@@ -330,10 +333,12 @@ def cache_name(shard: str) -> str:
 
 
 def local_copy(shard: str, cache_dir: str | None, limit: int, expected: Expected | None = None,
-               policy: RetryPolicy | None = None) -> str:
+               policy: RetryPolicy | None = None, budget_key: str | None = None) -> str:
     """Path of an uncompressed local copy of `shard` in the cache (with its index beside it), fetched
     if needed. A remote shard is fetched with retries and checked against `expected` (dataset.json's size
-    and digest) under a temporary name: only a verified copy is renamed into the cache (storage.py)."""
+    and digest) under a temporary name: only a verified copy is renamed into the cache (storage.py).
+    `budget_key`: callers that pass the same key (a rank's fetch-ahead process and its readers) share one
+    retry budget (data.retry_time_s) per shard (see _shared_deadline)."""
     folder = Path(cache_dir or default_cache_dir())
     folder.mkdir(parents=True, exist_ok=True)
     name = cache_name(shard)
@@ -345,14 +350,46 @@ def local_copy(shard: str, cache_dir: str | None, limit: int, expected: Expected
             os.utime(final)  # recently used
             return str(final)
         tmp = folder / f"{name}.{os.getpid()}.tmp"
+        record = folder / (name + BUDGET_SUFFIX)
+        until = _shared_deadline(record, shard, budget_key, policy) if budget_key and is_remote(shard) else None
         try:
-            _fetch(shard, tmp, expected or Expected(), policy)
+            _fetch(shard, tmp, expected or Expected(), policy, until)
             _evict(folder, limit - tmp.stat().st_size)
             write_index(str(final) + INDEX_SUFFIX, build_index(str(tmp), shard))
             os.replace(tmp, final)
+        except StorageError as e:
+            if until is not None:  # spent (retries ran out, or a permanent fault): the next caller with
+                # this key fails at once, with this line
+                atomic.write_text(record, json.dumps({"key": budget_key, "until": min(until, time.time()),
+                                                      "error": str(e), "status": e.status}))
+            raise
         finally:
             tmp.unlink(missing_ok=True)
+        record.unlink(missing_ok=True)  # fetched: a later failure of this shard starts a budget of its own
     return str(final)
+
+
+BUDGET_SUFFIX = ".budget"  # beside a cached copy while its fetch is under way or has failed
+
+
+def _shared_deadline(record: Path, shard: str, key: str, policy: RetryPolicy | None) -> float:
+    """The wall-clock end of `shard`'s retry budget for the callers sharing `key` (read under the shard's
+    lock). Without it, the fetch-ahead process and the rank's reader, one after the other, would each spend
+    data.retry_time_s on the same dead shard: twice the configured wait before the run stops. A record of
+    another key (an earlier run on this node) is not ours: a new run starts a budget of its own. A budget
+    already spent raises the StorageError it ended with, at once."""
+    try:
+        rec = json.loads(record.read_text())
+    except (OSError, ValueError):
+        rec = None
+    if isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("until"), (int, float)):
+        if rec.get("error") and rec["until"] <= time.time():
+            raise StorageError(f"{rec['error']} (retry budget already spent on this shard by another process "
+                               f"of this rank)", rec.get("status"))
+        return float(rec["until"])
+    until = time.time() + (policy or RetryPolicy()).total_s
+    atomic.write_text(record, json.dumps({"key": key, "until": until}))
+    return until
 
 
 def _sized_as(copy: Path, shard: str, expected: Expected | None) -> bool:
@@ -364,7 +401,8 @@ def _sized_as(copy: Path, shard: str, expected: Expected | None) -> bool:
     return copy.stat().st_size == expected.bytes
 
 
-def _fetch(shard: str, out: Path, expected: Expected, policy: RetryPolicy | None) -> None:
+def _fetch(shard: str, out: Path, expected: Expected, policy: RetryPolicy | None, until: float | None = None
+           ) -> None:
     """Copy (and gunzip) `shard` to `out`; OSError with the cause (exit status, stderr) on failure, StorageError
     for a URL that cannot be had. A `pipe:` name runs here, so only names `info.check_shard_names` let
     through reach this. dataset.json's size and digest are of the stored bytes (before a gunzip)."""
@@ -382,7 +420,7 @@ def _fetch(shard: str, out: Path, expected: Expected, policy: RetryPolicy | None
                 raise OSError(f"command '{shard[5:]}' exited with status {p.returncode}"
                               + (f": {err[-1]}" if err else ""))
         elif is_remote(shard):
-            fetch(shard, raw, expected, policy)  # retried, resumed by range, verified (storage.py)
+            fetch(shard, raw, expected, policy, until)  # retried, resumed by range, verified (storage.py)
         else:
             shutil.copyfile(shard, raw)
         with open(raw, "rb") as f:

@@ -211,10 +211,13 @@ def opener(url: str) -> Opener:
 
 
 class _Budget:
-    """The object's deadline, shared by its ranges."""
+    """The object's deadline, shared by its ranges. `until`: a wall-clock deadline (time.time()) set by the
+    caller when the budget is shared with other processes (index.local_copy: the fetch-ahead process and the
+    readers of one rank spend one budget per shard); None: `total_s` from now."""
 
-    def __init__(self, policy: RetryPolicy):
-        self.deadline = time.monotonic() + policy.total_s
+    def __init__(self, policy: RetryPolicy, until: float | None = None):
+        left = policy.total_s if until is None else until - time.time()
+        self.deadline = time.monotonic() + left
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -301,11 +304,13 @@ def _mismatch(out: Path, expected: Expected) -> str | None:
 DIGEST_TRIES = 2  # whole downloads before a copy that does not match dataset.json is called permanent
 
 
-def fetch(url: str, out: Path, expected: Expected = Expected(), policy: RetryPolicy | None = None) -> None:
+def fetch(url: str, out: Path, expected: Expected = Expected(), policy: RetryPolicy | None = None,
+          until: float | None = None) -> None:
     """Download `url` to the local file `out` and check it against `expected`; StorageError (one line,
-    naming the URL) when it cannot be had. `out` is a temporary name: the caller renames a good copy."""
+    naming the URL) when it cannot be had. `out` is a temporary name: the caller renames a good copy.
+    `until`: the wall-clock end of a retry budget shared with other processes (see _Budget)."""
     policy = policy or RetryPolicy()
-    budget = _Budget(policy)
+    budget = _Budget(policy, until)
     for attempt in range(1, DIGEST_TRIES + 1):
         _download(url, out, expected, policy, budget)
         why = _mismatch(out, expected)

@@ -25,6 +25,8 @@ global batch), bad-data counts, and the fingerprint of what the order depends on
 from __future__ import annotations
 
 import hashlib
+import os
+import uuid
 import weakref
 from collections.abc import Callable, Iterator
 from itertools import count
@@ -78,6 +80,9 @@ class TrainStream(IterableDataset):
         self.released: torch.Tensor | None = None  # set by TrainLoader before each start: see buffers.py
         self._ring: BatchRing | None = None
         self._indexes: Indexes | None = None
+        # One retry budget per shard for this rank's readers and its fetch-ahead process (index.local_copy);
+        # made here, in the rank, and pickled with the stream to its workers. A new run makes a new key.
+        self.budget_key = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
     def positions(self, j: int) -> range:
         return micro_batch_positions(j, self.rank, self.world_size, self.micro, self.accum)
@@ -105,7 +110,7 @@ class TrainStream(IterableDataset):
             out["per_batch"] = self.per_batch(positions)
         if self._indexes is None:
             self._indexes = Indexes(self.cfg.cache_dir, self.cfg.cache_limit_gb, RetryPolicy.from_config(self.cfg),
-                                    expected_of(self))
+                                    expected_of(self), self.budget_key)
         counters = Counters()
         bytes0, index_bytes0 = self._indexes.bytes_read, self._indexes.index_bytes_read
         items: list[Any] = [self._sample(p, sid, counters, restore=not in_worker) for p, sid in zip(positions, ids)]
@@ -204,7 +209,8 @@ class TrainLoader:
                                       self.stream.rank, self.stream.world_size, self.cfg.cache_dir,
                                       int(self.cfg.cache_limit_gb * 2**30),
                                       int(self.cfg.cache_limit_gb * 2**30) // self.local_ranks,
-                                      expected_of(self.stream), RetryPolicy.from_config(self.cfg))
+                                      expected_of(self.stream), RetryPolicy.from_config(self.cfg),
+                                      self.stream.budget_key)
             weakref.finalize(self, self.fetcher.stop)
         if self.fetcher is not None:
             self.fetcher.advance(self._j // self.accum)
