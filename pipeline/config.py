@@ -32,7 +32,7 @@ from pipeline.typed_yaml import ConfigError, describe, from_tree, parse_override
 @dataclass
 class ModelConfig:
     variant: str = "vit_b16"
-    """Preset from `pipeline.model.vit.VARIANTS` (vit_ti16, vit_s16, vit_b16, vit_b32, vit_l16, vit_l32, vit_h14)."""
+    """Preset from `pipeline.model.vit.VARIANTS` (vit_ti16, vit_s16, vit_b16, vit_b32, vit_l16, vit_l32, vit_h14; DINOv2's vit_s14, vit_b14, vit_l14, vit_g14 and their _reg4 forms; docs/model.md)."""
     img_size: int | tuple[int, int] = 224
     """Training resolution: one int for square images or [height, width]; the data pipeline uses it too."""
     num_classes: int | None = None
@@ -59,6 +59,16 @@ class ModelConfig:
     """Width of the paper's tanh pre-logits layer for pretraining; None for a plain linear head."""
     grad_checkpointing: bool = False
     """Recompute each block in backward to save activation memory (about 30% more compute)."""
+    init_values: float | None = None
+    """LayerScale's starting value in every block (DINOv2: 1e-5); None keeps the variant's (the DINOv2 variants have it, the others none)."""
+    reg_tokens: int | None = None
+    """Register tokens after the class token (DINOv2 with registers: 4); None keeps the variant's."""
+    no_embed_class: bool | None = None
+    """Position table over the patches only, not the class token (timm's layout of the register models); None keeps the variant's."""
+    mlp_layer: Literal["mlp", "swiglu"] | None = None
+    """Block MLP: 'mlp' (GELU) or 'swiglu' (DINOv2's ViT-g); None keeps the variant's."""
+    dynamic_img_size: bool | None = None
+    """Accept inputs of any size divisible by the patch size, interpolating the position table (DINO's local crops); None keeps the variant's (on for the DINOv2 variants)."""
     global_pool: Literal["token", "avg"] = "token"
     """What the head classifies: 'token' the class token after the final norm (the paper), 'avg' the mean of the patch tokens normalised by fc_norm (MAE's fine-tuning; timm's global_pool='avg')."""
     objective: Literal["supervised", "mae"] = "supervised"

@@ -102,3 +102,168 @@ def test_wrong_input_size_is_a_clear_error():
     model = build_vit("vit_ti16", img_size=32, patch_size=8, depth=1, num_classes=2)
     with pytest.raises(ValueError, match="built for"):
         model(torch.randn(1, 3, 64, 64))
+
+
+# --- DINOv2's backbone options (LayerScale, registers, no_embed_class, SwiGLU, dynamic size) ---
+
+def timm_dinov2_twin(timm_name, **kwargs):
+    """timm's own DINOv2 model, random weights, small depth (timm.create_model with its registered args)."""
+    import timm
+
+    return timm.create_model(timm_name, pretrained=False, **kwargs)
+
+
+@pytest.mark.parametrize("ours_name,timm_name,overrides", [
+    ("vit_s14_reg4", "vit_small_patch14_reg4_dinov2", dict(depth=2)),
+    ("vit_s14", "vit_small_patch14_dinov2", dict(depth=2)),
+    # g/14's SwiGLU block at a small width: timm's SwiGLUPacked with its mlp_ratio.
+    ("vit_g14", "vit_giant_patch14_dinov2", dict(depth=1, embed_dim=96, num_heads=2)),
+])
+def test_dinov2_variants_equal_timm_at_224_and_98(ours_name, timm_name, overrides):
+    torch.manual_seed(0)
+    theirs = timm_dinov2_twin(timm_name, img_size=224, num_classes=5, dynamic_img_size=True, **overrides).eval()
+    ours = build_vit(ours_name, img_size=224, num_classes=5, **overrides).eval()
+    ours_sd, theirs_sd = ours.state_dict(), theirs.state_dict()
+    assert {k: v.shape for k, v in ours_sd.items()} == {k: v.shape for k, v in theirs_sd.items()}
+    # LayerScale starts where timm's does (1e-5); load timm's random weights with gammas made O(1) so the
+    # comparison exercises them, and with a non-trivial class/register/position table.
+    theirs_sd = {k: (torch.randn_like(v) if k.endswith("gamma") or "token" in k or k == "pos_embed" else v)
+                 for k, v in theirs_sd.items()}
+    theirs.load_state_dict(theirs_sd)
+    ours.load_state_dict(theirs_sd)
+    with torch.no_grad():
+        # The built size, and a DINOv2 local crop (98 px: Meta's ViT-L/14 recipe; 96 is no multiple of 14, which
+        # Meta's and timm's patch embeddings both refuse) through the interpolated position table.
+        for res in (224, 98):
+            x = torch.randn(2, 3, res, res)
+            # Same operations in the same order; only SDPA's kernel choice may differ: 1e-5 as above.
+            torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
+            torch.testing.assert_close(ours.forward_features(x), theirs.forward_features(x), atol=1e-5, rtol=0)
+
+
+def test_default_vit_has_none_of_the_dinov2_parameters():
+    model = build_vit("vit_ti16", img_size=32, patch_size=8, depth=1, num_classes=2)
+    names = set(model.state_dict())
+    assert not {n for n in names if "ls1" in n or "ls2" in n or "reg_token" in n or "mask_token" in n}
+    assert model.pos_embed.shape[1] == 1 + 16
+
+
+def test_dinov2_variant_shapes_and_counts():
+    with torch.device("meta"):
+        for name, millions in [("vit_s14", 22), ("vit_b14", 86), ("vit_l14", 304), ("vit_g14", 1136)]:
+            model = build_vit(name, img_size=518, num_classes=0)
+            # DINOv2's Table 17/18 sizes: 21, 86, 300, 1100 M; timm's vit_*_patch14_dinov2 param counts.
+            assert abs(num_params(model) / 1e6 - millions) / millions < 0.03, (name, num_params(model))
+        reg = build_vit("vit_b14_reg4", img_size=518, num_classes=0)
+    assert reg.reg_token.shape == (1, 4, 768) and reg.pos_embed.shape == (1, 37 * 37, 768)
+    assert reg.blocks[0].ls1.gamma.shape == (768,)
+    assert {"reg_token", "cls_token", "pos_embed"} <= reg.no_weight_decay()
+
+
+def test_layer_scale_init_and_registers_init():
+    torch.manual_seed(0)
+    model = build_vit("vit_s14_reg4", img_size=28, depth=2, num_classes=0)
+    assert torch.all(model.blocks[1].ls2.gamma == 1e-5)
+    assert 0 < model.reg_token.std().item() < 1e-5
+
+
+def test_forward_tokens_splits_cls_registers_patches():
+    torch.manual_seed(0)
+    model = build_vit("vit_s14_reg4", img_size=56, depth=1, num_classes=0).eval()
+    x = torch.randn(2, 3, 42, 56)  # 3x4 patches, another size than built
+    with torch.no_grad():
+        out = model.forward_tokens(x)
+        full = model.forward_features(x)
+    assert out.cls_token.shape == (2, 384) and out.reg_tokens.shape == (2, 4, 384)
+    assert out.patch_tokens.shape == (2, 12, 384) and out.prenorm.shape == (2, 17, 384)
+    torch.testing.assert_close(torch.cat([out.cls_token[:, None], out.reg_tokens, out.patch_tokens], 1), full)
+
+
+def test_masks_replace_patch_embeddings_by_the_mask_token():
+    torch.manual_seed(0)
+    model = build_vit("vit_s14", img_size=28, depth=1, num_classes=0, mask_token=True).eval()
+    assert model.mask_token.shape == (1, 384) and model.mask_token.abs().sum() == 0  # Meta's zero init
+    with torch.no_grad():
+        model.mask_token.normal_()
+    x = torch.randn(2, 3, 28, 28)
+    masks = torch.tensor([[True, False, False, True], [False] * 4])
+    tokens = model.prepare_tokens(x, masks)
+    plain = model.prepare_tokens(x)
+    pos = model.pos_embed[0, 1:]
+    torch.testing.assert_close(tokens[0, 1 + 0], model.mask_token[0] + pos[0])
+    torch.testing.assert_close(tokens[0, 1 + 3], model.mask_token[0] + pos[3])
+    torch.testing.assert_close(tokens[0, 2:4], plain[0, 2:4])
+    torch.testing.assert_close(tokens[1], plain[1])  # an all-False row changes nothing
+    no_mask = build_vit("vit_s14", img_size=28, depth=1, num_classes=0)
+    assert "mask_token" not in no_mask.state_dict()
+    with pytest.raises(ValueError, match="mask_token=True"):
+        no_mask.prepare_tokens(x, masks)
+
+
+def test_dynamic_size_refuses_sizes_off_the_patch_grid():
+    model = build_vit("vit_s14", img_size=28, depth=1, num_classes=0)
+    with pytest.raises(ValueError, match="patch size 14"):
+        model(torch.randn(1, 3, 30, 28))
+
+
+@pytest.mark.parametrize("name", ["vit_s14_reg4", "vit_g14"])
+def test_model_flops_counts_registers_and_swiglu(name):
+    """model_flops against PyTorch's FlopCounterMode on a small model (matmuls, the patch conv, SDPA)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    kwargs = variant_kwargs(name, img_size=56, depth=2, embed_dim=96, num_heads=2, num_classes=10)
+    model = build_vit(name, **{k: v for k, v in kwargs.items() if k != "patch_size"}).eval()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randn(1, 3, 56, 56))
+    assert model_flops(kwargs) == pytest.approx(counter.get_total_flops(), rel=1e-6)
+
+
+# Builds a DINOv2 variant as the trainer does (ZeRO-3: inside deepspeed.zero.Init) and saves the gathered
+# weights and the decayed names. One subprocess per stage: zero.Init patches torch.
+ZERO_BUILD = """
+import json, sys
+import deepspeed, torch
+from pipeline.config import load_config
+from pipeline.derived import deepspeed_config
+from pipeline.dist import init_distributed
+from pipeline.model.vit import model_kwargs_from_config
+from pipeline.train.optim import no_weight_decay
+from pipeline.train.trainer import build_model
+init_distributed()
+cfg = load_config(None, sys.argv[3:] + ["deepspeed.zero_stage=" + sys.argv[1]])
+model = build_model(cfg, model_kwargs_from_config(cfg.model, 4), deepspeed_config(cfg, 1))
+partitioned = any(hasattr(p, "ds_shape") for p in model.parameters())
+with deepspeed.zero.GatheredParameters(list(model.parameters())):
+    torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()}, sys.argv[2])
+print(json.dumps({"partitioned": partitioned,
+                  "decayed": sorted(n for n, p in model.named_parameters() if not no_weight_decay(model, n, p))}))
+"""
+
+
+@pytest.mark.slow
+def test_dinov2_variant_builds_under_zero3_init_with_the_seed_weights(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.integration.runs import ROOT, env, free_port
+
+    tiny = ["model.variant=vit_s14_reg4", "model.img_size=28", "model.embed_dim=32", "model.depth=2",
+            "model.num_heads=2", "model.num_classes=4", "deepspeed.bf16=false"]
+    results, weights = {}, {}
+    for stage in (0, 3):
+        one_rank = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+        out = subprocess.run([sys.executable, "-c", ZERO_BUILD, str(stage), str(tmp_path / f"{stage}.pt"), *tiny],
+                             cwd=ROOT, env={**env(), **one_rank}, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        results[stage] = json.loads(out.stdout.strip().splitlines()[-1])
+        weights[stage] = torch.load(tmp_path / f"{stage}.pt")
+    assert results[3]["partitioned"] and not results[0]["partitioned"]
+    assert weights[3].keys() == weights[0].keys()
+    for name in weights[0]:
+        torch.testing.assert_close(weights[3][name], weights[0][name], atol=0, rtol=0, msg=name)
+    assert torch.all(weights[3]["blocks.1.ls2.gamma"] == 1e-5)  # LayerScale filled under zero.Init too
+    assert weights[3]["reg_token"].abs().sum() > 0
+    for stage in (0, 3):
+        assert not any("gamma" in n or n in ("reg_token", "cls_token", "pos_embed") for n in results[stage]["decayed"])
