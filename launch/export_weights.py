@@ -3,9 +3,12 @@
 
     python launch/export_weights.py runs/vit_b16_i21k                       # latest -> RUN_DIR/model.safetensors
     python launch/export_weights.py runs/vit_b16_i21k --tag step_0050000 --out b16_50k.safetensors
+    python launch/export_weights.py dinov2_vitb14_reg4_pretrain.pth      # Meta's file -> timm names, .safetensors
 
 Works for every ZeRO stage and any number of ranks the run had; runs on CPU. The trainer does this
-itself at the end of a run; this is for a run that is still going or was stopped.
+itself at the end of a run; this is for a run that is still going or was stopped. Given one of Meta's
+DINOv2 backbone files instead of a run directory, it writes the same weights under timm's names and layout
+(timm's vit_*_patch14[_reg4]_dinov2 load it; mask_token, used in training only, is left out).
 """
 
 import argparse
@@ -14,17 +17,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.model.weights import save_weights  # noqa: E402
+from pipeline.model.weights import (  # noqa: E402
+    WeightsError,
+    convert_dinov2_state_dict,
+    is_dinov2_state_dict,
+    load_weights,
+    save_weights,
+)
 from pipeline.train.checkpoint import CheckpointError, consolidate, latest_tag  # noqa: E402
 from pipeline.train.ds_compat import DeepSpeedFailed  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("run_dir", type=Path, help="a run directory, or one of Meta's DINOv2 .pth files")
     parser.add_argument("--tag", help="checkpoint tag, e.g. step_0050000 (default: the newest complete one)")
     parser.add_argument("--out", type=Path, help="output file (default: RUN_DIR/model.safetensors)")
     args = parser.parse_args(argv)
+    if args.run_dir.is_file():
+        return export_dinov2(args.run_dir, args.out or args.run_dir.with_suffix(".safetensors"))
     try:
         tag = args.tag or latest_tag(args.run_dir)
         state = consolidate(args.run_dir, tag)
@@ -34,6 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.run_dir / "model.safetensors"
     save_weights(state, out, metadata={"step": tag.split("_")[-1] if tag else ""})
     print(f"wrote {out}: {len(state)} tensors from {args.run_dir}/checkpoints/{tag}")
+    return 0
+
+
+def export_dinov2(path: Path, out: Path) -> int:
+    """Meta's DINOv2 backbone file -> timm-named safetensors, its architecture in the file's metadata."""
+    try:
+        state = load_weights(path)
+        if not is_dinov2_state_dict(state):
+            raise WeightsError(f"'{path}' is a file but not one of Meta's DINOv2 backbones (cls_token, pos_embed and "
+                               f"mask_token or register_tokens); a run's checkpoint is exported from its run directory")
+        state, arch = convert_dinov2_state_dict(state, source=str(path))
+    except WeightsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    save_weights(state, out, metadata={k: str(v) for k, v in arch.items()})
+    print(f"wrote {out}: {len(state)} tensors from {path} ({', '.join(f'{k}={v}' for k, v in arch.items())})")
     return 0
 
 

@@ -5,7 +5,10 @@
     before exporting, its latest DeepSpeed checkpoint (consolidated to fp32 here, its files read with
     `weights_only=True` and DeepSpeed's own few types: `ds_compat.no_code_from_pickles`);
   - a .safetensors file (ours, or timm's, e.g. `vit_base_patch16_224`'s model.safetensors);
-  - a timm-format .pth/.bin state dict, read with `torch.load(weights_only=True)`: nothing executes code.
+  - a timm-format .pth/.bin state dict, read with `torch.load(weights_only=True)`: nothing executes code;
+  - one of Meta's DINOv2 backbone files (`dinov2_vitb14_pretrain.pth`, `dinov2_vitb14_reg4_pretrain.pth`):
+    its architecture (width, depth, patch size, LayerScale, registers, SwiGLU, grid) is read from the
+    tensors and its keys/layout converted to ours (`weights.convert_dinov2_state_dict`).
 
 The architecture (patch size, width, depth, heads) comes from the source's config.yaml when there is one;
 the source's grid from its img_size (`finetune.source_img_size` for a bare file with a non-square grid);
@@ -27,10 +30,11 @@ from pipeline.config import Config, ConfigError, FinetuneConfig, load_config
 from pipeline.derived import image_size
 from pipeline.model.pos_embed import resize_pos_embed
 from pipeline.model.vit import VisionTransformer, _init_param
-from pipeline.model.weights import WeightsError, load_weights
+from pipeline.model.weights import WeightsError, convert_dinov2_state_dict, is_dinov2_state_dict, load_weights
 from pipeline.train import checkpoint as ckpt
 
-ARCH_KEYS = ("variant", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias")
+ARCH_KEYS = ("variant", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "init_values",
+             "reg_tokens", "no_embed_class", "mlp_layer")
 HEAD_PREFIXES = ("head.", "pre_logits.")
 
 
@@ -84,6 +88,22 @@ def prepare_finetune(cfg: Config, cli_model_keys: set[str] | frozenset[str] = fr
         return dataclasses.replace(cfg, model=model_cfg, finetune=dataclasses.replace(
             cfg.finetune, source_img_size=source_img_size)), None
     src = find_source(cfg.finetune.source)
+    # Read before anything is written: a source that is refused (code in a pickle, not a state dict) leaves no
+    # run directory, and no config.yaml recording it as this run's source for the next start to insist on.
+    state = source_state_dict(src)
+    if src.config is None and is_dinov2_state_dict(state):
+        state, meta_arch = convert_dinov2_state_dict(state, source=str(src.path))
+        source_model = dataclasses.replace(model_cfg, **meta_arch_config(meta_arch))
+        _refuse_arch_overrides(cfg, dataclasses.replace(cfg, model=source_model), cli_model_keys,
+                               f"--from {cfg.finetune.source} (Meta's DINOv2 backbone)")
+        model_cfg = dataclasses.replace(model_cfg, **{k: getattr(source_model, k) for k in ARCH_KEYS})
+        source_img_size = source_img_size or meta_arch["img_size"]
+        _say(f"--from {src.path}: Meta's DINOv2 backbone, {describe_arch(meta_arch)}")
+    elif "patch_embed.proj.weight" not in state:
+        raise WeightsError(f"--from {src.path}: neither a ViT state dict with timm's names (patch_embed.proj.weight, "
+                           f"cls_token, pos_embed, blocks.N.*) nor Meta's DINOv2 backbone (cls_token, pos_embed, "
+                           f"mask_token or register_tokens, patch_embed.proj.weight, blocks.N.*); it holds "
+                           f"{len(state)} tensors, the first: {', '.join(sorted(state)[:5]) or 'none'}")
     if src.config is not None:
         _refuse_arch_overrides(cfg, src.config, cli_model_keys, f"--from {cfg.finetune.source}")
         arch = {k: getattr(src.config.model, k) for k in ARCH_KEYS}
@@ -96,12 +116,26 @@ def prepare_finetune(cfg: Config, cli_model_keys: set[str] | frozenset[str] = fr
     if probe and cfg.deepspeed.zero_stage == 3:
         raise ConfigError("finetune.probe (--probe) replaces the head after the model is built, which ZeRO-3 has "
                           "already partitioned: use deepspeed.zero_stage 0, 1 or 2 (the encoder is frozen anyway)")
-    # Read before anything is written: a source that is refused (code in a pickle, not a state dict) leaves no
-    # run directory, and no config.yaml recording it as this run's source for the next start to insist on.
-    loaded = [source_state_dict(src)]  # handed to the hook once, not kept for the whole run
+    loaded = [state]  # handed to the hook once, not kept for the whole run
+    del state
     cfg = dataclasses.replace(cfg, model=model_cfg,
                               finetune=FinetuneConfig(source=str(src.path), source_img_size=source_img_size, probe=probe))
     return cfg, lambda model: load_pretrained(model, src, source_img_size, probe, state=loaded.pop())
+
+
+def meta_arch_config(arch: dict) -> dict:
+    """ModelConfig fields for the architecture `convert_dinov2_state_dict` read from a Meta file: the DINOv2
+    variant of its width (for the name in config.yaml) with every architecture key explicit."""
+    names = {384: "s", 768: "b", 1024: "l", 1536: "g"}
+    size = names.get(arch["embed_dim"])
+    variant = f"vit_{size}14{'_reg4' if arch['reg_tokens'] == 4 else ''}" if size else "vit_b14"
+    return dict(variant=variant, **{k: arch[k] for k in ARCH_KEYS if k != "variant"})
+
+
+def describe_arch(arch: dict) -> str:
+    return (f"patch {arch['patch_size']}, width {arch['embed_dim']}, depth {arch['depth']}, {arch['num_heads']} heads, "
+            f"{arch['mlp_layer']} MLP, LayerScale {'on' if arch['init_values'] else 'off'}, "
+            f"{arch['reg_tokens']} registers, trained at {arch['img_size']} px")
 
 
 def _refuse_arch_overrides(cfg: Config, source: Config, cli_model_keys, where: str) -> None:
@@ -148,14 +182,17 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size, prob
 
         h, w = image_size(source_img_size or src.config.model.img_size)
         state["pos_embed"] = sincos_pos_embed_2d(model.embed_dim, (h // patch, w // patch))
-    old_tokens = state["pos_embed"].shape[1] - model.num_prefix_tokens if "pos_embed" in state else 0
+    # The prefix rows of the position table: the class token's, unless the table covers the patches only
+    # (no_embed_class: timm's layout of the register models; registers never have one).
+    pos_prefix = 0 if model.no_embed_class else 1
+    old_tokens = state["pos_embed"].shape[1] - pos_prefix if "pos_embed" in state else 0
     if "pos_embed" in state:
         if source_img_size is not None:
             h, w = image_size(source_img_size)
             old_grid = (h // patch, w // patch)
         else:
             old_grid = None  # a bare file: square grid inferred from the token count
-        state["pos_embed"] = resize_pos_embed(state["pos_embed"], new_grid, model.num_prefix_tokens, old_grid)
+        state["pos_embed"] = resize_pos_embed(state["pos_embed"], new_grid, pos_prefix, old_grid)
 
     # With global_pool='avg' (MAE's recipe) fc_norm replaces the final norm: a source pretrained with a
     # class token has none and fc_norm starts fresh at (1, 0), as the official fine-tuning does.

@@ -103,3 +103,43 @@ def test_a_pickle_with_code_is_refused_and_not_run(tmp_path):
     with pytest.raises(WeightsError, match="would run code"):
         finetuned(path, 16, extra=ARCH)
     assert not marker.exists()
+
+
+def test_from_a_meta_dinov2_file_reads_the_architecture_and_converts(tmp_path):
+    from tests.unit.test_weights import meta_dinov2_file
+
+    torch.manual_seed(0)
+    source = build_vit("vit_s14_reg4", img_size=42, depth=2, num_classes=0).eval()
+    with torch.no_grad():
+        for n, p in source.named_parameters():
+            if "gamma" in n or "token" in n or "pos_embed" in n:
+                p.normal_()
+    meta_dinov2_file(source, tmp_path / "dinov2_vits14_reg4_pretrain.pth")
+    # No model.* keys: width, depth, heads, patch, LayerScale, registers and the 3x3 grid come from the file.
+    cfg = load_config(None, ["model.img_size=42", "model.num_classes=3",
+                             f"finetune.source={tmp_path / 'dinov2_vits14_reg4_pretrain.pth'}"])
+    cfg, prepare = prepare_finetune(cfg)
+    assert (cfg.model.variant, cfg.model.depth, cfg.model.reg_tokens, cfg.model.no_embed_class) == \
+        ("vit_s14_reg4", 2, 4, True)
+    assert cfg.finetune.source_img_size == 42
+    model = VisionTransformer(**model_kwargs_from_config(cfg.model))
+    prepare(model)
+    model.eval()
+    x = torch.randn(2, 3, 42, 42)
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_features(x), source.forward_features(x), atol=1e-5, rtol=1e-5)
+        assert model(x).abs().sum() == 0  # the zero head
+    # At another resolution the patch-only table is resized (no class row to keep apart).
+    cfg = load_config(None, ["model.img_size=56", "model.num_classes=3",
+                             f"finetune.source={tmp_path / 'dinov2_vits14_reg4_pretrain.pth'}"])
+    cfg, prepare = prepare_finetune(cfg)
+    model = VisionTransformer(**model_kwargs_from_config(cfg.model))
+    prepare(model)
+    assert torch.equal(model.pos_embed, resize_pos_embed(source.pos_embed.detach(), (4, 4), 0, (3, 3)))
+
+
+def test_a_file_that_is_neither_timm_nor_meta_is_named(tmp_path):
+    path = tmp_path / "resnet.pth"
+    torch.save({"conv1.weight": torch.zeros(8, 3, 7, 7), "fc.weight": torch.zeros(10, 8)}, path)
+    with pytest.raises(WeightsError, match=r"resnet.pth: neither a ViT state dict .* nor Meta's DINOv2 .*conv1.weight"):
+        finetuned(path, 16, extra=ARCH)

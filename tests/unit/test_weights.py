@@ -3,8 +3,14 @@ import pickle
 import pytest
 import torch
 
-from pipeline.model.vit import build_vit
-from pipeline.model.weights import WeightsError, load_weights, save_weights
+from pipeline.model.vit import VisionTransformer, build_vit
+from pipeline.model.weights import (
+    WeightsError,
+    convert_dinov2_state_dict,
+    is_dinov2_state_dict,
+    load_weights,
+    save_weights,
+)
 
 
 def test_safetensors_round_trip(tmp_path):
@@ -32,3 +38,71 @@ def test_pickle_with_code_is_refused(tmp_path):
         pickle.dump({"head.weight": torch.ones(1), "x": Evil()}, f)
     with pytest.raises(WeightsError, match="evil.pth"):
         load_weights(path)
+
+
+# --- Meta's DINOv2 backbone files ---
+
+def meta_dinov2_file(model, path, chunks: int = 0):
+    """`model` (ours, a DINOv2 variant) saved in Meta's layout, written out by hand as DinoVisionTransformer's
+    state_dict() has it: register_tokens, a (1, D) mask_token, pos_embed with the class token's row even with
+    registers (Meta adds it to the class token), SwiGLU as w12/w3, the head (Identity) absent; `chunks` > 0
+    is a training checkpoint's BlockChunk layout (blocks.CHUNK.I.*). Returns the tensors written."""
+    ours = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith(("head.", "fc_norm."))}
+    dim = model.embed_dim
+    meta = {}
+    if model.no_embed_class:
+        class_row = torch.randn(1, 1, dim)
+        meta["cls_token"] = ours.pop("cls_token") - class_row
+        meta["pos_embed"] = torch.cat([class_row, ours.pop("pos_embed")], dim=1)
+    else:
+        meta["cls_token"], meta["pos_embed"] = ours.pop("cls_token"), ours.pop("pos_embed")
+    if "reg_token" in ours:
+        meta["register_tokens"] = ours.pop("reg_token")
+    meta["mask_token"] = ours.pop("mask_token", torch.zeros(1, dim))
+    swiglu = model.blocks[0].mlp.__class__.__name__ == "SwiGLU"
+    per_chunk = -(-len(model.blocks) // chunks) if chunks else 0
+    for key, value in ours.items():
+        if swiglu:
+            key = key.replace(".mlp.fc1.", ".mlp.w12.").replace(".mlp.fc2.", ".mlp.w3.")
+        if chunks and key.startswith("blocks."):
+            i = int(key.split(".")[1])
+            key = f"blocks.{i // per_chunk}.{key.removeprefix('blocks.')}"
+        meta[key] = value
+    torch.save(meta, path)
+    return meta
+
+
+@pytest.mark.parametrize("name,chunks", [("vit_s14_reg4", 0), ("vit_s14", 2), ("vit_g14", 0)])
+def test_meta_dinov2_file_converts_to_the_same_model(tmp_path, name, chunks):
+    torch.manual_seed(0)
+    small = dict(img_size=42, depth=3, num_classes=0)
+    if name == "vit_g14":
+        small.update(embed_dim=128, num_heads=2)
+    model = build_vit(name, **small).eval()
+    with torch.no_grad():  # O(1) LayerScale, tokens and positions, so that a misplaced one shows
+        for n, p in model.named_parameters():
+            if "gamma" in n or "token" in n or "pos_embed" in n:
+                p.normal_()
+    meta = meta_dinov2_file(model, tmp_path / "meta.pth", chunks)
+    state = load_weights(tmp_path / "meta.pth")
+    assert is_dinov2_state_dict(state) and not is_dinov2_state_dict(model.state_dict())
+    converted, arch = convert_dinov2_state_dict(state)
+    assert arch["img_size"] == 42 and arch["patch_size"] == 14 and arch["depth"] == 3
+    assert arch["embed_dim"] == model.embed_dim and arch["num_heads"] == model.embed_dim // 64
+    assert arch["reg_tokens"] == model.num_reg_tokens and arch["no_embed_class"] == model.no_embed_class
+    assert arch["init_values"] and arch["mlp_layer"] == ("swiglu" if name == "vit_g14" else "mlp")
+    assert "mask_token" not in converted
+    rebuilt = VisionTransformer(**arch, num_classes=0).eval()
+    rebuilt.load_state_dict(converted)  # strict: every key, every shape
+    x = torch.randn(2, 3, 42, 42)
+    with torch.no_grad():
+        # cls_token is (cls - row) + row in float32: equal up to one rounding.
+        torch.testing.assert_close(rebuilt.forward_features(x), model.forward_features(x), atol=1e-5, rtol=1e-5)
+    kept, _ = convert_dinov2_state_dict(state, keep_mask_token=True)
+    assert torch.equal(kept["mask_token"], meta["mask_token"])
+
+
+def test_meta_dinov2_file_errors_name_the_file():
+    with pytest.raises(WeightsError, match=r"x.pth: cls_token has shape \(1, 4\)"):
+        convert_dinov2_state_dict({"cls_token": torch.zeros(1, 4), "pos_embed": torch.zeros(1, 5, 4),
+                                   "mask_token": torch.zeros(1, 4)}, source="x.pth")
