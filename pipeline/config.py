@@ -271,6 +271,8 @@ class RunConfig:
     """Run directory: config.yaml, checkpoints/, metrics.jsonl, model.safetensors. An existing checkpoint here resumes."""
     kind: Literal["pretrain", "finetune"] = "pretrain"
     """What this run is; set by the launcher."""
+    remote: str | None = None
+    """s3://BUCKET/PREFIX to mirror the run to: every complete checkpoint tag (in the background, its complete.json last), then config.yaml, metrics.jsonl and model.safetensors; a start whose run.dir is behind the bucket restores its newest complete tag first; one job per prefix (a remote lock). docs/training.md, Runs in a bucket."""
 
 
 @dataclass
@@ -381,6 +383,8 @@ def validate(cfg: Config, where: str = "config") -> None:
         ("data.read_timeout_s", cfg.data.read_timeout_s > 0, "> 0 (seconds)"),
         ("data.range_mb", cfg.data.range_mb > 0, "> 0 (MiB)"),
         ("data.range_parallel", cfg.data.range_parallel >= 1, ">= 1"),
+        ("run.remote", cfg.run.remote is None or (cfg.run.remote.startswith("s3://") and len(cfg.run.remote) > 5),
+         "s3://BUCKET/PREFIX or null"),
         ("data.decode_device", cfg.data.decode_device == "cpu" or (
             cfg.data.auto_augment is None and cfg.data.color_jitter is None),
          "'cpu' when data.auto_augment or data.color_jitter is set (the GPU decode does crop, flip and "

