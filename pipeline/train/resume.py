@@ -37,7 +37,7 @@ from torch import nn
 from pipeline.config import Config, to_dict
 from pipeline.dist import DistEnv
 from pipeline.train import checkpoint as ckpt
-from pipeline.train import ds_compat
+from pipeline.train import ds_compat, mirror
 from pipeline.train.ds_compat import DeepSpeedFailed, UnsafeCheckpoint
 from pipeline.train.lock import RunDirLocked, lock_run_dir
 from pipeline.train.optim import RESUMABLE_HPARAMS, apply_hparams, exempt_names
@@ -91,6 +91,10 @@ def plan(cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> ResumePlan 
 
     def lock_and_find() -> tuple[list[str], list[str]]:
         lock_run_dir(run_dir)  # 1
+        try:
+            mirror.start(cfg, run_dir)  # run.remote: the remote lock; restore a newer tag from the bucket
+        except mirror.RemoteError as e:
+            raise TrainError(str(e)) from None
         return find_complete(run_dir)  # 2
 
     usable, skipped = _on_rank0(env, lock_and_find)

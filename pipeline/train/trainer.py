@@ -28,7 +28,7 @@ from pipeline.objectives import OBJECTIVES, EvalResult, Objective, build_objecti
 from pipeline.signals import exit_at_once_on_signal
 from pipeline.tracking import start_tracking
 from pipeline.train import checkpoint as ckpt
-from pipeline.train import resume
+from pipeline.train import mirror, resume
 from pipeline.train.metrics import ThroughputMeter, device_peak_flops
 from pipeline.train.optim import build_optimizer, build_scheduler, exempt_names, param_groups, peak_group_lr
 from pipeline.train.preemption import Preemption
@@ -146,8 +146,11 @@ def save(s: Setup, cfg: Config, step: int) -> str:
     state = ckpt.TrainerState(step=step, world_size=s.env.world_size,
                               model={k: resume.plain(v) for k, v in s.model_kwargs.items()}, config=to_dict(cfg),
                               no_weight_decay=exempt_names(s.engine.module))
-    return ckpt.save_checkpoint(s.engine, Path(cfg.run.dir), state, client, cfg.train.keep_last,
-                                cfg.train.keep_every)
+    tag = ckpt.save_checkpoint(s.engine, Path(cfg.run.dir), state, client, cfg.train.keep_last,
+                               cfg.train.keep_every)
+    if s.env.is_main:
+        mirror.saved(Path(cfg.run.dir), tag)  # run.remote: uploaded in the background (train/mirror.py)
+    return tag
 
 
 # ----------------------------------------------------------------------------- step and eval
@@ -307,6 +310,11 @@ def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
         if step < tc.steps and preemption.should_stop(step):
             if last_saved != step:
                 save(s, cfg, step)
+            if env.is_main:  # run.remote: the tag is up before any rank exits (the launcher ends the others)
+                s.watchdog.beat("mirror upload", step)
+                mirror.drain(Path(cfg.run.dir))
+            if dist.is_initialized():
+                dist.barrier()
             log(env, f"preempted: checkpoint at step {step} saved; exiting with {int(ExitCode.PREEMPTED)} to be requeued")
             s.tracker.finish(status=None)  # the requeued job continues this MLflow run
             return ExitCode.PREEMPTED
@@ -346,6 +354,8 @@ def finish(s: Setup, cfg: Config, step: int) -> None:
         s.tracker.log_artifact(run_dir / "config.yaml")
         s.tracker.log_artifact(run_dir / "model.safetensors")  # a path tag instead with tracking.log_model=false
     s.tracker.finish("FINISHED")
+    if s.env.is_main:
+        mirror.finish(run_dir)  # run.remote: every tag, then config, metrics and weights are up before the end
     log(s.env, f"done: {run_dir / 'model.safetensors'}")
 
 
