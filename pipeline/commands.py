@@ -56,7 +56,7 @@ def parse_finetune_args(argv: list[str]) -> argparse.Namespace:
     parser = _parser("finetune")
     parser.add_argument("--config", help=f"YAML run config (default: the paper's recipe, {FINETUNE_RECIPE}, "
                                          "with the source run's architecture and data)")
-    parser.add_argument("--from", dest="source", help="run directory, .safetensors, or timm .pth/.bin "
+    parser.add_argument("--from", dest="source", help="run directory, .safetensors, timm .pth/.bin or Meta's DINOv2 .pth "
                                                       f"(default: the newest finished pretraining run in {RUNS}/)")
     parser.add_argument("--res", help="fine-tuning resolution: 384 or 384x512 (height x width)")
     parser.add_argument("--probe", action="store_true", help="linear probe: train only a BatchNorm + linear head on "

@@ -278,7 +278,7 @@ class RunConfig:
 @dataclass
 class FinetuneConfig:
     source: str | None = None
-    """Weights to start from (--from): a run directory, a .safetensors file, or a timm-format .pth/.bin."""
+    """Weights to start from (--from): a run directory, a .safetensors file, a timm-format .pth/.bin, or one of Meta's DINOv2 backbone .pth files (docs/model.md)."""
     source_img_size: int | tuple[int, int] | None = None
     """Resolution the source was trained at (read from the source's config.yaml when it has one)."""
     probe: bool = False
