@@ -193,11 +193,19 @@ class Mirror:
     def files(self, names: tuple[str, ...] = RUN_FILES) -> None:
         self._jobs.put(("files", names))
 
-    def wait(self) -> None:
-        """Block until everything handed over is up; RemoteError if an upload failed."""
-        self._jobs.join()
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until everything handed over is up (True), or `timeout_s` passed (False); RemoteError if
+        an upload failed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._jobs.all_tasks_done:  # queue.Queue's condition for join(), with a time limit
+            while self._jobs.unfinished_tasks:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._jobs.all_tasks_done.wait(left)
         if self.error:
             raise RemoteError(self.error)
+        return True
 
     def _work(self) -> None:
         while True:
@@ -360,22 +368,26 @@ def start(cfg: Any, run_dir: Path) -> None:
     atexit.register(_drain, key)
 
 
-def drain(run_dir: Path) -> None:
-    """Rank 0, before a run that stops early exits (preemption): wait for the tags handed over, release
-    the lock. An upload that failed is logged (the local tag stays complete; the bucket lags it by a tag)."""
-    _drain(str(Path(run_dir).resolve()))
+def drain(run_dir: Path, timeout_s: float | None = None) -> bool:
+    """Rank 0, before a run that stops early exits (preemption): wait up to `timeout_s` for the tags handed
+    over; once they are up, release the lock and return True (also when run.remote is unset). An upload
+    that failed is logged (the local tag stays complete; the bucket lags it by a tag)."""
+    return _drain(str(Path(run_dir).resolve()), timeout_s)
 
 
-def _drain(key: str) -> None:
-    entry = _active.pop(key, None)
-    if entry is not None:
-        lock, mirror = entry
-        try:
-            mirror.wait()
-        except RemoteError as e:
-            log(str(e))
-        finally:
-            lock.release()
+def _drain(key: str, timeout_s: float | None = None) -> bool:
+    entry = _active.get(key)
+    if entry is None:
+        return True
+    lock, mirror = entry
+    try:
+        if not mirror.wait(timeout_s):
+            return False
+    except RemoteError as e:
+        log(str(e))
+    _active.pop(key, None)
+    lock.release()
+    return True
 
 
 def saved(run_dir: Path, tag: str) -> None:

@@ -127,6 +127,28 @@ def test_a_bucket_the_store_refuses_is_one_line_naming_run_remote(s3: SeaweedS3,
     assert "\n" not in str(e.value)
 
 
+def test_drain_waits_in_rounds_then_releases_the_lock(s3: SeaweedS3, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A preempted stop polls drain() (each round an all-reduce in the trainer): False while an upload
+    runs, True once it is done, and only then is the remote lock gone."""
+    from types import SimpleNamespace
+
+    from pipeline.config import DataConfig
+
+    run = tmp_path / "run"
+    cfg = SimpleNamespace(run=SimpleNamespace(remote=f"s3://{BUCKET}/f"), data=DataConfig())
+    mirror.start(cfg, run)
+    real = mirror.Mirror._upload_tag
+    monkeypatch.setattr(mirror.Mirror, "_upload_tag", lambda self, tag: (time.sleep(1.5), real(self, tag)))
+    mirror.saved(run, fake_tag(run, 1, mib=0))
+    assert mirror.drain(run, timeout_s=0.2) is False
+    assert mirror.LOCK_OBJECT in keys(s3, "f")
+    assert mirror.drain(run, timeout_s=30) is True
+    up = keys(s3, "f")
+    assert f"checkpoints/step_0000001/{ckpt.COMPLETE_FILE}" in up and mirror.LOCK_OBJECT not in up, up
+    assert mirror.drain(run, timeout_s=0) is True  # nothing left: the trainer's next round ends the wait
+
+
 KILLER = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
