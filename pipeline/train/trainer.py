@@ -34,6 +34,7 @@ from pipeline.train.optim import build_optimizer, build_scheduler, exempt_names,
 from pipeline.train.preemption import Preemption
 from pipeline.train.watchdog import Watchdog, process_group_timeout_s
 
+MIRROR_POLL_S = 5.0  # a preempted stop waiting for run.remote's uploads: seconds between agreements
 # Agree on preemption every N optimizer steps (an all-reduce of one int; `python launch/bench.py preemption` measures its cost).
 PREEMPTION_CHECK_EVERY = 1
 
@@ -249,6 +250,20 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
         s.watchdog.stop()
 
 
+def wait_for_mirror(s: Setup, cfg: Config, step: int, group: Any) -> None:
+    """A preempted stop: no rank exits before rank 0's run.remote uploads are done (a launcher ends the
+    other ranks when one exits). Rounds of at most MIRROR_POLL_S and one all-reduce over the preemption's
+    CPU group, every rank beating its watchdog: an upload longer than dist.timeout_s is not a hang."""
+    while True:
+        s.watchdog.beat("run.remote upload", step)
+        busy = torch.tensor([0 if not s.env.is_main or mirror.drain(Path(cfg.run.dir), MIRROR_POLL_S) else 1],
+                            dtype=torch.int32)
+        if group is not None:
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=group)
+        if not busy.item():
+            return
+
+
 def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
     """From `step` to train.steps: the steps, evaluations, checkpoints, the preemption check, the export."""
     env, engine, tc = s.env, s.engine, cfg.train
@@ -310,11 +325,7 @@ def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
         if step < tc.steps and preemption.should_stop(step):
             if last_saved != step:
                 save(s, cfg, step)
-            if env.is_main:  # run.remote: the tag is up before any rank exits (the launcher ends the others)
-                s.watchdog.beat("mirror upload", step)
-                mirror.drain(Path(cfg.run.dir))
-            if dist.is_initialized():
-                dist.barrier()
+            wait_for_mirror(s, cfg, step, preemption.group)
             log(env, f"preempted: checkpoint at step {step} saved; exiting with {int(ExitCode.PREEMPTED)} to be requeued")
             s.tracker.finish(status=None)  # the requeued job continues this MLflow run
             return ExitCode.PREEMPTED
