@@ -53,8 +53,9 @@ RENEW_S = 60.0
 RUN_FILES = ("config.yaml", "metrics.jsonl", "model.safetensors")  # uploaded at the end, when present
 
 
-class RemoteError(RuntimeError):
-    """run.remote cannot be used: the message names the URL and what the store said."""
+class RemoteError(ckpt.CheckpointError):
+    """run.remote cannot be used: the message names the URL and what the store said (a CheckpointError:
+    the command line prints it as one line and exits 1)."""
 
 
 def log(message: str) -> None:
