@@ -267,3 +267,12 @@ def test_dinov2_variant_builds_under_zero3_init_with_the_seed_weights(tmp_path):
     assert weights[3]["reg_token"].abs().sum() > 0
     for stage in (0, 3):
         assert not any("gamma" in n or n in ("reg_token", "cls_token", "pos_embed") for n in results[stage]["decayed"])
+
+
+def test_layer_decay_numbers_registers_and_mask_token_with_the_stem_and_gammas_with_their_block():
+    from pipeline.train.optim import layer_id
+
+    model = build_vit("vit_s14_reg4", img_size=28, depth=2, num_classes=3, mask_token=True)
+    ids = {n: layer_id(n, model.group_matcher(), 2) for n, _ in model.named_parameters()}
+    assert ids["reg_token"] == ids["mask_token"] == ids["cls_token"] == ids["pos_embed"] == 0
+    assert ids["blocks.1.ls2.gamma"] == 2 and ids["norm.weight"] == ids["head.weight"] == 3
