@@ -7,7 +7,8 @@ when its train stream starts) walks the rank's coming steps through the real ord
 their shards in the order they will first be read, up to the rank's share of the cache
 (`data.cache_limit_gb` / ranks per node), touching those already there so that the cache's LRU
 eviction keeps them. The rank's loader tells it where it is (`advance(step)`); it starts over
-from there when the rank moves on.
+from there when the rank moves on. It and the rank's readers pass the stream's `budget_key` to local_copy:
+one data.retry_time_s budget per shard between them, not one each.
 
 It is a process, not a thread: index.local_copy holds a `flock` while it copies, and a DataLoader
 worker forked from a process while one of its threads held such a lock would hold it forever.
