@@ -48,7 +48,7 @@ from pipeline import atomic
 
 from . import tario
 from .info import is_remote
-from .storage import Expected, RetryPolicy, StorageError, fetch
+from .storage import TRANSIENT_STATUS, Expected, RetryPolicy, StorageError, fetch
 
 MAGIC = b"VITIDX01"
 INDEX_SUFFIX = ".idx"
@@ -384,8 +384,12 @@ def _shared_deadline(record: Path, shard: str, key: str, policy: RetryPolicy | N
         rec = None
     if isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("until"), (int, float)):
         if rec.get("error") and rec["until"] <= time.time():
-            raise StorageError(f"{rec['error']} (retry budget already spent on this shard by another process "
-                               f"of this rank)", rec.get("status"))
+            status = rec.get("status")
+            # A permanent answer (403, 404: no retry would change it) is the same one line from every process
+            # that meets it; only a budget spent on transient faults says so.
+            permanent = isinstance(status, int) and 400 <= status < 500 and status not in TRANSIENT_STATUS
+            raise StorageError(rec["error"] if permanent else f"{rec['error']} (retry budget already spent on "
+                               f"this shard by another process of this rank)", status)
         return float(rec["until"])
     until = time.time() + (policy or RetryPolicy()).total_s
     atomic.write_text(record, json.dumps({"key": key, "until": until}))
