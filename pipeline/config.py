@@ -192,7 +192,7 @@ class TrainConfig:
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of M (0: none)."""
     max_nonfinite_steps: int = 5
-    """Stop after this many consecutive steps with a non-finite loss (each one is skipped)."""
+    """Stop after this many non-finite losses in a row: micro batches, each skipped on every rank and replaced by the next; a completed optimizer step starts the count again (the name is kept for existing configs)."""
     peak_flops: float | None = None
     """Peak bf16 FLOP/s of one device for MFU; None looks the GPU up in a table (no MFU on CPU)."""
     compile: bool = False
