@@ -24,7 +24,7 @@ from pipeline.model.weights import (  # noqa: E402
     load_weights,
     save_weights,
 )
-from pipeline.train.checkpoint import CheckpointError, consolidate, latest_tag  # noqa: E402
+from pipeline.train.checkpoint import CheckpointError, consolidate, newest_complete_tag  # noqa: E402
 from pipeline.train.ds_compat import DeepSpeedFailed  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_dir.is_file():
         return export_dinov2(args.run_dir, args.out or args.run_dir.with_suffix(".safetensors"))
     try:
-        tag = args.tag or latest_tag(args.run_dir)
+        tag = args.tag or newest_complete_tag(args.run_dir)
         state = consolidate(args.run_dir, tag)
     except (FileNotFoundError, ValueError, CheckpointError, DeepSpeedFailed) as e:
         print(f"error: {e}", file=sys.stderr)

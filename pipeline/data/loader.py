@@ -25,9 +25,9 @@ from .index import needs_copy
 from .info import DataError, DatasetInfo, check_shard_names, dataset_info_of
 from .nodes import node_place
 from .order import GlobalOrder
-from .stream import STATE_VERSION, TrainLoader, TrainStream
+from .stream import LOADER_STATE_VERSION, TrainLoader, TrainStream
 
-__all__ = ["STATE_VERSION", "Counters", "EvalLoader", "TrainLoader", "build_eval_loader", "build_train_loader",
+__all__ = ["LOADER_STATE_VERSION", "Counters", "EvalLoader", "TrainLoader", "build_eval_loader", "build_train_loader",
            "merge_counters"]
 
 

@@ -50,7 +50,7 @@ from .order import MIXUP, GlobalOrder, micro_batch_positions, seed_for
 from .storage import RetryPolicy, expected_of
 from .transforms import BatchNormalizer, as_is, build_mixup, empty_batch, seeded, train_transform
 
-STATE_VERSION = 3  # 2: the shuffle-window order before partitions
+LOADER_STATE_VERSION = 3  # 2: the shuffle-window order before partitions
 MAX_REPLACEMENT_SEARCH = 100_000
 
 
@@ -325,16 +325,16 @@ class TrainLoader:
         """The layout-free state at the last step boundary; `counters`: all ranks' counts, summed."""
         counters = counters if counters is not None else self.counters()
         # The position alone: the epoch and the index in it follow from it and num_samples (stored once).
-        return {"version": STATE_VERSION, "position": self.position, "counters": counters.to_state(),
+        return {"version": LOADER_STATE_VERSION, "position": self.position, "counters": counters.to_state(),
                 **self.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at `state`'s position, on any layout that makes the same global batch."""
         version = state.get("version") if isinstance(state, dict) else 1  # version 1: a list, one per rank
-        if version != STATE_VERSION:
+        if version != LOADER_STATE_VERSION:
             why = ("the sample order changed to partitions of shards" if version == 2 else
                    "a checkpoint from before the elastic loader")
-            raise DataError(f"data loader state has version {version}, expected {STATE_VERSION} ({why}: the "
+            raise DataError(f"data loader state has version {version}, expected {LOADER_STATE_VERSION} ({why}: the "
                             f"checkpoint's position means other samples now); use a new run.dir")
         state = {"slices": 1, **state}  # states from before slices: one slice per partition
         diff = {k: (state.get(k), v) for k, v in self.fingerprint().items() if state.get(k) != v}

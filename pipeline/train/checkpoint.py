@@ -8,7 +8,7 @@
                                         tag and its size. A tag without it, or whose files differ from
                                         it, does not exist for resume (`check_tag`)
     RUN_DIR/checkpoints/latest          one line, "step_0000400", written after complete.json: for people
-                                        and tools; resume never needs it (`latest_tag` scans the tags)
+                                        and tools; resume never needs it (`newest_complete_tag` scans the tags)
     RUN_DIR/universal/step_0000400/     a tag converted to DeepSpeed's universal format, made on a resume
                                         with another world size or ZeRO stage (outside checkpoints/:
                                         retention never sees it; safe to delete)
@@ -38,7 +38,7 @@ from pipeline import atomic
 from pipeline.model.weights import save_weights
 from pipeline.train import ds_compat
 
-STATE_VERSION = 3  # of trainer_state.json
+TRAINER_STATE_VERSION = 3  # of trainer_state.json
 STATE_FILE = "trainer_state.json"
 COMPLETE_FILE = "complete.json"
 TAG_PREFIX = "step_"
@@ -61,7 +61,7 @@ class TrainerState:
     world_size: int
     model: dict[str, Any]  # the model's resolved constructor arguments (num_classes may come from the data)
     config: dict[str, Any]
-    version: int = STATE_VERSION
+    version: int = TRAINER_STATE_VERSION
     # The trainable parameters of more than one dimension that the optimizer does not decay (the model's
     # no_weight_decay()): the parameter groups the saved optimizer state belongs to. None: a tag written
     # before it was recorded, when the ViT's rule (position embedding, class token) applied to every model.
@@ -80,9 +80,9 @@ class TrainerState:
         path = tag_dir / STATE_FILE
         try:
             d = json.loads(path.read_text())
-            if d.get("version") != STATE_VERSION:
+            if d.get("version") != TRAINER_STATE_VERSION:
                 raise CheckpointError(f"{path}: trainer state version {d.get('version')}, this trainer reads "
-                                      f"version {STATE_VERSION}")
+                                      f"version {TRAINER_STATE_VERSION}")
             return cls(**{f.name: d[f.name] if f.default is dataclasses.MISSING else d.get(f.name, f.default)
                           for f in dataclasses.fields(cls)})
         except FileNotFoundError:
@@ -147,7 +147,7 @@ def tag_bytes(tag_dir: Path) -> int:
         return 0
 
 
-def latest_tag(run_dir: Path) -> str | None:
+def newest_complete_tag(run_dir: Path) -> str | None:
     """The newest complete tag in RUN_DIR/checkpoints, or None. Never reads `latest` (a convenience that
     a sync or a cleanup may have lost); `pipeline.train.resume` also checks that the tag loads."""
     for tag in all_tags(run_dir):
@@ -250,7 +250,7 @@ def _disk_full_error(engine, run_dir: Path, tag: str, what: str) -> DiskFull:
         shutil.rmtree(root / tag, ignore_errors=True)  # half a tag: give the space back
     if dist.is_initialized():
         dist.barrier()
-    previous = latest_tag(run_dir)
+    previous = newest_complete_tag(run_dir)
     need = tag_bytes(root / previous) if previous else 0
     if not need:  # no earlier tag to measure: bf16 weights + fp32 master + two Adam moments, roughly
         need = sum(p.numel() for p in engine.module.parameters()) * 14
@@ -326,7 +326,7 @@ def consolidate(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor
     DeepSpeed's pickles are read with `weights_only=True` (ds_compat.no_code_from_pickles): a tag from
     another group's run directory that carries code is refused (UnsafeCheckpoint), never run.
     """
-    tag = tag or latest_tag(run_dir)
+    tag = tag or newest_complete_tag(run_dir)
     if tag is None:
         raise CheckpointError(f"{checkpoint_dir(run_dir)} has no complete checkpoint (no tag with {COMPLETE_FILE})")
     return ds_compat.consolidate(checkpoint_dir(run_dir), tag)

@@ -54,7 +54,7 @@ def find_source(source: str) -> Source:
             raise ConfigError(f"--from '{source}' is not a weights file: {problem}")
     folder = path if path.is_dir() else path.parent
     config = load_config(folder / "config.yaml") if (folder / "config.yaml").is_file() else None
-    if path.is_dir() and not (path / "model.safetensors").is_file() and ckpt.latest_tag(path) is None:
+    if path.is_dir() and not (path / "model.safetensors").is_file() and ckpt.newest_complete_tag(path) is None:
         raise WeightsError(f"--from '{source}': a directory without model.safetensors or a complete checkpoint "
                            f"in checkpoints/")
     return Source(path.resolve(), config)
@@ -77,7 +77,7 @@ def prepare_finetune(cfg: Config, cli_model_keys: set[str] | frozenset[str] = fr
     if not cfg.finetune.source:
         raise ConfigError("fine-tuning needs a source: --from RUN_DIR | FILE.safetensors | FILE.pth")
     model_cfg, source_img_size = cfg.model, cfg.finetune.source_img_size
-    if ckpt.latest_tag(Path(cfg.run.dir)) is not None:  # a restart: the run's first start decided the model
+    if ckpt.newest_complete_tag(Path(cfg.run.dir)) is not None:  # a restart: the run's first start decided the model
         recorded = Path(cfg.run.dir) / "config.yaml"
         arch_from = load_config(recorded) if recorded.is_file() else None
         if arch_from is not None:

@@ -300,7 +300,7 @@ def restore(remote: str, run_dir: Path, policy: Any = None) -> str | None:
 
     bucket, prefix = _split(remote)
     run_dir = Path(run_dir)
-    local = ckpt.latest_tag(run_dir)
+    local = ckpt.newest_complete_tag(run_dir)
     for tag in remote_tags(bucket, prefix):
         if local is not None and ckpt.tag_step(local) >= ckpt.tag_step(tag):
             return None  # the run directory is as new as the bucket

@@ -289,7 +289,7 @@ def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
                 micro_count += 1
             s.objective.after_step(engine, step + 1)  # DeepSpeed stepped the optimizer at the last one
         except NonFiniteLosses as e:
-            good = ckpt.latest_tag(Path(cfg.run.dir))
+            good = ckpt.newest_complete_tag(Path(cfg.run.dir))
             print(f"error: {e}; stopping without saving. Last good checkpoint: {good or 'none'} in "
                   f"{ckpt.checkpoint_dir(Path(cfg.run.dir))}", file=sys.stderr, flush=True)
             s.tracker.finish("FAILED")

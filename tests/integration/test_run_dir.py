@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pipeline.train.checkpoint import check_tag, latest_tag
+from pipeline.train.checkpoint import check_tag, newest_complete_tag
 from tests.integration.runs import ROOT, TINY, command, env, run
 
 pytestmark = pytest.mark.dist
@@ -143,7 +143,7 @@ def test_a_second_job_on_the_same_run_dir_stops_and_a_dead_holder_does_not_block
     finally:
         first.send_signal(signal.SIGKILL)  # dies holding the lock, as on an OOM kill
         first.wait()
-    step = int(latest_tag(run_dir).split("_")[1])  # 5, or later if it ran on while the second job started
+    step = int(newest_complete_tag(run_dir).split("_")[1])  # 5, or later if it ran on while the second job started
     third = run("pretrain.py", CONFIG, base(shards, run_dir, step + 2), ranks=1)  # the requeue
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     assert f"at step {step}\n" in third.stdout

@@ -71,7 +71,7 @@ def test_complete_tags_go_up_and_a_fresh_run_dir_restores_the_newest(s3: Seaweed
     for name in ckpt._tag_files(ckpt.checkpoint_dir(run) / "step_0000020"):
         assert (ckpt.checkpoint_dir(fresh) / "step_0000020" / name).read_bytes() == \
             (ckpt.checkpoint_dir(run) / "step_0000020" / name).read_bytes()
-    assert ckpt.latest_tag(fresh) == "step_0000020"
+    assert ckpt.newest_complete_tag(fresh) == "step_0000020"
     assert mirror.restore(remote, fresh) is None  # as new as the bucket: nothing to do
     # retention: the run directory pruned step 10; the next upload prunes it in the bucket too
     import shutil
@@ -94,7 +94,7 @@ def test_a_restored_file_that_differs_from_its_record_is_refused(s3: SeaweedS3, 
     s3.client().put_object(Bucket=BUCKET, Key=key, Body=os.urandom(1005))  # same size, other bytes
     with pytest.raises(StorageError, match="sha256"):
         mirror.restore(remote, tmp_path / "fresh", RetryPolicy(attempts=2, total_s=10, backoff_s=0.01))
-    assert ckpt.latest_tag(tmp_path / "fresh") is None  # nothing half restored under a tag's name
+    assert ckpt.newest_complete_tag(tmp_path / "fresh") is None  # nothing half restored under a tag's name
 
 
 def test_one_job_per_prefix_and_an_ended_lease_is_taken_over(s3: SeaweedS3) -> None:

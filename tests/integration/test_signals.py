@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from pipeline.train.checkpoint import check_tag, latest_tag
+from pipeline.train.checkpoint import check_tag, newest_complete_tag
 from tests.integration.runs import DEEPSPEED, PYTHON, ROOT, TINY, env, free_port
 
 pytestmark = pytest.mark.dist
@@ -96,7 +96,7 @@ def test_sigterm_ends_in_a_checkpoint_and_exit_75_of_every_rank(shards, tmp_path
     own = 1 if how == "torchrun" and "SignalException: Process" in out else 0
     assert out.count("Traceback") == own, out[-4000:]
     assert out.count("preempted: checkpoint at step") == 1, out[-4000:]  # rank 0 says it once
-    tag = latest_tag(run_dir)
+    tag = newest_complete_tag(run_dir)
     assert tag is not None and check_tag(run_dir / "checkpoints" / tag) is None
     assert 3 <= int(tag.split("_")[1]) < STEPS
     time.sleep(1)

@@ -42,9 +42,9 @@ def test_latest_tag_never_reads_the_latest_file(tmp_path):
     make_tag(tmp_path, 10)
     make_tag(tmp_path, 15, complete=False)  # being written, or its job died
     (ckpt.checkpoint_dir(tmp_path) / "latest").write_text("step_0000099\n")
-    assert ckpt.latest_tag(tmp_path) == "step_0000010"
+    assert ckpt.newest_complete_tag(tmp_path) == "step_0000010"
     (ckpt.checkpoint_dir(tmp_path) / "latest").unlink()
-    assert ckpt.latest_tag(tmp_path) == "step_0000010"
+    assert ckpt.newest_complete_tag(tmp_path) == "step_0000010"
 
 
 def test_prune_keeps_the_newest_older_tags_and_never_touches_newer_ones(tmp_path):
