@@ -187,6 +187,8 @@ class TrainConfig:
     """Evaluate every N steps (0: only at the end)."""
     ckpt_every: int = 0
     """Save a checkpoint every N steps (0: only at the end and on preemption)."""
+    ckpt_every_s: float = 0.0
+    """Also save one when this many seconds of training have passed since the last (0: off). The ranks agree at a step boundary (with the preemption check), so every rank saves the same step; bounds the steps an elastic restart loses."""
     keep_last: int = 2
     """Keep the newest K checkpoints (a universal conversion made on resume, RUN_DIR/universal/, is removed at the next checkpoint)."""
     keep_every: int = 0
@@ -370,6 +372,7 @@ def validate(cfg: Config, where: str = "config") -> None:
         ("train.lr", cfg.train.lr >= 0, ">= 0"),
         ("train.warmup_steps", cfg.train.warmup_steps >= 0, ">= 0"),
         ("train.log_every", cfg.train.log_every > 0, "> 0"),
+        ("train.ckpt_every_s", cfg.train.ckpt_every_s >= 0, ">= 0 (seconds)"),
         ("train.layer_decay", cfg.train.layer_decay is None or 0 < cfg.train.layer_decay <= 1, "in (0, 1] or null"),
         ("train.max_nonfinite_steps", cfg.train.max_nonfinite_steps > 0, "> 0"),
         ("data.max_bad_fraction", 0 <= cfg.data.max_bad_fraction <= 1, "between 0 and 1"),

@@ -24,8 +24,10 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import os
 import random
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -282,14 +284,26 @@ def prune(root: Path, keep_last: int, keep_every: int, current: str) -> None:
 
 def convert_to_universal(run_dir: Path, tag: str) -> Path:
     """RUN_DIR/checkpoints/<tag> -> RUN_DIR/universal/<tag> (DeepSpeed's ds_to_universal, through
-    ds_compat). Reused when a complete conversion is already there."""
+    ds_compat). Once per tag: reused when a complete conversion is already there (an elastic job's next
+    restart on the same tag converts nothing). Built in a folder of its own and renamed into place, so two
+    converters at once (a restart racing its previous attempt) never write into one folder: the first
+    rename wins, the other's copy is dropped."""
     out = universal_dir(run_dir) / tag
     done = out / "converted"
     if done.is_file():
         return out
-    ds_compat.convert_to_universal(checkpoint_dir(run_dir) / tag, out, run_dir)
-    shutil.copy2(checkpoint_dir(run_dir) / tag / STATE_FILE, out / STATE_FILE)
-    _write_atomic(done, tag + "\n")
+    tmp = universal_dir(run_dir) / f".{tag}.{socket.gethostname()}.{os.getpid()}"
+    ds_compat.convert_to_universal(checkpoint_dir(run_dir) / tag, tmp, run_dir)
+    shutil.copy2(checkpoint_dir(run_dir) / tag / STATE_FILE, tmp / STATE_FILE)
+    _write_atomic(tmp / "converted", tag + "\n")
+    if out.exists() and not done.is_file():
+        shutil.rmtree(out, ignore_errors=True)  # an interrupted conversion from before this change
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another converter's copy got there first (rename onto a non-empty folder fails)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not done.is_file():
+            raise
     return out
 
 

@@ -5,8 +5,14 @@
 The lock is `fcntl.lockf` on an open file: the kernel releases it when the process that holds it ends,
 however it ends (SIGKILL, OOM, a node's job step torn down), so a lock left by a dead job never blocks
 its requeue and there is nothing to clean up by hand. The file holds who took it (host, pid, Slurm job
-id, time) so that a second job can say who is writing. A requeue of the same Slurm job may start while
-the previous attempt's processes are still exiting: it waits for them (up to `SAME_JOB_WAIT_S`).
+id, torchrun run id, time) so that a second job can say who is writing.
+
+"This job restarted" vs "another job": a held lock is our own previous attempt, still exiting, when
+  - its Slurm job id is ours (a requeue keeps SLURM_JOB_ID), or
+  - its torchrun run id is ours (TORCHELASTIC_RUN_ID, torchrun's --rdzv-id: one id for every worker-group
+    restart of an elastic job; torchrun's default id "none" is shared by unrelated jobs and does not count), or
+  - it names this host and a pid that no longer exists (an NFS lock whose lease outlives its holder).
+Then we wait for it (up to `SAME_JOB_WAIT_S`); any other holder is another job: RunDirLocked at once.
 On NFS the lock goes through the server's lock manager (NFSv4 leases; v3 needs lockd).
 """
 
@@ -29,13 +35,41 @@ class RunDirLocked(RuntimeError):
     """Another job writes this run directory; the message names it and the holder."""
 
 
+def _run_id() -> str | None:
+    """torchrun's job id (--rdzv-id), None outside torchrun or when left at its shared default "none"."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return run_id if run_id and run_id != "none" else None
+
+
 def _me() -> dict[str, object]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "torchelastic_run_id": _run_id(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _pid_gone(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # exists, another user's
+        return False
+    return False
+
+
+def same_job(me: dict, holder: dict) -> bool:
+    """Whether a held lock belongs to this job's previous attempt (see the module docstring)."""
+    for key in ("slurm_job_id", "torchelastic_run_id"):
+        if me.get(key) is not None and holder.get(key) == me[key]:
+            return True
+    return holder.get("host") == me["host"] and _pid_gone(holder.get("pid"))
 
 
 def _describe(holder: dict) -> str:
     job = f", Slurm job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
+    if holder.get("torchelastic_run_id"):
+        job += f", torchrun run id {holder['torchelastic_run_id']}"
     return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}{job}, since {holder.get('since', '?')}"
 
 
@@ -62,8 +96,7 @@ def lock_run_dir(run_dir: Path) -> dict[str, object]:
             break
         except OSError:
             holder = _read_holder(fd)
-            same_job = me["slurm_job_id"] is not None and holder.get("slurm_job_id") == me["slurm_job_id"]
-            if not same_job or time.monotonic() > deadline:
+            if not same_job(me, holder) or time.monotonic() > deadline:
                 os.close(fd)
                 raise RunDirLocked(f"{run_dir} is being written by another job ({_describe(holder)}): one job "
                                    f"per run directory. Wait for it to end, stop it, or use another run.dir "

@@ -28,12 +28,19 @@ class Preemption:
     def should_stop(self, step: int | None = None) -> bool:
         """True on every rank once any rank has received a signal. With `step`, only asks (collectively)
         when step is a multiple of `every`; None always asks (setup's safe point)."""
+        return self.check(step)[0]
+
+    def check(self, step: int | None = None, save_due: bool = False) -> tuple[bool, bool]:
+        """(stop, save) agreed by every rank: stop as `should_stop`; save when any rank's `save_due` (a
+        time-interval checkpoint, train.ckpt_every_s) is set. Rides on the same all-reduce, so a timed
+        checkpoint costs no extra collective and every rank saves the same step even though their clocks
+        cross the interval at different steps."""
         if step is not None and step % self.every:
-            return False
+            return False, False
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([0 if received() is None else 1], dtype=torch.int32)
+        flags = torch.tensor([0 if received() is None else 1, int(save_due)], dtype=torch.int32)
         if self.group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flags[0].item()), bool(flags[1].item())

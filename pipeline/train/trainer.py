@@ -279,6 +279,7 @@ def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
     loss_sum = torch.zeros((), device=engine.device)  # summed on device; read only at log steps (no sync)
     micro_count = 0
     last_saved = step if step > 0 else -1  # a resumed run's checkpoint is the one at `step`
+    saved_at = time.monotonic()  # train.ckpt_every_s counts from here and from each save
 
     while step < tc.steps:  # one optimizer step per iteration
         try:
@@ -318,11 +319,14 @@ def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
                 s.tracker.log_artifact(path, folder)
             _print_log(env, bar, result.line)
             meter.reset()  # eval time is not training throughput
-        if tc.ckpt_every and step % tc.ckpt_every == 0 and step < tc.steps:
+        # train.ckpt_every_s: each rank's clock only proposes; the agreement makes every rank save one step.
+        due = bool(tc.ckpt_every_s) and time.monotonic() - saved_at >= tc.ckpt_every_s
+        stop, timed = preemption.check(step, due) if step < tc.steps else (False, False)
+        if (tc.ckpt_every and step % tc.ckpt_every == 0 and step < tc.steps) or timed:
             save(s, cfg, step)
-            last_saved = step
+            last_saved, saved_at = step, time.monotonic()
             meter.reset()
-        if step < tc.steps and preemption.should_stop(step):
+        if stop:
             if last_saved != step:
                 save(s, cfg, step)
             wait_for_mirror(s, cfg, step, preemption.group)

@@ -6,6 +6,7 @@ import subprocess
 
 import pytest
 
+from pipeline.train import checkpoint as ckpt
 from tests.integration.runs import (
     TINY,
     assert_same_weights,
@@ -231,3 +232,16 @@ def test_resume_errors_are_one_line_and_overrides_are_applied(shards, tmp_path):
     assert "train.steps 2 -> 4" in changed.stdout
     lrs = [m["metrics"]["train/lr"] for m in metrics(run_dir) if m["step"] == 4 and "train/lr" in m["metrics"]]
     assert lrs and lrs[-1] < 1e-3  # the new peak's schedule, not the checkpoint's 3e-3
+
+
+def test_ckpt_every_s_saves_the_same_steps_on_every_rank(shards, tmp_path):
+    """train.ckpt_every_s with no step interval: a tiny interval makes every step due; each save is a
+    complete tag (every rank wrote its files for that step), so the ranks agreed."""
+    run_dir = tmp_path / "timed"
+    overrides = [*base(shards, run_dir, 1, steps=4), "train.ckpt_every=0", "train.ckpt_every_s=0.001",
+                 "train.keep_last=10", "train.eval_every=0"]
+    proc = run("pretrain.py", CONFIG, overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tags = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert tags == [f"step_{s:07d}" for s in (1, 2, 3, 4)]
+    assert all(ckpt.check_tag(run_dir / "checkpoints" / t) is None for t in tags)

@@ -52,3 +52,28 @@ def test_a_signal_while_blocked_in_the_rendezvous_exits_75_at_once(tmp_path):
     assert proc.returncode == 75, err
     assert "preempted while joining the process group" in err
     assert time.monotonic() - started < 5
+
+
+# Two gloo ranks: only rank 1's clock says a timed checkpoint is due; both must hear "save" at that step.
+AGREE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+rank = int(sys.argv[3])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+from pipeline.train.preemption import Preemption
+p = Preemption(every=2)
+print(p.check(3, save_due=True), p.check(4, save_due=rank == 1), p.check(6, save_due=False), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_timed_checkpoint_is_agreed_so_every_rank_saves_the_same_step(tmp_path):
+    procs = [subprocess.Popen([sys.executable, "-c", AGREE, str(ROOT), str(tmp_path / "store"), str(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+        # step 3 is not an agreement step (every=2); at 4 rank 1's due wins for both; at 6 nobody is due
+        assert out.strip() == "(False, False) (False, True) (False, False)", out + err

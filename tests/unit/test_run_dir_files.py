@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,35 @@ def test_the_lock_names_its_holder_and_goes_with_it(tmp_path, monkeypatch):
     assert lock_run_dir(tmp_path)["pid"]  # the kernel dropped the dead holder's lock
 
 
+@pytest.mark.parametrize("run_id,same", [("elastic-7", True), ("none", False)])
+def test_a_torchrun_restart_waits_for_its_previous_attempt_another_job_does_not(tmp_path, monkeypatch, run_id, same):
+    """A worker-group restart (same TORCHELASTIC_RUN_ID) waits for the old worker's lock to go; torchrun's
+    default id "none" is shared by unrelated jobs, so it is another job: refused at once."""
+    import threading
+
+    import pipeline.train.lock as lock
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env={"PYTHONPATH": str(ROOT), "TORCHELASTIC_RUN_ID": run_id})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        if not same:
+            with pytest.raises(RunDirLocked, match=rf"pid {holder.pid}, since"):
+                lock_run_dir(tmp_path)
+            return
+        # The old attempt exits 2 s into our wait (a torchrun agent stops its workers before restarting them).
+        threading.Timer(2.0, holder.kill).start()
+        monkeypatch.setattr(lock, "SAME_JOB_WAIT_S", 30.0)
+        got = lock_run_dir(tmp_path)
+        assert got["torchelastic_run_id"] == run_id and got["pid"] != holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+        lock._held.pop(str(tmp_path.resolve()), None)
+
+
 def test_slurm_scripts_use_the_exit_codes_of_the_enum():
     for script in ("slurm/pretrain.sh", "slurm/finetune.sh"):
         text = (ROOT / script).read_text()
@@ -99,3 +129,28 @@ def test_slurm_scripts_use_the_exit_codes_of_the_enum():
             assert ExitCode[name] == int(value), f"{script}: {name}_EXIT_CODE={value}, ExitCode.{name}={ExitCode[name]}"
         code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
         assert not re.search(r"exit [1-9][0-9]*\b", code), f"{script}: a literal exit code"
+
+
+def test_universal_conversion_once_per_tag_and_a_racing_converter_loses_cleanly(tmp_path, monkeypatch):
+    """The second resume on a tag reuses its conversion; a converter that finishes second (another attempt
+    converted the same tag meanwhile) drops its own copy and returns the winner's."""
+    make_tag(tmp_path, 100)
+    calls = []
+
+    def fake_convert(source, out, run_dir=None):
+        calls.append(out)
+        out.mkdir(parents=True)
+        (out / "mine").write_text(out.name)
+        if len(calls) == 2:  # the racing attempt lands its conversion while this one runs
+            winner = ckpt.universal_dir(tmp_path) / "step_0000100"
+            winner.mkdir()
+            (winner / "converted").write_text("step_0000100\n")
+
+    monkeypatch.setattr(ckpt.ds_compat, "convert_to_universal", fake_convert)
+    out = ckpt.convert_to_universal(tmp_path, "step_0000100")
+    assert (out / "converted").is_file() and (out / ckpt.STATE_FILE).is_file()
+    assert ckpt.convert_to_universal(tmp_path, "step_0000100") == out and len(calls) == 1  # reused
+    shutil.rmtree(out)  # the next attempt converts again, and meets a racing converter
+    assert ckpt.convert_to_universal(tmp_path, "step_0000100") == out and len(calls) == 2
+    assert not (out / "mine").exists()  # the winner's copy stands
+    assert [p.name for p in ckpt.universal_dir(tmp_path).iterdir()] == ["step_0000100"]  # the loser's folder is gone
