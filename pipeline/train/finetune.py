@@ -32,6 +32,7 @@ from pipeline.model.pos_embed import resize_pos_embed
 from pipeline.model.vit import VisionTransformer, _init_param
 from pipeline.model.weights import WeightsError, convert_dinov2_state_dict, is_dinov2_state_dict, load_weights
 from pipeline.train import checkpoint as ckpt
+from pipeline.train.ds_compat import real_shape
 
 ARCH_KEYS = ("variant", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "init_values",
              "reg_tokens", "no_embed_class", "mlp_layer")
@@ -197,8 +198,7 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size, prob
     # With global_pool='avg' (MAE's recipe) fc_norm replaces the final norm: a source pretrained with a
     # class token has none and fc_norm starts fresh at (1, 0), as the official fine-tuning does.
     fresh = HEAD_PREFIXES if any(k.startswith("fc_norm.") for k in state) else (*HEAD_PREFIXES, "fc_norm.")
-    expected = {name: tuple(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
-                for name, p in model.named_parameters() if not name.startswith(fresh)}
+    expected = {name: real_shape(p) for name, p in model.named_parameters() if not name.startswith(fresh)}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing:

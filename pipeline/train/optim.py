@@ -10,16 +10,11 @@ import torch
 from torch import nn
 
 from pipeline.config import TrainConfig
+from pipeline.train.ds_compat import real_shape
 
 # Hyperparameters a resumed run takes from its config, not from the checkpoint (see `apply_hparams`).
 RESUMABLE_HPARAMS = ("lr", "min_lr", "weight_decay", "layer_decay", "betas", "momentum", "warmup_steps",
                      "schedule", "steps")
-
-
-def real_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The parameter's full shape. Under deepspeed.zero.Init (ZeRO-3) `param` is a 1-D partition
-    placeholder and the real shape is in `ds_shape`."""
-    return tuple(getattr(param, "ds_shape", param.shape))
 
 
 def no_weight_decay(model: nn.Module, name: str, param: torch.Tensor) -> bool:
