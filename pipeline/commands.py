@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.config import Config, ConfigError, FinetuneConfig, apply_overrides, load_or_exit
+from pipeline.dist import is_rank0, say
 from pipeline.signals import install_signal_handlers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,14 +75,8 @@ def parse_res(text: str) -> int | list[int]:
     return parts[0] if len(parts) == 1 else parts
 
 
-def _is_main() -> bool:
-    """Rank 0 (or a single process): the one that explains the defaults it picked."""
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
-
-
-def _say(msg: str) -> None:
-    if _is_main():
-        print(msg, flush=True)
+_is_main = is_rank0  # rank 0 (or a single process): the one that explains the defaults it picked
+_say = say
 
 
 def _fail(msg: str) -> None:

@@ -171,11 +171,44 @@ def slurm_master_port(environ: Mapping[str, str]) -> int:
     return SLURM_PORT_BASE + job_id % SLURM_PORT_RANGE
 
 
+def launcher_of(environ: Mapping[str, str]) -> str:
+    """Which launcher started this process, by the one precedence every reader uses: "torchrun" (RANK and
+    WORLD_SIZE, set by torchrun and the deepspeed launcher), "slurm" (an srun step) or "single"."""
+    if all(environ.get(v) for v in TORCHRUN_VARS):
+        return "torchrun"
+    # Only inside an srun step: the batch shell also has SLURM_PROCID=0 and SLURM_NTASKS, but it is
+    # one process, and taking it for rank 0 of N would wait forever for the other N-1.
+    in_step = bool(environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID"))
+    if in_step and all(environ.get(v) for v in SLURM_VARS):
+        return "slurm"
+    return "single"
+
+
+def is_rank0(environ: Mapping[str, str] | None = None) -> bool:
+    """Is this process rank 0 of its job (or alone)? The one test every rank-0-only message uses: the
+    process group's rank once it exists; before it (config errors, the fine-tune source), the
+    launcher's environment read as `detect_env` reads it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    environ = os.environ if environ is None else environ
+    var = {"torchrun": "RANK", "slurm": "SLURM_PROCID"}.get(launcher_of(environ))
+    return var is None or environ[var].strip() == "0"
+
+
+def say(msg: str) -> None:
+    """Print on rank 0 only (see is_rank0)."""
+    if is_rank0():
+        print(msg, flush=True)
+
+
 def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     """Rank, world size and rendezvous address of this process, from the launcher's environment."""
     environ = os.environ if environ is None else environ
+    launcher = launcher_of(environ)
 
-    if all(environ.get(v) for v in TORCHRUN_VARS):
+    if launcher == "torchrun":
         return DistEnv(
             rank=_int_var(environ, "RANK"),
             # torchrun and the deepspeed launcher always set LOCAL_RANK; a hand-written
@@ -187,10 +220,7 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             source="torchrun",
         )
 
-    # Only inside an srun step: the batch shell also has SLURM_PROCID=0 and SLURM_NTASKS, but it is
-    # one process, and taking it for rank 0 of N would wait forever for the other N-1.
-    in_step = bool(environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID"))
-    if in_step and all(environ.get(v) for v in SLURM_VARS):
+    if launcher == "slurm":
         # The step's values are the ones that count: a step may use fewer tasks and nodes than the job.
         world_size = _int_var(environ, "SLURM_STEP_NUM_TASKS", _int_var(environ, "SLURM_NTASKS"))
         nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") \

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import Config, ConfigError, FinetuneConfig, load_config
 from pipeline.derived import image_size
+from pipeline.dist import say
 from pipeline.model.pos_embed import resize_pos_embed
 from pipeline.model.vit import VisionTransformer, _init_param
 from pipeline.model.weights import WeightsError, convert_dinov2_state_dict, is_dinov2_state_dict, load_weights
@@ -241,6 +241,4 @@ def _copier(value: torch.Tensor) -> Callable[[torch.Tensor], object]:
     return lambda target: target.copy_(value.to(target.dtype))
 
 
-def _say(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(msg, flush=True)
+_say = say  # rank 0 only, also before the process group exists (pipeline.dist.is_rank0)

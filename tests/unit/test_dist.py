@@ -135,3 +135,22 @@ def test_init_distributed_single_process_gloo(monkeypatch):
     finally:
         if torch_dist.is_initialized():
             torch_dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("environ, rank0", [
+    ({}, True),                                                                  # alone
+    ({"RANK": "0", "WORLD_SIZE": "2"}, True), ({"RANK": "1", "WORLD_SIZE": "2"}, False),  # torchrun / deepspeed
+    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"}, False),  # srun step
+    # the bare sbatch shell: SLURM_PROCID=0 of SLURM_NTASKS=2, but no step: one process, rank 0
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}, True),
+    # torchrun inside an srun step: torchrun's variables win, as in detect_env
+    ({"RANK": "3", "WORLD_SIZE": "4", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+      "SLURM_LOCALID": "0"}, False),
+])
+def test_is_rank0_reads_the_launcher_as_detect_env_does(environ, rank0):
+    from pipeline.dist import detect_env, is_rank0, launcher_of
+
+    assert is_rank0(environ) is rank0
+    if launcher_of(environ) != "single":  # detect_env needs a node list for Slurm; give it one
+        env = detect_env({"SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "7", "MASTER_ADDR": "n1", **environ})
+        assert env.is_main is rank0
