@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from webdataset.tariterators import base_plus_ext
 
 from pipeline import atomic
 
@@ -100,17 +99,16 @@ def scan(path: str, shard: str) -> tuple[list[SampleMembers], str | None]:
             tar = tarfile.open(fileobj=raw, mode="r:")  # seekable: member data is skipped, not read
             for info in tar:
                 tar.members = []  # not kept: the index is ours
-                if not info.isreg():
+                named = tario.member_key(info)  # the streamed reader's rule: the same sample numbers
+                if named is None:
                     continue
-                key, ext = base_plus_ext(info.name)
-                if key is None or os.path.basename(key).startswith("__"):
-                    continue
+                key, ext = named
                 if info.offset_data + info.size > size:
                     truncated = f"member '{info.name}' ends at byte {info.offset_data + info.size} of {size}"
                     break
                 if not samples or samples[-1].key != key:
                     samples.append(SampleMembers(key, {}))
-                s, ext = samples[-1], ext.lower()
+                s = samples[-1]
                 if ext in s.members:
                     s.duplicate = s.duplicate or ext
                 s.members[ext] = (info.offset_data, info.size)

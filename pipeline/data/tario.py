@@ -88,6 +88,19 @@ def iter_raw_samples(shard: str) -> Iterator[RawSample]:
             pass           # reported as truncated_tar by the caller
 
 
+def member_key(info: tarfile.TarInfo) -> tuple[str, str] | None:
+    """(sample key, lower-case extension) of a tar member, or None for a member that belongs to no sample
+    (not a regular file, no extension, a `__`-prefixed name such as `__index__`). A sample is the run of
+    consecutive members sharing a key: the one rule the streamed reader here and the index writer
+    (pipeline/data/index.py) both number samples by."""
+    if not info.isreg():
+        return None
+    key, ext = base_plus_ext(info.name)
+    if key is None or os.path.basename(key).startswith("__"):
+        return None
+    return key, ext.lower()
+
+
 def _samples(stream: io.IOBase, shard: str) -> Iterator[RawSample]:
     try:
         tar = tarfile.open(fileobj=stream, mode="r|*")
@@ -99,11 +112,10 @@ def _samples(stream: io.IOBase, shard: str) -> Iterator[RawSample]:
         for info in tar:
             members_read += 1
             tar.members = []  # a streaming TarFile keeps every header otherwise
-            if not info.isreg():
+            named = member_key(info)
+            if named is None:
                 continue
-            key, ext = base_plus_ext(info.name)
-            if key is None or os.path.basename(key).startswith("__"):
-                continue
+            key, ext = named
             if current is not None and current.key != key:
                 yield current
                 index += 1
@@ -111,7 +123,7 @@ def _samples(stream: io.IOBase, shard: str) -> Iterator[RawSample]:
             if current is None:
                 current = RawSample(key, index)
             fobj = tar.extractfile(info)
-            current.members[ext.lower()] = fobj.read() if fobj is not None else b""
+            current.members[ext] = fobj.read() if fobj is not None else b""
         if current is not None:
             yield current
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:

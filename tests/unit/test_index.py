@@ -177,3 +177,38 @@ def test_the_fetch_process_ends_on_terminate_whatever_the_ranks_signal_handlers(
         assert fetcher.process.exitcode == -signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_the_index_and_the_streamed_reader_number_samples_alike(tmp_path: Path) -> None:
+    """Both group tar members into samples with tario.member_key: a directory, a `__` member, a member
+    with no extension, upper-case extensions, a key that comes back after another (a new sample) and
+    multi-dot extensions give the same keys, numbers and members either way."""
+    import io
+    import tarfile
+
+    from pipeline.data import tario
+
+    names = ["d/", "__index__.json", "README", "a.jpg", "a.CLS", "b.seg.png", "b.cls", "a.jpg", "a.cls",
+             "c.JPG", "c.cls"]
+    path = tmp_path / "odd.tar"
+    with tarfile.open(path, "w") as tar:
+        for i, name in enumerate(names):
+            info = tarfile.TarInfo(name.rstrip("/"))
+            if name.endswith("/"):
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+                continue
+            data = f"{i}".encode()
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    streamed = [(s.key, s.index, s.members) for s in tario.iter_raw_samples(str(path))]
+    assert [(k, i, sorted(m)) for k, i, m in streamed] == [
+        ("a", 0, ["cls", "jpg"]), ("b", 1, ["cls", "seg.png"]), ("a", 2, ["cls", "jpg"]), ("c", 3, ["cls", "jpg"])]
+    scanned, truncated = index.scan(str(path), str(path))
+    assert truncated is None
+    assert [(s.key, sorted(s.members)) for s in scanned] == [(k, sorted(m)) for k, _, m in streamed]
+    with open(path, "rb") as f:  # the offsets the index records point at the streamed bytes
+        for s, (_, _, members) in zip(scanned, streamed, strict=True):
+            for ext, (offset, size) in s.members.items():
+                f.seek(offset)
+                assert f.read(size) == members[ext]
