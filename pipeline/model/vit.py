@@ -388,7 +388,13 @@ class VisionTransformer(nn.Module):
         self.pre_logits = nn.Identity()
         self.num_classes = num_classes
         self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        if num_classes > 0:
+        self.zero_head()
+
+    def zero_head(self) -> None:
+        """Zero the classifier's weight and bias (the paper's fine-tuning head: all logits 0 at the start).
+        In place, so also on a model ZeRO-3 has already partitioned, where replacing the module (as
+        `reset_classifier` does) is not possible: fine-tuning builds the model with its head and calls this."""
+        if isinstance(self.head, nn.Linear):
             _init_param(self.head.weight, nn.init.zeros_)
             _init_param(self.head.bias, nn.init.zeros_)
 

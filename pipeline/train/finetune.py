@@ -213,9 +213,7 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size, prob
     params = dict(model.named_parameters())
     for name in expected:
         _init_param(params[name], _copier(state[name]))
-    # Zero head: the fine-tune starts from the pretrained features with all logits 0.
-    _init_param(model.head.weight, nn.init.zeros_)
-    _init_param(model.head.bias, nn.init.zeros_)
+    model.zero_head()  # the fine-tune starts from the pretrained features with all logits 0
     if probe:
         make_linear_probe(model)
     _say(f"loaded {len(expected)} tensors from {src.path}; position embeddings {old_tokens} -> "
