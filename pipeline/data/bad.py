@@ -24,7 +24,6 @@ class Counters:
     """The first cause seen per shard (the reader's error, cut to 300 characters)."""
     read: int = 0
     """Samples read (good or bad)."""
-    bad_samples: int = 0
     bytes: int = 0
     """Bytes read from shard files (member data and the tar headers between members)."""
     index_bytes: int = 0
@@ -35,7 +34,6 @@ class Counters:
     def count_bad(self, kind: str, shard: str, cause: str = "") -> None:
         self.bad[kind] = self.bad.get(kind, 0) + 1
         self.bad_shards[shard] = self.bad_shards.get(shard, 0) + 1
-        self.bad_samples += 1
         if cause and shard not in self.causes:
             self.causes[shard] = cause[:300]
 
@@ -47,9 +45,14 @@ class Counters:
                     getattr(total, name)[k] = getattr(total, name).get(k, 0) + v
             for k, v in part.causes.items():
                 total.causes.setdefault(k, v)
-            for name in ("read", "bad_samples", *IO_FIELDS):
+            for name in ("read", *IO_FIELDS):
                 setattr(total, name, getattr(total, name) + getattr(part, name))
         return total
+
+    @property
+    def bad_samples(self) -> int:
+        """Bad samples of every kind (derived: not stored, so it cannot disagree with `bad`)."""
+        return sum(self.bad.values())
 
     def to_state(self) -> dict[str, Any]:
         """For the checkpoint: a plain dict, without this process's I/O figures."""
@@ -57,6 +60,7 @@ class Counters:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Counters:
+        # Unknown keys are dropped: a checkpoint written before bad_samples was derived still holds it.
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in state.items() if k in names})
 

@@ -628,3 +628,14 @@ def test_worker_batch_buffers_are_reused_only_once_nothing_refers_to_them(synth:
     assert released.shape == (2, RING)
     assert all(storage_users(s) > 1 for _, s in loader._releaser.held[:3])  # the views' batches: still held
     loader.close()
+
+
+def test_bad_samples_is_derived_and_an_older_state_that_stored_it_still_loads() -> None:
+    from pipeline.data.bad import Counters
+
+    old = {"bad": {"corrupt_image": 2, "missing_label": 1}, "bad_shards": {"s.tar": 3}, "causes": {},
+           "read": 40, "bad_samples": 3}  # a checkpoint written when the sum was stored
+    c = Counters.from_state(old)
+    assert c.bad_samples == 3 and "bad_samples" not in c.to_state()
+    c.count_bad("corrupt_image", "t.tar")
+    assert (c + c).bad_samples == 8 == sum((c + c).bad.values())
