@@ -89,6 +89,8 @@ def prepare_finetune(cfg: Config, cli_model_keys: set[str] | frozenset[str] = fr
         return dataclasses.replace(cfg, model=model_cfg, finetune=dataclasses.replace(
             cfg.finetune, source_img_size=source_img_size)), None
     src = find_source(cfg.finetune.source)
+    if src.config is not None:  # the source's recorded architecture decides: refuse a contrary override first,
+        _refuse_arch_overrides(cfg, src.config, cli_model_keys, f"--from {cfg.finetune.source}")  # before any read
     # Read before anything is written: a source that is refused (code in a pickle, not a state dict) leaves no
     # run directory, and no config.yaml recording it as this run's source for the next start to insist on.
     state = source_state_dict(src)
@@ -106,7 +108,6 @@ def prepare_finetune(cfg: Config, cli_model_keys: set[str] | frozenset[str] = fr
                            f"mask_token or register_tokens, patch_embed.proj.weight, blocks.N.*); it holds "
                            f"{len(state)} tensors, the first: {', '.join(sorted(state)[:5]) or 'none'}")
     if src.config is not None:
-        _refuse_arch_overrides(cfg, src.config, cli_model_keys, f"--from {cfg.finetune.source}")
         arch = {k: getattr(src.config.model, k) for k in ARCH_KEYS}
         model_cfg = dataclasses.replace(model_cfg, **arch)
         source_img_size = source_img_size or src.config.model.img_size
