@@ -71,8 +71,8 @@ class ModelConfig:
     """Accept inputs of any size divisible by the patch size, interpolating the position table (DINO's local crops); None keeps the variant's (on for the DINOv2 variants)."""
     global_pool: Literal["token", "avg"] = "token"
     """What the head classifies: 'token' the class token after the final norm (the paper), 'avg' the mean of the patch tokens normalised by fc_norm (MAE's fine-tuning; timm's global_pool='avg')."""
-    objective: Literal["supervised", "mae"] = "supervised"
-    """What pretraining learns from: 'supervised' (labels, the classifier head) or 'mae' (masked autoencoding of the images alone, labels unused; the `mae` section; docs/mae.md)."""
+    objective: Literal["supervised", "mae", "dinov2"] = "supervised"
+    """What pretraining learns from: 'supervised' (labels, the classifier head), 'mae' (masked autoencoding of the images alone, labels unused; the `mae` section; docs/mae.md) or 'dinov2' (self-distillation from an EMA teacher across multi-crops, labels unused; the `dino` section; docs/dino.md)."""
 
 
 @dataclass
@@ -268,6 +268,69 @@ class MaeConfig:
 
 
 @dataclass
+class DinoConfig:
+    """DINOv2's recipe (Oquab et al. 2023; Meta's dinov2/configs/ssl_default_config.yaml). The global crops
+    are model.img_size; the teacher's starting weight decay is train.weight_decay."""
+
+    global_crops_scale: tuple[float, float] = (0.32, 1.0)
+    """Area range of the 2 global crops (teacher and student), as a fraction of the image."""
+    local_crops_number: int = 8
+    """Local crops per image (student only; 0: none)."""
+    local_crops_size: int = 98
+    """Side of a local crop in pixels, a multiple of the patch size (98 = 7 x 14; Meta's default 96 does not tile patch 14)."""
+    local_crops_scale: tuple[float, float] = (0.05, 0.32)
+    """Area range of a local crop."""
+    head_n_prototypes: int = 65536
+    """Prototypes of the DINO head (its output width K)."""
+    head_hidden_dim: int = 2048
+    """Hidden width of the heads' MLP."""
+    head_bottleneck_dim: int = 256
+    """Bottleneck before the weight-normalised prototypes."""
+    head_nlayers: int = 3
+    """Linear layers of the heads' MLP."""
+    ibot_separate_head: bool = False
+    """Give iBOT its own head (Meta's ViT-L/g recipes); false: iBOT shares the DINO head."""
+    ibot_head_n_prototypes: int = 65536
+    """Prototypes of the separate iBOT head."""
+    ibot_head_bottleneck_dim: int = 256
+    """Bottleneck of the separate iBOT head (Meta's ViT-L/g: 256 where the DINO head has 384)."""
+    dino_loss_weight: float = 1.0
+    """Weight of the class-token (DINO) loss."""
+    ibot_loss_weight: float = 1.0
+    """Weight of the masked-patch (iBOT) loss (0: no masks, no iBOT)."""
+    koleo_loss_weight: float = 0.1
+    """Weight of the KoLeo regulariser on the student's global class tokens (0: off)."""
+    mask_probability: float = 0.5
+    """Probability that a global crop is masked for iBOT."""
+    mask_ratio: tuple[float, float] = (0.1, 0.5)
+    """Range of the fraction of patches masked in a masked crop (uniform, per image)."""
+    centering: Literal["centering", "sinkhorn_knopp"] = "centering"
+    """Teacher targets: softmax of the centred output (EMA centre, momentum 0.9), or Sinkhorn-Knopp (3 iterations)."""
+    student_temp: float = 0.1
+    """Temperature of the student's softmax."""
+    teacher_temp: float = 0.07
+    """Temperature of the teacher's softmax after the warm-up."""
+    warmup_teacher_temp: float = 0.04
+    """Temperature of the teacher's softmax at step 0, raised linearly to teacher_temp."""
+    teacher_temp_warmup_steps: int = 37500
+    """Steps of the teacher temperature warm-up (Meta: 30 epochs of 1250 iterations)."""
+    momentum_teacher: float = 0.992
+    """EMA momentum of the teacher at step 0, raised to final_momentum_teacher on a cosine over train.steps."""
+    final_momentum_teacher: float = 1.0
+    """EMA momentum of the teacher at the last step."""
+    weight_decay_end: float = 0.4
+    """Weight decay at the last step: a cosine from train.weight_decay (Meta: 0.04) to this."""
+    freeze_last_layer_steps: int = 1250
+    """Steps at the start during which the heads' prototypes (last_layer) get no gradient (Meta: 1 epoch of 1250 iterations)."""
+    knn_k: int = 20
+    """Evaluation: neighbours voting in the k-NN top-1 on the teacher's class token (0 disables; only where the validation split has labels)."""
+    knn_train_samples: int = 10000
+    """Evaluation: labelled training samples (the first of the train split) that make the k-NN memory."""
+    pca_images: int = 4
+    """Evaluation: validation images whose teacher patch features' first 3 principal components are drawn as RGB in the MLflow image artifact (0: none)."""
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/default"
     """Run directory: config.yaml, checkpoints/, metrics.jsonl, model.safetensors. An existing checkpoint here resumes."""
@@ -307,6 +370,8 @@ class Config:
     """Fine-tuning source (ignored by pretraining)."""
     mae: MaeConfig = field(default_factory=MaeConfig)
     """Masked autoencoder pretraining (used when model.objective is 'mae')."""
+    dino: DinoConfig = field(default_factory=DinoConfig)
+    """DINOv2 self-distillation (used when model.objective is 'dinov2')."""
 
 
 def reference_markdown() -> str:
@@ -403,11 +468,39 @@ def validate(cfg: Config, where: str = "config") -> None:
          "0 with model.objective 'mae' (as data.cutmix: mixing images has no meaning without labels)"),
         ("model.representation_size", cfg.model.objective != "mae" or cfg.model.representation_size is None,
          "null with model.objective 'mae' (the encoder has no classifier head)"),
+        *dino_checks(cfg),
     ]
     for key, ok, expected in checks:
         if not ok:
             value = operator.attrgetter(key)(cfg)
             raise ConfigError(f"{where}: key '{key}' must be {expected}, got {value!r}")
+
+
+def dino_checks(cfg: Config) -> list[tuple[str, bool, str]]:
+    """`validate`'s checks of a model.objective 'dinov2' run (none for another objective)."""
+    if cfg.model.objective != "dinov2":
+        return []
+    d = cfg.dino
+    return [
+        ("data.mixup", cfg.data.mixup == 0 and cfg.data.cutmix == 0,
+         "0 with model.objective 'dinov2' (as data.cutmix: the crops are the augmentation)"),
+        ("data.decode_device", cfg.data.decode_device == "cpu", "'cpu' with model.objective 'dinov2' (multi-crop "
+         "runs in the loader workers)"),
+        ("model.representation_size", cfg.model.representation_size is None,
+         "null with model.objective 'dinov2' (the backbone has no classifier head)"),
+        ("dino.local_crops_number", d.local_crops_number >= 0, ">= 0"),
+        ("dino.local_crops_size", d.local_crops_size > 0, "> 0"),
+        ("dino.mask_probability", 0 <= d.mask_probability <= 1, "in [0, 1]"),
+        ("dino.mask_ratio", 0 <= d.mask_ratio[0] <= d.mask_ratio[1] < 1, "[low, high] with 0 <= low <= high < 1"),
+        ("dino.head_n_prototypes", d.head_n_prototypes > 0, "> 0"),
+        ("dino.head_nlayers", d.head_nlayers >= 1, ">= 1"),
+        ("dino.teacher_temp_warmup_steps", d.teacher_temp_warmup_steps >= 0, ">= 0"),
+        ("dino.momentum_teacher", 0 <= d.momentum_teacher <= d.final_momentum_teacher <= 1,
+         "in [0, dino.final_momentum_teacher] (and that at most 1)"),
+        ("dino.freeze_last_layer_steps", d.freeze_last_layer_steps >= 0, ">= 0"),
+        ("dino.knn_k", d.knn_k >= 0, ">= 0"),
+        ("dino.pca_images", d.pca_images >= 0, ">= 0"),
+    ]
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

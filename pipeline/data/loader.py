@@ -13,8 +13,10 @@ slot when evaluating; past `data.max_bad_fraction` of the samples read (after 10
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+import torch
 
 from pipeline.config import DataConfig
 from pipeline.derived import accumulation_steps, image_size
@@ -46,14 +48,16 @@ def _check_placement(batch_size: int, rank: int, world_size: int) -> None:
 def build_train_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_size: int, seed: int,
                        rank: int = 0, world_size: int = 1, num_classes: int | None = None,
                        info: DatasetInfo | None = None, global_batch_size: int | None = None,
-                       ids_only: bool = False, per_batch: Callable[[range], np.ndarray] | None = None
-                       ) -> TrainLoader:
+                       ids_only: bool = False, per_batch: Callable[[range], np.ndarray] | None = None,
+                       view: Callable[[Any, int], tuple[torch.Tensor, ...]] | None = None) -> TrainLoader:
     """The infinite, resumable train stream of one rank: micro batches of `batch_size`.
 
     `global_batch_size` (default batch_size x world_size) must be a multiple of
     batch_size x world_size; `loader.accum` micro batches make one step. `ids_only`: batches
     are the sample ids only (nothing read; for tests and tools). `per_batch(positions)`: an array
     computed with each micro batch where it is built (a worker), then `loader.last_per_batch`.
+    `view(image, seed)`: an objective's tensors of one sample in place of the train transform (seeded with
+    the sample's augmentation seed); the micro batch's images are then a tuple, each part stacked.
     """
     _check_placement(batch_size, rank, world_size)
     if seed < 0:
@@ -67,7 +71,7 @@ def build_train_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_s
         raise DataError(f"split '{cfg.train_split}' of {info.path} has no samples")
     stream = TrainStream(split, cfg, image_size(img_size), batch_size, accum, seed, rank, world_size,
                          num_classes or info.num_classes, _label_key(cfg, info), ids_only=ids_only,
-                         per_batch=per_batch)
+                         per_batch=per_batch, view=view)
     place = node_place()
     if not ids_only:
         check_cache(stream.order, split.shards, split.shard_bytes, cfg, place.node, place.nodes)

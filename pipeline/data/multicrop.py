@@ -25,8 +25,8 @@ over 0.1-0.5 in strata; that depends on the batch's make-up, so here each image 
 (masked with probability 0.5, ratio uniform in 0.1-0.5): the same distribution per image, identical on
 any layout.
 
-Not wired yet: nothing in the stream or the trainer calls this module; the DINO objective that will is
-later work (see docs/dino.md).
+The DINOv2 objective (pipeline/objectives/dino.py, `MultiCropView`) calls both in the train stream's
+workers, with each sample's augmentation seed.
 """
 
 from __future__ import annotations

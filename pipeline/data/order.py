@@ -53,6 +53,8 @@ import numpy as np
 AUGMENT, MIXUP, PASS = 2, 3, 4
 # MAE's masks: a training sample's by its global position, a validation sample's by its index (the MAE objective).
 MASK, MASK_EVAL = 5, 6
+# DINOv2's iBOT block masks: from a training sample's augmentation seed and the global crop's index.
+IBOT_MASK = 7
 
 DEFAULT_PARTITIONS = 512
 """Upper bound of the automatic partition count: locality on up to 512 nodes where the data set allows."""

@@ -59,8 +59,15 @@ class TrainStream(IterableDataset):
 
     def __init__(self, split: SplitInfo, cfg: DataConfig, img_size: tuple[int, int], micro: int, accum: int,
                  seed: int, rank: int, world_size: int, num_classes: int, label_key: str, ids_only: bool = False,
-                 per_batch: Callable[[range], np.ndarray] | None = None):
+                 per_batch: Callable[[range], np.ndarray] | None = None,
+                 view: Callable[[Any, int], tuple[torch.Tensor, ...]] | None = None):
         super().__init__()
+        # An objective's own view of a sample in place of the train transform (DINOv2's multi-crop):
+        # (image, the position's augmentation seed) -> normalised float tensors, stacked per micro batch.
+        self.view = view
+        if view is not None and cfg.decode_device == "cuda":
+            raise DataError("data.decode_device 'cuda' decodes one crop per image on the device; this objective "
+                            "makes its own views of each sample in the loader workers: use data.decode_device=cpu")
         # An array computed from each micro batch's global positions where the batch is built (a
         # DataLoader worker), not on the training thread: MAE's per-sample mask noise.
         self.per_batch = per_batch
@@ -121,6 +128,9 @@ class TrainStream(IterableDataset):
         counters.index_bytes = self._indexes.index_bytes_read - index_bytes0
         targets = torch.tensor([label for _, label in items], dtype=torch.long)
         mix_seed = seed_for(MIXUP, self.seed, positions[0] // self.micro)
+        if self.view is not None:  # one tensor per part of the view, each (micro, ...): no Mixup, no ring buffers
+            images = tuple(torch.stack(part) for part in zip(*(views for views, _ in items)))
+            return {**out, "images": images, "targets": targets.numpy(), "counters": counters}
         if self.draw is not None:  # raw bytes + boxes; decoded and mixed up by TrainLoader.to_device
             return {**out, "images": pack_batch([t for t, _ in items], mix_seed), "targets": targets.numpy(),
                     "counters": counters}
@@ -167,7 +177,10 @@ class TrainStream(IterableDataset):
         except tario.SampleError as e:
             counters.count_bad(e.kind, shard, str(e))
             return None
-        with seeded(self.order.augment_seed(position), restore):
+        seed = self.order.augment_seed(position)
+        with seeded(seed, restore):
+            if self.view is not None:
+                return self.view(img, seed), label
             if self.draw is not None:  # same RNG calls as self.transform: the same box and flip
                 box, flip = self.draw(img)
                 return (data, box, flip, shard_no), label
@@ -269,7 +282,11 @@ class TrainLoader:
     def to_device(self, images: Any, targets: torch.Tensor, device: torch.device | str,
                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch from `next()` on `device`: a copy, or with decode_device=cuda the decode, crop,
-        resize, flip, normalisation (and Mixup/CutMix) of the raw JPEG batch there."""
+        resize, flip, normalisation (and Mixup/CutMix) of the raw JPEG batch there. An objective's view
+        (a tuple of tensors) is copied part by part, its floating parts in `dtype` (masks stay boolean)."""
+        if isinstance(images, tuple):
+            return (tuple(x.to(device, dtype if x.is_floating_point() else x.dtype, non_blocking=True) for x in images),
+                    targets.to(device, non_blocking=True))
         if self.decoder is None:
             return images.to(device, dtype, non_blocking=True), targets.to(device, non_blocking=True)
         out, bad = self.decoder(images, device)

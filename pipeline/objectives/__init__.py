@@ -10,12 +10,14 @@ from typing import Any
 
 from pipeline.config import Config
 from pipeline.objectives.base import EvalResult, Objective
+from pipeline.objectives.dino import DINOv2
 from pipeline.objectives.mae import MAE
 from pipeline.objectives.supervised import Supervised
 
 OBJECTIVES: dict[str, type[Objective]] = {
     "supervised": Supervised,
     "mae": MAE,
+    "dinov2": DINOv2,
 }
 
 

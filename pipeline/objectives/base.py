@@ -6,11 +6,13 @@ The trainer (pipeline/train/trainer.py) names no objective. It asks the objectiv
     kwargs = objective.model_kwargs()                 # checked against a checkpoint before anything is built
     model = objective.build_model(kwargs)             # under deepspeed.zero.Init with ZeRO-3
     train_data, per_batch = objective.train_data(), objective.per_batch(kwargs)   # the loader's view
+    view = objective.sample_view(kwargs)              # each sample's tensors, in place of the train transform
     objective.build_eval(env, img_size, eval_batch)   # its evaluation loaders
     ... every micro batch:  loss = objective.loss(engine, images, targets, extras)
     ... every optimizer step: objective.after_step(engine, step)   # a teacher's EMA, a schedule
     ... at eval steps:      result = objective.evaluate(engine, dtype, run_dir, step)
     objective.state_dict() / load_state_dict()        # its own state, saved with every checkpoint
+    ... at the end:         objective.exported_weights(engine)   # what model.safetensors holds
 
 A new objective is one file here, a config section and one line in `pipeline.objectives.OBJECTIVES`
 (docs/objectives.md walks through it).
@@ -71,6 +73,14 @@ class Objective:
         result reaches `loss` as `extras` (MAE's mask noise). None: no extras."""
         return None
 
+    def sample_view(self, model_kwargs: dict[str, Any]) -> Callable[[Any, int], tuple[torch.Tensor, ...]] | None:
+        """A picklable function (PIL image, the sample's augmentation seed) -> normalised float tensors (and
+        masks), run in the loader workers in place of the train transform; `loss` then gets the micro batch's
+        images as a tuple, each part stacked over the samples (DINOv2's global and local crops). Every
+        random draw must come from the seed, so that a sample's views are the same on any layout. None:
+        the train transform (one image per sample)."""
+        return None
+
     def build_eval(self, env: DistEnv, img_size: tuple[int, int], batch: int) -> list[Any]:
         """Build the evaluation loaders; return all of them (the trainer counts their batches as progress).
         Sets `self.eval_loader`."""
@@ -93,6 +103,13 @@ class Objective:
     def flops_per_image(self, model_kwargs: dict[str, Any]) -> float:
         """Forward FLOPs per training image (MFU counts 3x for forward + backward)."""
         raise NotImplementedError
+
+    def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:
+        """Collective. The fp32 weights the run exports (model.safetensors, what fine-tuning starts from):
+        by default the trained model's; an objective whose product is another model (a teacher) gives that."""
+        from pipeline.train.checkpoint import full_fp32_state_dict  # the train package imports objectives
+
+        return full_fp32_state_dict(engine)
 
     def state_dict(self) -> dict[str, Any]:
         """The objective's own state (a teacher, running centers), saved with every checkpoint."""

@@ -1,13 +1,15 @@
-"""DINOv2's loss pieces, equivalent to facebookresearch/dinov2's (issue 33).
+"""DINOv2 (Oquab et al. 2023; issue 33): the objective `model.objective: dinov2` and its loss pieces.
 
-What is here: `DINOHead`, `DINOLoss`, `iBOTPatchLoss` and `KoLeoLoss` with the official classes' names,
-constructor arguments, buffers (`center`), state-dict keys and methods, so code and checkpoints written
-against Meta's `dinov2/layers/dino_head.py` and `dinov2/loss/*.py` move across unchanged. They are checked
-against the official code in tests/unit/test_dino_official.py (skipped without DINOV2_OFFICIAL_REPO).
+The loss pieces: `DINOHead`, `DINOLoss`, `iBOTPatchLoss` and `KoLeoLoss` with the official classes'
+names, constructor arguments, buffers (`center`), state-dict keys and methods, so code and checkpoints
+written against Meta's `dinov2/layers/dino_head.py` and `dinov2/loss/*.py` move across unchanged. They are
+checked against the official code in tests/unit/test_dino_official.py (skipped without DINOV2_OFFICIAL_REPO).
 
-What is not here yet: the DINO objective itself. Nothing in this module is registered as an objective
-(`pipeline/objectives/__init__.py` does not know it); the student/teacher pair, the teacher EMA, the
-schedules, multi-crop wiring and configs are later work. See docs/dino.md.
+The objective (`DINOv2`, below them; Meta's `SSLMetaArch` is the reference): `DINOv2Model` (backbone +
+heads) as the student DeepSpeed trains and, a second instance kept on the objective, the teacher (its EMA);
+each sample's multi-crop view and iBOT masks drawn in the loader workers from the sample's seed
+(`MultiCropView`); the k-NN and PCA evaluation of the teacher. docs/dino.md has the recipe and what
+differs from Meta's loop.
 
 Where we differ from Meta's code, on purpose:
 
@@ -31,12 +33,34 @@ Where we differ from Meta's code, on purpose:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DINOHead", "DINOLoss", "iBOTPatchLoss", "KoLeoLoss"]
+from pipeline.config import Config, ConfigError, DataConfig
+from pipeline.data import build_eval_loader, raise_if_any_failed
+from pipeline.data.multicrop import MultiCrop, MultiCropConfig, block_mask
+from pipeline.data.order import IBOT_MASK, seed_for
+from pipeline.dist import DistEnv
+from pipeline.model.vit import (
+    VisionTransformer,
+    _init_param,
+    _trunc_normal,
+    model_flops,
+    model_kwargs_from_config,
+)
+from pipeline.objectives.base import EvalResult, Objective
+from pipeline.objectives.mae import knn_top1, label_free
+
+__all__ = ["DINOHead", "DINOLoss", "iBOTPatchLoss", "KoLeoLoss", "DINOv2", "DINOv2Model", "MultiCropView"]
 
 
 def _distributed() -> bool:
@@ -79,17 +103,25 @@ class _WeightNormLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
-        linear = nn.Linear(in_features, out_features, bias=False)  # nn.Linear's init for v, as Meta's
         # g before v: the order weight_norm registers them in, so the state dicts list the same keys in turn.
         self.weight_g = nn.Parameter(torch.ones(out_features, 1))  # Meta fills g with 1
-        self.weight_v = nn.Parameter(linear.weight.detach().clone())
+        # nn.Linear's init for v, as Meta's (the same draws as nn.Linear(bias=False).reset_parameters), made
+        # here and not copied from an inner nn.Linear: under deepspeed.zero.Init that Linear would already be
+        # partitioned (an empty tensor) when copied.
+        self.weight_v = nn.Parameter(torch.empty(out_features, in_features))
+        nn.init.kaiming_uniform_(self.weight_v, a=math.sqrt(5))
+        self.frozen = False  # DINOv2's frozen last layer: the forward gives g and v zero gradients (not saved)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.weight_g * self.weight_v / self.weight_v.norm(dim=1, keepdim=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        weight = self.weight
+        if self.frozen:
+            # Zero, not absent, gradients: every parameter still gets one (ZeRO's reductions expect them).
+            weight = weight.detach() + 0 * weight
+        return F.linear(x, weight)
 
 
 def _build_mlp(nlayers: int, in_dim: int, bottleneck_dim: int, hidden_dim: int, use_bn: bool,
@@ -263,3 +295,450 @@ class KoLeoLoss(nn.Module):
             nearest = self.pairwise_NNs_inner(x)
             distances = self.pdist(x, x[nearest])
             return -torch.log(distances + eps).mean()
+
+
+# ============================================================================= the DINOv2 objective
+
+
+def _head_flops(head: dict[str, Any], embed_dim: int, prototypes: int) -> float:
+    """Forward FLOPs of one token through a DINOHead (its Linears; the norm and GELU left out)."""
+    n, hidden, bottleneck = head["head_nlayers"], head["head_hidden_dim"], head["head_bottleneck_dim"]
+    dims = [embed_dim] + [hidden] * (n - 1) + [bottleneck] if n > 1 else [embed_dim, bottleneck]
+    return 2.0 * (sum(a * b for a, b in zip(dims[:-1], dims[1:])) + bottleneck * prototypes)
+
+
+HEAD_KEYS = ("head_n_prototypes", "head_hidden_dim", "head_bottleneck_dim", "head_nlayers", "ibot_separate_head",
+             "ibot_head_n_prototypes", "ibot_head_bottleneck_dim")
+
+
+class DINOv2Model(nn.Module):
+    """The student (and, another instance, the teacher) of DINOv2: a `VisionTransformer` backbone (with
+    `mask_token`, no classifier) and the DINO head, plus an iBOT head when it is separate (Meta's
+    `student`/`teacher` ModuleDicts: `backbone`, `dino_head`, `ibot_head`). The constructor takes the
+    backbone's arguments and the heads' (`HEAD_KEYS`) in one flat dict, the run's recorded model kwargs."""
+
+    def __init__(self, head_n_prototypes: int = 65536, head_hidden_dim: int = 2048, head_bottleneck_dim: int = 256,
+                 head_nlayers: int = 3, ibot_separate_head: bool = False, ibot_head_n_prototypes: int = 65536,
+                 ibot_head_bottleneck_dim: int = 256, **vit_kwargs: Any) -> None:
+        super().__init__()
+        self.backbone = VisionTransformer(**{**vit_kwargs, "num_classes": 0, "mask_token": True})
+        dim = self.backbone.embed_dim
+
+        def head(out_dim: int, bottleneck_dim: int) -> DINOHead:
+            h = DINOHead(dim, out_dim, hidden_dim=head_hidden_dim, bottleneck_dim=bottleneck_dim, nlayers=head_nlayers)
+            # DINOHead's own trunc-normal init ran on partitions under deepspeed.zero.Init (its Linears were
+            # partitioned when built): redo it on the gathered tensors (a no-op difference otherwise).
+            for m in h.mlp.modules() if isinstance(h.mlp, nn.Sequential) else [h.mlp]:
+                if isinstance(m, nn.Linear):
+                    _init_param(m.weight, _trunc_normal(0.02))
+                    if m.bias is not None:
+                        _init_param(m.bias, nn.init.zeros_)
+            return h
+
+        self.dino_head = head(head_n_prototypes, head_bottleneck_dim)
+        self.ibot_head = head(ibot_head_n_prototypes, ibot_head_bottleneck_dim) if ibot_separate_head else None
+
+    # -- what the trainer and the optimizer ask of a model
+    def no_weight_decay(self) -> set[str]:
+        return {f"backbone.{n}" for n in self.backbone.no_weight_decay()}
+
+    def group_matcher(self, coarse: bool = False) -> dict[str, str]:
+        """The backbone's layers (Meta's layer-wise decay numbers only backbone parameters; the heads are the
+        last layer, scale 1)."""
+        return {k: r"^backbone\." + v.lstrip("^") for k, v in self.backbone.group_matcher(coarse).items()}
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.backbone.set_grad_checkpointing(enable)
+
+    def freeze_last_layer(self, frozen: bool) -> None:
+        """DINOv2's first epoch: the prototypes get zero gradients."""
+        for head in (self.dino_head, self.ibot_head):
+            if head is not None:
+                head.last_layer.frozen = frozen
+
+    @property
+    def patch_head(self) -> DINOHead:
+        return self.ibot_head if self.ibot_head is not None else self.dino_head
+
+    # -- the student's forward (through the DeepSpeed engine) and the teacher's
+    def forward(self, global_crops: torch.Tensor, local_crops: torch.Tensor | None,
+                masks: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Student: global crops (2B, 3, G, G) crop-major, with iBOT's `masks` (2B, N) on their patches;
+        local crops (nB, 3, L, L) or None. Returns the heads' outputs of the global and local class tokens,
+        of the masked patches (in `masks`' row-major order) and the global class tokens before the head
+        (KoLeo's input)."""
+        g = self.backbone.forward_tokens(global_crops, masks)
+        out = {"global_cls": g.cls_token, "global": self.dino_head(g.cls_token)}
+        if local_crops is not None:
+            out["local"] = self.dino_head(self.backbone.forward_tokens(local_crops).cls_token)
+        if masks is not None:
+            out["masked"] = self.patch_head(g.patch_tokens[masks])
+        return out
+
+    @torch.no_grad()
+    def teacher_forward(self, global_crops: torch.Tensor, masks: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher: the DINO head's output for each global crop's class token, the two crops of an image
+        swapped (crop A's target is crop B's output, as Meta's), and the patch head's output on the masked
+        patches of the unmasked crops."""
+        t = self.backbone.forward_tokens(global_crops)
+        first, second = t.cls_token.chunk(2)
+        cls_out = self.dino_head(torch.cat([second, first]))
+        return cls_out, (self.patch_head(t.patch_tokens[masks]) if masks is not None else None)
+
+
+class MultiCropView:
+    """The DINOv2 objective's view of a training sample (`Objective.sample_view`), in the loader workers:
+    (global crops (2, 3, G, G), local crops (n, 3, L, L), iBOT masks (2, N) bool), every draw from the
+    sample's augmentation seed (the crops by `MultiCrop`, each global crop's mask by `block_mask` seeded
+    with (IBOT_MASK, seed, crop)), so the same on any layout. Picklable (it travels to the workers)."""
+
+    def __init__(self, crops: MultiCropConfig, grid: tuple[int, int], mask_probability: float,
+                 mask_ratio: tuple[float, float]) -> None:
+        self.multicrop = MultiCrop(crops)
+        self.grid, self.mask_probability, self.mask_ratio = grid, mask_probability, tuple(mask_ratio)
+
+    def __call__(self, image: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        crops = self.multicrop(image, seed)
+        size = self.multicrop.cfg.local_crops_size
+        local = torch.stack(crops["local_crops"]) if crops["local_crops"] else torch.zeros(0, 3, size, size)
+        masks = torch.stack([block_mask(seed_for(IBOT_MASK, seed, i), self.grid, self.mask_probability,
+                                        self.mask_ratio).flatten() for i in range(2)])
+        return torch.stack(crops["global_crops"]), local, masks
+
+
+def _cosine(step: int, total: int, start: float, end: float) -> float:
+    """Meta's CosineScheduler without warm-up: `start` at step 0 toward `end` at step `total`."""
+    return end + 0.5 * (start - end) * (1 + math.cos(math.pi * min(step, total) / max(total, 1)))
+
+
+def dinov2_model_kwargs(cfg: Config) -> dict[str, Any]:
+    """`DINOv2Model` arguments: the backbone from model.* (as a supervised ViT, no classifier, any input
+    size for the local crops) and the heads from dino.*."""
+    vit = model_kwargs_from_config(cfg.model, 0)
+    patch, img = vit["patch_size"], vit["img_size"]
+    size = img if isinstance(img, int) else img[0]
+    if not isinstance(img, int) and img[0] != img[1]:
+        raise ConfigError(f"model.img_size={list(img)}: DINOv2's global crops are square; give one side")
+    if size % patch or cfg.dino.local_crops_size % patch:
+        raise ConfigError(f"model.img_size ({size}) and dino.local_crops_size ({cfg.dino.local_crops_size}) must be "
+                          f"multiples of the patch size ({patch}): the crops are cut into whole patches")
+    vit.update(num_classes=0, dynamic_img_size=True)
+    return {**vit, **{k: getattr(cfg.dino, k) for k in HEAD_KEYS}}
+
+
+def _zero3(p: torch.Tensor) -> bool:
+    return hasattr(p, "ds_tensor")
+
+
+@contextlib.contextmanager
+def _gathered(module: nn.Module, modifier_rank: int | None = None) -> Iterator[None]:
+    """Within: a ZeRO-3 partitioned module's full parameters (collective); a plain module as it is."""
+    params = [p for p in module.parameters() if _zero3(p)]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+        yield
+
+
+class DINOv2(Objective):
+    """DINOv2 self-distillation (Oquab et al. 2023, Meta's `SSLMetaArch`): the student is the model DeepSpeed
+    trains; the teacher, an EMA of it (momentum cosine from dino.momentum_teacher to 1 over train.steps),
+    built beside it and kept here, gives the targets: DINO on the class tokens of 2 global and n local
+    crops, iBOT on the masked patches of the global crops, KoLeo on the student's global class tokens.
+    The teacher is what is evaluated (k-NN of its class token, PCA of its patch features) and exported.
+
+    Layout-free, as every guarantee asks: crops and masks come from each sample's seed; the centres move once
+    per optimizer step from the teacher outputs of the whole global batch (sums all-reduced in `after_step`;
+    Meta, without gradient accumulation, does the same per iteration); KoLeo's neighbours are those of the
+    micro batch (the same samples on any layout with the same micro batch size). Sinkhorn-Knopp normalises
+    over the micro batches of one accumulation round of all ranks, which depends on the layout.
+    """
+
+    model_class = DINOv2Model
+
+    def __init__(self, cfg: Config, info: Any):
+        super().__init__(cfg, info)
+        d = cfg.dino
+        self.teacher: DINOv2Model | None = None
+        self.dino_loss = DINOLoss(d.head_n_prototypes, student_temp=d.student_temp)
+        self.ibot_loss = iBOTPatchLoss(d.ibot_head_n_prototypes if d.ibot_separate_head else d.head_n_prototypes,
+                                       student_temp=d.student_temp)
+        self.koleo_loss = KoLeoLoss()
+        self.step = 0  # optimizer steps done (the schedules' position)
+        self._begun = -1  # the step whose schedules were last applied to the optimizer
+        self._sums: dict[str, torch.Tensor] = {}  # this step's teacher outputs for the centres: sum, count
+        self.knn_loader: Any = None
+
+    # -- the models
+    def model_kwargs(self) -> dict[str, Any]:
+        return dinov2_model_kwargs(self.cfg)
+
+    def build_model(self, model_kwargs: dict[str, Any]) -> nn.Module:
+        student = DINOv2Model(**model_kwargs)
+        # The teacher: no stochastic depth (Meta's), never trained; under ZeRO-3 partitioned like the student
+        # (built in the same zero.Init), so that its EMA runs on each rank's own shard.
+        self.teacher = DINOv2Model(**{**model_kwargs, "drop_path_rate": 0.0})
+        self.teacher.requires_grad_(False)
+        self.teacher.eval()
+        self._ema(student, 0.0)  # the teacher starts as the student
+        return student
+
+    @torch.no_grad()
+    def _ema(self, student: nn.Module, momentum: float) -> None:
+        """teacher = momentum x teacher + (1 - momentum) x student, parameter by parameter; under ZeRO-3 on
+        this rank's partitions (`ds_tensor`: the same slices of the same shapes in both models)."""
+        for s, t in zip(student.parameters(), self.teacher.parameters(), strict=True):
+            src, dst = (s.ds_tensor, t.ds_tensor) if _zero3(t) else (s, t)
+            if momentum == 0.0:
+                dst.copy_(src)
+            else:
+                dst.mul_(momentum).add_(src.to(dst.dtype), alpha=1.0 - momentum)
+
+    # -- the data
+    def train_data(self) -> DataConfig:
+        return label_free(self.cfg.data)  # no labels read: DINOv2 trains on unlabelled shards
+
+    def sample_view(self, model_kwargs: dict[str, Any]) -> MultiCropView:
+        d, data = self.cfg.dino, self.cfg.data
+        img, patch = model_kwargs["img_size"], model_kwargs["patch_size"]
+        size = img if isinstance(img, int) else img[0]
+        crops = MultiCropConfig(global_crops_size=size, global_crops_scale=tuple(d.global_crops_scale),
+                                local_crops_number=d.local_crops_number, local_crops_size=d.local_crops_size,
+                                local_crops_scale=tuple(d.local_crops_scale), mean=tuple(data.mean),
+                                std=tuple(data.std))
+        return MultiCropView(crops, (size // patch, size // patch), d.mask_probability, tuple(d.mask_ratio))
+
+    def build_eval(self, env: DistEnv, img_size: tuple[int, int], batch: int) -> list[Any]:
+        cfg, info = self.cfg, self.info
+        labelled = info.num_classes > 0
+        self.eval_loader = build_eval_loader(cfg.data if labelled else label_free(cfg.data), img_size, batch,
+                                             rank=env.rank, world_size=env.world_size, info=info)
+        self.knn_loader = None
+        if labelled and cfg.dino.knn_k > 0:  # the memory: the first dino.knn_train_samples of the train split
+            self.knn_loader = build_eval_loader(dataclasses.replace(cfg.data, val_split=cfg.data.train_split),
+                                                img_size, batch, rank=env.rank, world_size=env.world_size,
+                                                info=info, limit=cfg.dino.knn_train_samples)
+        return [x for x in (self.eval_loader, self.knn_loader) if x is not None]
+
+    # -- the schedules
+    def teacher_temp(self, step: int) -> float:
+        d = self.cfg.dino
+        if step >= d.teacher_temp_warmup_steps:
+            return d.teacher_temp
+        return d.warmup_teacher_temp + (d.teacher_temp - d.warmup_teacher_temp) * step / d.teacher_temp_warmup_steps
+
+    def momentum(self, step: int) -> float:
+        d = self.cfg.dino
+        return _cosine(step, self.cfg.train.steps, d.momentum_teacher, d.final_momentum_teacher)
+
+    def weight_decay(self, step: int) -> float:
+        return _cosine(step, self.cfg.train.steps, self.cfg.train.weight_decay, self.cfg.dino.weight_decay_end)
+
+    def _begin_step(self, engine: Any) -> None:
+        """Once per optimizer step, at its first micro batch (also the first after a resume, whose restored
+        optimizer carries train.weight_decay): the step's weight decay into every decayed parameter group,
+        the prototypes frozen or not, the teacher and the loss centres on the engine's device."""
+        if self._begun == self.step:
+            return
+        self._begun = self.step
+        wd = self.weight_decay(self.step)
+        for group in engine.optimizer.param_groups:
+            if group.get("decay", group.get("weight_decay", 0.0) > 0):
+                group["weight_decay"] = wd
+        engine.module.freeze_last_layer(self.step < self.cfg.dino.freeze_last_layer_steps)
+        device = engine.device
+        if not any(_zero3(p) for p in self.teacher.parameters()):  # ZeRO-3's partitions are on the device already
+            self.teacher.to(device)
+        for loss in (self.dino_loss, self.ibot_loss):
+            loss.to(device)
+
+    def _accumulate(self, name: str, outputs: torch.Tensor) -> None:
+        """This micro batch's teacher outputs toward the step's centre update (sum and count, float64)."""
+        total = torch.cat([outputs.double().sum(0), outputs.new_tensor([outputs.shape[0]], dtype=torch.float64)])
+        self._sums[name] = self._sums[name] + total if name in self._sums else total
+
+    # -- a step
+    def loss(self, engine: Any, images: Any, targets: torch.Tensor, extras: torch.Tensor | None) -> torch.Tensor:
+        self._begin_step(engine)
+        d = self.cfg.dino
+        global_crops, local_crops, masks = images
+        b, n_local = global_crops.shape[0], local_crops.shape[1]
+        # Crop-major, as Meta's collate: all images' first global crop, then all second ones.
+        global_crops = global_crops.transpose(0, 1).flatten(0, 1)
+        local_crops = local_crops.transpose(0, 1).flatten(0, 1) if n_local else None
+        masks = masks.transpose(0, 1).flatten(0, 1) if d.ibot_loss_weight > 0 else None
+        temp = self.teacher_temp(self.step)
+
+        teacher_dtype = next(self.teacher.parameters()).dtype
+        with _gathered(self.teacher), torch.autocast(engine.device.type, dtype=global_crops.dtype,
+                                                     enabled=engine.device.type == "cuda"
+                                                     and global_crops.dtype != teacher_dtype):
+            t_cls, t_masked = self.teacher.teacher_forward(global_crops.to(teacher_dtype), masks)
+        t_cls = t_cls.float()
+        if d.centering == "centering":
+            t_dino = self.dino_loss.softmax_center_teacher(t_cls, temp)
+            self._accumulate("dino", t_cls)
+        else:
+            t_dino = self.dino_loss.sinkhorn_knopp_teacher(t_cls, temp)
+        t_dino = t_dino.view(2, b, -1)
+
+        out = engine(global_crops, local_crops, masks)
+        terms = 2 + 2 * n_local  # (student crop, teacher crop) pairs: global-global (not the same crop) and local
+        losses: dict[str, torch.Tensor] = {}
+        if n_local:
+            losses["dino_local"] = self.dino_loss(out["local"].float().chunk(n_local), list(t_dino)) / terms
+        # The two global crops are scored in one call against the swapped targets: x2 for the two pairs.
+        losses["dino_global"] = self.dino_loss([out["global"].float()], [t_dino.flatten(0, 1)]) * 2 / terms
+        total = d.dino_loss_weight * sum(losses.values())
+        if d.koleo_loss_weight > 0:  # not between the two crops of one image: each crop's batch apart
+            losses["koleo"] = d.koleo_loss_weight * sum(self.koleo_loss(c.float()) for c in out["global_cls"].chunk(2))
+            total = total + losses["koleo"]
+        if masks is not None:
+            t_masked = t_masked.float()
+            if d.centering == "centering":
+                t_ibot = self.ibot_loss.softmax_center_teacher(t_masked.unsqueeze(0), temp).squeeze(0)
+                self._accumulate("ibot", t_masked)
+            else:
+                t_ibot = self.ibot_loss.sinkhorn_knopp_teacher(t_masked, temp, masks.sum())
+            # Meta's scale: x2 (the global crops together) x 1/2 (per global crop) = 1.
+            losses["ibot"] = self.ibot_loss.forward_masked(out["masked"].float(), t_ibot, masks)
+            total = total + d.ibot_loss_weight * losses["ibot"]
+        return total
+
+    @torch.no_grad()
+    def after_step(self, engine: Any, step: int) -> None:
+        # The centres move once per step, from the whole global batch's teacher outputs (layout-free).
+        for name, loss in (("dino", self.dino_loss), ("ibot", self.ibot_loss)):
+            if name not in self._sums:
+                continue
+            total = self._sums.pop(name)
+            if dist.is_initialized():
+                dist.all_reduce(total)
+            if total[-1] > 0:
+                batch_center = (total[:-1] / total[-1]).float().view_as(loss.center)
+                loss.center = loss.center * loss.center_momentum + batch_center * (1 - loss.center_momentum)
+        self._ema(engine.module, self.momentum(step - 1))  # the momentum of the step just taken
+        self.step = step
+
+    # -- evaluation, cost, state
+    @torch.no_grad()
+    def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:
+        metrics, image = evaluate_teacher(self, engine.device, dtype, run_dir, step)
+        knn = f" | k-NN top-1 {100 * metrics['eval/knn_top1']:.2f}%" if "eval/knn_top1" in metrics else ""
+        return EvalResult(metrics, f"eval step {step} | teacher{knn or ': no labels, no k-NN'}",
+                          [(image, "pca")] if image is not None else [])
+
+    def flops_per_image(self, model_kwargs: dict[str, Any]) -> float:
+        """The student's forward (global and local crops, heads on their class tokens) plus a third of the
+        teacher's (it runs forward only; the trainer counts 3 x this for forward + backward)."""
+        d, dim = self.cfg.dino, model_kwargs["embed_dim"]
+        head = _head_flops(model_kwargs, dim, d.head_n_prototypes)
+        global_fwd = 2 * (model_flops(model_kwargs) + head)
+        local_fwd = d.local_crops_number * (model_flops(model_kwargs, d.local_crops_size) + head)
+        return global_fwd + local_fwd + global_fwd / 3
+
+    def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:
+        """The teacher's backbone, in `VisionTransformer`'s (timm's) names: what fine-tuning starts from."""
+        return {k[len("backbone."):]: v for k, v in self._teacher_state().items() if k.startswith("backbone.")}
+
+    def _teacher_state(self) -> dict[str, torch.Tensor]:
+        """The teacher's full fp32 state dict on the CPU (collective under ZeRO-3)."""
+        with _gathered(self.teacher):
+            return {k: v.detach().float().cpu().clone() for k, v in self.teacher.state_dict().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "teacher": self._teacher_state(), "dino_center": self.dino_loss.center.cpu(),
+                "ibot_center": self.ibot_loss.center.cpu()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            raise ValueError("the checkpoint holds no DINOv2 state (teacher, centres): it was not written by a "
+                             "model.objective=dinov2 run")
+        self.step = int(state["step"])
+        own = dict(self.teacher.named_parameters()) | dict(self.teacher.named_buffers())
+        with _gathered(self.teacher, modifier_rank=0):  # every rank holds the same full tensors
+            for name, value in state["teacher"].items():
+                own[name].data.copy_(value.to(own[name].dtype))
+        self.dino_loss.center = state["dino_center"].clone()
+        self.ibot_loss.center = state["ibot_center"].clone()
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def evaluate_teacher(objective: DINOv2, device: torch.device, dtype: torch.dtype, run_dir: Path | None,
+                     step: int) -> tuple[dict[str, float], Path | None]:
+    """The teacher over the validation split: k-NN top-1 of its L2-normalised class token against the
+    labelled train subset (where there are labels; `mae.knn_top1`, DINO's weighted vote), and on rank 0
+    the PCA image of the patch features of its first `dino.pca_images` validation images. Every rank runs
+    the same number of forwards (the teacher is gathered once under ZeRO-3)."""
+    teacher, cfg = objective.teacher, objective.cfg
+    teacher_dtype = next(teacher.parameters()).dtype
+    feats, labels, shown = [], [], []
+    mem_feats, mem_labels = [], []
+    samples = torch.zeros(1, dtype=torch.float64, device=device)
+    with _gathered(teacher):
+        for images, targets, valid in objective.eval_loader:
+            tokens = teacher.backbone.forward_tokens(images.to(device, teacher_dtype, non_blocking=True))
+            feats.append(F.normalize(tokens.cls_token.float(), dim=-1))
+            labels.append(torch.where(valid.to(device), targets.to(device), -1))
+            samples += valid.sum()
+            keep = [k for k in range(len(valid)) if bool(valid[k])][:cfg.dino.pca_images - len(shown)]
+            shown += [(images[k].float().cpu(), tokens.patch_tokens[k].float().cpu()) for k in keep]
+        if objective.knn_loader is not None:
+            for images, targets, valid in objective.knn_loader:
+                tokens = teacher.backbone.forward_tokens(images.to(device, teacher_dtype, non_blocking=True))
+                mem_feats.append(F.normalize(tokens.cls_token.float(), dim=-1))
+                mem_labels.append(torch.where(valid.to(device), targets.to(device), -1))
+    metrics: dict[str, float] = {}
+    if objective.knn_loader is not None:
+        metrics.update(knn_top1(torch.cat(feats), torch.cat(labels), torch.cat(mem_feats), torch.cat(mem_labels),
+                                cfg.dino.knn_k))
+    raise_if_any_failed(objective.eval_loader, objective.knn_loader)  # collective: one failed pass stops all
+    if dist.is_initialized():
+        dist.all_reduce(samples)
+    metrics["eval/samples"] = samples.item()
+    image = None
+    if shown and run_dir is not None:
+        grid = teacher.backbone.grid_size
+        image = save_pca_image(shown, grid, cfg.data, run_dir / "pca" / f"step{step:08d}.png")
+    return metrics, image
+
+
+def pca_rgb(patch_tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """DINOv2's figure: the first 3 principal components of the patch features of all given images
+    (n, N, D), each scaled to [0, 1] over them, as RGB: (n, 3, h, w)."""
+    n, count, dim = patch_tokens.shape
+    x = patch_tokens.reshape(n * count, dim).double()
+    x = x - x.mean(0, keepdim=True)
+    _, _, v = torch.linalg.svd(x, full_matrices=False)
+    comps = x @ v[:3].T  # (n N, <=3)
+    if comps.shape[1] < 3:  # fewer than 3 features or patches: pad with zeros
+        comps = F.pad(comps, (0, 3 - comps.shape[1]))
+    low, high = comps.min(0).values, comps.max(0).values
+    comps = (comps - low) / (high - low).clamp(min=1e-12)
+    return comps.float().T.reshape(3, n, *grid).transpose(0, 1)
+
+
+def save_pca_image(shown: list[tuple[torch.Tensor, torch.Tensor]], grid: tuple[int, int], data: DataConfig,
+                   path: Path) -> Path:
+    """One PNG, a row per image: the image and its patch features' first 3 principal components as RGB."""
+    from PIL import Image
+
+    images = torch.stack([im for im, _ in shown])
+    rgb = pca_rgb(torch.stack([t for _, t in shown]), grid)
+    rgb = F.interpolate(rgb, size=images.shape[-2:], mode="nearest")  # one colour per patch
+    mean, std = torch.tensor(data.mean).view(1, 3, 1, 1), torch.tensor(data.std).view(1, 3, 1, 1)
+    rows = torch.cat([(images * std + mean).clamp(0, 1), rgb], dim=3)  # (n, 3, H, 2W)
+    grid_img = torch.cat(list(rows), dim=1)  # (3, n H, 2W)
+    pixels = (grid_img * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img = Image.fromarray(pixels)
+    scale = max(1, 256 // max(1, images.shape[-1]))  # tiny digits: enlarge to be seen
+    img.resize((img.width * scale, img.height * scale), Image.NEAREST).save(path)
+    return path

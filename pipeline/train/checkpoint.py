@@ -326,8 +326,10 @@ def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     return state
 
 
-def export_weights(engine, path: Path, metadata: dict[str, str] | None = None) -> None:
-    state = full_fp32_state_dict(engine)
+def export_weights(engine, path: Path, metadata: dict[str, str] | None = None,
+                   state: dict[str, torch.Tensor] | None = None) -> None:
+    """Collective: rank 0 writes `state` (by default the engine's consolidated fp32 weights) to `path`."""
+    state = full_fp32_state_dict(engine) if state is None else state
     if engine.global_rank == 0:
         save_weights(state, path, metadata=metadata)
     if dist.is_initialized():

@@ -126,7 +126,8 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
     train_loader = build_train_loader(objective.train_data(), img_size, cfg.train.micro_batch_size,
                                       seed=cfg.train.seed, rank=env.rank, world_size=env.world_size, info=info,
                                       global_batch_size=resolve_batch(cfg.train, env.world_size)[0],
-                                      per_batch=objective.per_batch(model_kwargs))
+                                      per_batch=objective.per_batch(model_kwargs),
+                                      view=objective.sample_view(model_kwargs))
     eval_loaders = objective.build_eval(env, img_size, cfg.train.eval_batch_size or cfg.train.micro_batch_size)
     tracker = start_tracking(cfg, run_dir, env.is_main, env.world_size, tags=tags)
     dtype = torch.bfloat16 if cfg.deepspeed.bf16 else torch.float32
@@ -217,7 +218,7 @@ def micro_batch_loss(s: Setup, cfg: Config, data, meter: ThroughputMeter, guard:
         images, targets = s.train_loader.to_device(images, targets, s.engine.device, s.dtype)  # data.decode_device
         # Extras (the objective's per_batch) were computed in the loader's workers with this micro batch.
         loss = s.objective.loss(s.engine, images, targets, s.train_loader.last_per_batch)
-        meter.add(images.shape[0], wait)
+        meter.add(len(targets), wait)  # samples: an objective's view makes `images` a tuple of crops
         if guard is None or guard.finite(s.env, loss, step):
             return loss
 
@@ -364,7 +365,8 @@ def finish(s: Setup, cfg: Config, step: int) -> None:
     s.watchdog.beat("export", step)
     run_dir = Path(cfg.run.dir)
     ckpt.export_weights(s.engine, run_dir / "model.safetensors",
-                        metadata={"variant": cfg.model.variant, "step": str(step)})
+                        metadata={"variant": cfg.model.variant, "step": str(step)},
+                        state=s.objective.exported_weights(s.engine))  # a teacher, for DINOv2
     if s.env.is_main:
         s.tracker.log_artifact(run_dir / "config.yaml")
         s.tracker.log_artifact(run_dir / "model.safetensors")  # a path tag instead with tracking.log_model=false
