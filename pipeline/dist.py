@@ -243,6 +243,33 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     )
 
 
+SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"  # for torchrun's environment: see elastic_store_warning
+
+
+def elastic_store_warning(environ: Mapping[str, str]) -> str | None:
+    """A warning for an elastic torchrun job whose agents share their rendezvous TCP store, else None.
+
+    With the shared store (torch's default since 2.4) the agent that is rank 0 keeps the MASTER_ADDR and
+    MASTER_PORT it published in its first round and never writes them under a later round's key prefix
+    (torch 2.15, dynamic_rendezvous.py next_rendezvous: `_bootstrap_store_info` is built once). A node that
+    joins a running job builds them anew, waits for that round's MASTER_ADDR, and both agents die of a
+    DistStoreError after 60 s (`.../MASTER_ADDR` on the newcomer, `.../role_info/N` on rank 0); pytorch
+    issue 135712 is the same cache. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the agents' environment makes
+    rank 0 publish a fresh address every round (tests/integration/test_torchrun_elastic.py joins with it).
+    Only a job that can restart (--max-restarts > 0) under a named rendezvous (--rdzv-id; "none" is the
+    static rendezvous's default, whose membership never changes) can meet this. The TORCHELASTIC_* variables
+    read here are the ones torchrun's agent exports into every worker (local_elastic_agent.py)."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id == "none" or not environ.get("TORCHELASTIC_MAX_RESTARTS", "0").strip().isdigit() \
+            or int(environ["TORCHELASTIC_MAX_RESTARTS"]) == 0:
+        return None
+    return (f"warning: torchrun --rdzv-id {run_id} can restart, but its agents share their rendezvous store: a node "
+            f"that joins later will fail the next rendezvous (DistStoreError on MASTER_ADDR). Start torchrun with "
+            f"{SHARED_STORE_FIX} in its environment (docs/cluster.md, Elastic).")
+
+
 def _select_cuda_device(local_rank: int) -> None:
     import torch
 
@@ -300,6 +327,9 @@ def init_distributed(timeout_s: float = 600) -> DistEnv:
         raise
     if not use_cuda:
         _unlink_cpu_allreduce_buffer(env)
+    warning = elastic_store_warning(os.environ)
+    if warning and env.is_main:
+        print(warning, flush=True)
     _initialised_env = env
     return env
 

@@ -7,7 +7,15 @@ import socket
 import pytest
 
 from pipeline import dist
-from pipeline.dist import DistEnv, DistEnvError, detect_env, expand_nodelist, expand_nodelist_python
+from pipeline.dist import (
+    SHARED_STORE_FIX,
+    DistEnv,
+    DistEnvError,
+    detect_env,
+    elastic_store_warning,
+    expand_nodelist,
+    expand_nodelist_python,
+)
 
 
 def test_torchrun_env_is_used_as_is():
@@ -154,3 +162,21 @@ def test_is_rank0_reads_the_launcher_as_detect_env_does(environ, rank0):
     if launcher_of(environ) != "single":  # detect_env needs a node list for Slurm; give it one
         env = detect_env({"SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "7", "MASTER_ADDR": "n1", **environ})
         assert env.is_main is rank0
+
+
+ELASTIC = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_MAX_RESTARTS": "3"}
+
+
+@pytest.mark.parametrize("change, warns", [
+    ({}, True),                                               # elastic, shared store: a join would fail
+    ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, False),       # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set
+    ({"TORCHELASTIC_MAX_RESTARTS": "0"}, False),              # cannot restart, so nobody joins
+    ({"TORCHELASTIC_RUN_ID": "none"}, False),                 # static rendezvous: fixed membership
+    ({"TORCHELASTIC_USE_AGENT_STORE": None}, False),          # not under torchrun
+])
+def test_elastic_store_warning_only_where_a_join_would_fail(change, warns):
+    environ = {k: v for k, v in {**ELASTIC, **change}.items() if v is not None}
+    warning = elastic_store_warning(environ)
+    assert (warning is not None) == warns
+    if warns:
+        assert SHARED_STORE_FIX in warning and "job7" in warning
