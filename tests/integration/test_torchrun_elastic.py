@@ -2,7 +2,8 @@
 loopback), started as docs/cluster.md (Elastic) says, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. Node 1 is
 SIGKILLed mid-run (agent and worker, as a lost machine), node 0 goes on alone from the newest complete
 checkpoint, node 1 joins again, the run goes back to 2 ranks after a checkpoint at the restart's SIGTERM,
-and it finishes with the weights of an uninterrupted 2-rank run."""
+and it finishes with the weights of an uninterrupted 2-rank run. A rank that hangs (SIGSTOP) instead is
+noticed by its peer's watchdog within dist.timeout_s, and the job goes on the same way."""
 
 from __future__ import annotations
 
@@ -125,13 +126,11 @@ def _steps(agents: list[Agent]) -> list[tuple[float, int]]:
                   if (m := re.match(r"step (\d+)/", line)))
 
 
-def test_a_node_lost_and_joining_again_the_job_ends_with_the_uninterrupted_weights(shards, tmp_path):
-    ref = run("pretrain.py", CONFIG, overrides(shards, tmp_path / "ref"))
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-
+def _start_two(tmp_path: Path, over: list[str]) -> tuple[Agent, Agent, Path, int]:
+    """Node 0's agent, then node 1's: (node0, node1, the step-slowing wrapper, the rendezvous port)."""
     wrapper = tmp_path / "slow_steps.py"
     wrapper.write_text(SLOW_STEPS)
-    port, over = free_port(), overrides(shards, tmp_path / "elastic")
+    port = free_port()
     node0 = Agent(wrapper, port, over)
     # The c10d rendezvous store lives in the agent that binds --rdzv-endpoint first; losing that agent ends
     # the job (the limit docs/cluster.md names). Node 0 must be it: node 1 starts once the port listens.
@@ -139,7 +138,29 @@ def test_a_node_lost_and_joining_again_the_job_ends_with_the_uninterrupted_weigh
     while not _listening(port):
         assert time.monotonic() < deadline and node0.proc.poll() is None, node0.text()[-3000:]
         time.sleep(0.2)
-    node1 = Agent(wrapper, port, over)
+    return node0, Agent(wrapper, port, over), wrapper, port
+
+
+def _assert_uninterrupted_weights(tmp_path: Path) -> None:
+    a, b = weights(tmp_path / "ref"), weights(tmp_path / "elastic")
+    assert a.keys() == b.keys()
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst <= 1e-6, f"largest weight difference {worst:.3g}"
+
+
+def _save_logs(tmp_path: Path, **agents: Agent) -> None:
+    """Each agent's whole output, where the test leaves its files (read them when it fails)."""
+    for name, agent in agents.items():
+        agent.stop()
+        (tmp_path / f"{name}.log").write_text(agent.text())
+
+
+def test_a_node_lost_and_joining_again_the_job_ends_with_the_uninterrupted_weights(shards, tmp_path):
+    ref = run("pretrain.py", CONFIG, overrides(shards, tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+
+    over = overrides(shards, tmp_path / "elastic")
+    node0, node1, wrapper, port = _start_two(tmp_path, over)
     agents = [node0, node1]
     try:
         Agent.first(agents, r"world size 2 .* steps 0->")
@@ -169,15 +190,47 @@ def test_a_node_lost_and_joining_again_the_job_ends_with_the_uninterrupted_weigh
         for agent in agents:
             assert agent.proc.wait(timeout=300) == 0, agent.text()[-4000:]
     finally:
-        node0.stop()
-        node1.stop()
-        for name, agent in (("node0", node0), ("node1", node1)):  # the whole story, where the test leaves its files
-            (tmp_path / f"{name}.log").write_text(agent.text())
+        _save_logs(tmp_path, node0=node0, node1=node1)
     stalled = max(t for t, _ in _steps([node0]) if t < again)
     print(f"loss: {first_alone - killed:.1f} s from SIGKILL to the first step on 1 rank; join: "
           f"{first_again - joining:.1f} s from the new agent's start to the first step on 2 ranks, "
           f"{first_again - stalled:.1f} s without a step")
-    a, b = weights(tmp_path / "ref"), weights(tmp_path / "elastic")
-    assert a.keys() == b.keys()
-    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-    assert worst <= 1e-6, f"largest weight difference {worst:.3g}"
+    _assert_uninterrupted_weights(tmp_path)
+
+
+HANG_TIMEOUT_S = 20  # dist.timeout_s: short, yet longer than any step, save or start-up phase here
+
+
+def test_a_rank_that_hangs_is_noticed_within_dist_timeout_s_and_the_job_goes_on(shards, tmp_path):
+    ref = run("pretrain.py", CONFIG, overrides(shards, tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+
+    over = [*overrides(shards, tmp_path / "elastic"), f"dist.timeout_s={HANG_TIMEOUT_S}"]
+    node0, node1, _, _ = _start_two(tmp_path, over)
+    agents = [node0, node1]
+    try:
+        Agent.first(agents, r"world size 2 .* steps 0->")
+        Agent.first(agents, r"^step 8/")
+        # Node 1's rank stops (SIGSTOP: alive to its agent, silent to its peer, no TCP reset), as a rank
+        # stuck in a driver or a host frozen would. Its agent sees nothing wrong.
+        (worker,) = psutil.Process(node1.proc.pid).children()
+        stopped = time.monotonic()
+        worker.send_signal(signal.SIGSTOP)
+        stopped_at = max(step for _, step in _steps(agents))
+        # Node 0's rank waits in the next collective; its watchdog ends it (exit 76) after dist.timeout_s.
+        hung = node0.wait_for(r"error: rank \d+ hung: no progress", after=stopped)
+        assert hung - stopped <= HANG_TIMEOUT_S + 3, f"noticed after {hung - stopped:.1f} s"
+        # Node 0's agent restarts its worker group in a new rendezvous round; node 1's agent sees a node
+        # waiting and restarts its own (the stopped rank is SIGKILLed after torchrun's 30 s of SIGTERM),
+        # and the job goes on on 2 ranks from the newest complete tag.
+        again = Agent.first(agents, r"world size 2 .* steps \d+->", after=hung)
+        resumed = int(re.findall(r"resumed from \S+ at step (\d+)", node0.text() + node1.text())[-1])
+        assert stopped_at - resumed <= CKPT_EVERY, (stopped_at, resumed)
+        first_again = Agent.first(agents, r"^step \d+/", after=again)
+        for agent in agents:
+            assert agent.proc.wait(timeout=300) == 0, agent.text()[-4000:]
+    finally:
+        _save_logs(tmp_path, node0=node0, node1=node1)
+    print(f"hang: noticed {hung - stopped:.1f} s after SIGSTOP (dist.timeout_s={HANG_TIMEOUT_S}); "
+          f"{first_again - stopped:.1f} s from SIGSTOP to the first step on 2 ranks again")
+    _assert_uninterrupted_weights(tmp_path)
