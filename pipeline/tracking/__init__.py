@@ -13,6 +13,8 @@ only writes metrics.jsonl and tracking.json; a background thread copies them to 
 progress per URI in mlflow_sync.json), says once when the server is down and catches up when it is
 back. ``python launch/sync_mlflow.py RUN_DIR`` sends what a job could not (nothing twice). A requeued
 job continues the run named in RUN_DIR/mlflow_sync.json; a param changed on resume becomes tag ``param_override.<key>``.
+Every start logs run/world_size, run/restarts and run/lost_steps (`start_metrics`), so the UI shows an
+elastic job shrinking and growing.
 """
 
 from pipeline.tracking.sync import (
@@ -25,7 +27,7 @@ from pipeline.tracking.sync import (
     tracking_uri,
     ui_hint,
 )
-from pipeline.tracking.tracker import Tracker, default_tags, start_tracking
+from pipeline.tracking.tracker import Tracker, default_tags, start_metrics, start_tracking
 
 __all__ = ["METRICS_FILE", "RECORD_FILE", "SYNC_FILE", "UI_COMMAND", "Tracker", "default_tags",
-           "recorded_run_id", "start_tracking", "sync_run_dir", "tracking_uri", "ui_hint"]
+           "recorded_run_id", "start_metrics", "start_tracking", "sync_run_dir", "tracking_uri", "ui_hint"]

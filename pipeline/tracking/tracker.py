@@ -235,6 +235,28 @@ class _MainTracker(Tracker):
             self.finish("FAILED")
 
 
+START_METRIC = "run/world_size"  # logged once at every start of a run: its records count the starts
+
+
+def start_metrics(run_dir: Path, step: int, world_size: int) -> dict[str, float]:
+    """What rank 0 logs at `step` when a run starts or restarts, so that the UI shows when an (elastic or
+    requeued) job shrank, grew and lost work: run/world_size; run/restarts, the starts already recorded in
+    RUN_DIR/metrics.jsonl; run/lost_steps, how far past `step` (the checkpoint resumed from) the last
+    incarnation had logged. Steps are logged every train.log_every, so the true loss may be up to
+    log_every - 1 more. Read from metrics.jsonl, the run's own record: no state of its own to keep. A line
+    cut short by a killed writer is skipped."""
+    starts, last = 0, step
+    with contextlib.suppress(FileNotFoundError), open(run_dir / METRICS_FILE, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                starts += START_METRIC in rec["metrics"]
+                last = max(last, int(rec["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return {START_METRIC: float(world_size), "run/restarts": float(starts), "run/lost_steps": float(last - step)}
+
+
 def start_tracking(cfg: Config, run_dir: Path, is_main: bool, world_size: int,
                    tags: dict[str, str] | None = None) -> Tracker:
     """Rank 0 logs; the others get a `Tracker` that does nothing. Blocks at most cfg.tracking.timeout_s;

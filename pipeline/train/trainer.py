@@ -26,7 +26,7 @@ from pipeline.dist import DistEnv, init_distributed
 from pipeline.exit_codes import ExitCode
 from pipeline.objectives import OBJECTIVES, EvalResult, Objective, build_objective
 from pipeline.signals import exit_at_once_on_signal
-from pipeline.tracking import start_tracking
+from pipeline.tracking import start_metrics, start_tracking
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import mirror, resume
 from pipeline.train.metrics import ThroughputMeter, device_peak_flops
@@ -235,6 +235,8 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
     env, engine = s.env, s.engine
     step = resume.restore(s.plan, cfg, env, engine, s.optimizer, s.groups, engine.lr_scheduler, s.train_loader,
                           s.model_kwargs["depth"], s.objective)
+    if env.is_main:  # world size, restarts and lost steps, before this start logs anything
+        s.tracker.log_metrics(start_metrics(Path(cfg.run.dir), step, env.world_size), step)
     preemption = Preemption(every=PREEMPTION_CHECK_EVERY)
     if preemption.should_stop():  # first safe point: a signal arrived during setup or the checkpoint load
         log(env, f"preempted during setup: nothing new to save (step {step}); exiting with {int(ExitCode.PREEMPTED)} "

@@ -61,12 +61,12 @@ def overrides(shards, run_dir: Path, steps: int = STEPS) -> list[str]:
 class Agent:
     """One torchrun agent (a "node") in its own session; its output lines with their arrival times."""
 
-    def __init__(self, wrapper: Path, port: int, over: list[str]):
+    def __init__(self, wrapper: Path, port: int, over: list[str], extra_env: dict[str, str] | None = None):
         argv = [TORCHRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts", "3",
                 "--monitor-interval", "1", str(wrapper), str(STEP_S), str(ROOT), str(ROOT / "launch/pretrain.py"),
                 "--config", CONFIG, *over]
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env={**env(), **AGENT_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env={**env(), **AGENT_ENV, **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.lines: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -126,19 +126,20 @@ def _steps(agents: list[Agent]) -> list[tuple[float, int]]:
                   if (m := re.match(r"step (\d+)/", line)))
 
 
-def _start_two(tmp_path: Path, over: list[str]) -> tuple[Agent, Agent, Path, int]:
+def _start_two(tmp_path: Path, over: list[str], extra_env: dict[str, str] | None = None
+               ) -> tuple[Agent, Agent, Path, int]:
     """Node 0's agent, then node 1's: (node0, node1, the step-slowing wrapper, the rendezvous port)."""
     wrapper = tmp_path / "slow_steps.py"
     wrapper.write_text(SLOW_STEPS)
     port = free_port()
-    node0 = Agent(wrapper, port, over)
+    node0 = Agent(wrapper, port, over, extra_env)
     # The c10d rendezvous store lives in the agent that binds --rdzv-endpoint first; losing that agent ends
     # the job (the limit docs/cluster.md names). Node 0 must be it: node 1 starts once the port listens.
     deadline = time.monotonic() + 60
     while not _listening(port):
         assert time.monotonic() < deadline and node0.proc.poll() is None, node0.text()[-3000:]
         time.sleep(0.2)
-    return node0, Agent(wrapper, port, over), wrapper, port
+    return node0, Agent(wrapper, port, over, extra_env), wrapper, port
 
 
 def _assert_uninterrupted_weights(tmp_path: Path) -> None:
@@ -159,8 +160,10 @@ def test_a_node_lost_and_joining_again_the_job_ends_with_the_uninterrupted_weigh
     ref = run("pretrain.py", CONFIG, overrides(shards, tmp_path / "ref"))
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
 
-    over = overrides(shards, tmp_path / "elastic")
-    node0, node1, wrapper, port = _start_two(tmp_path, over)
+    # MLflow on: one run from start to end, whichever node's rank 0 logs (the run id is in the run dir).
+    over = [*overrides(shards, tmp_path / "elastic"), "tracking.enabled=true"]
+    mlflow_env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    node0, node1, wrapper, port = _start_two(tmp_path, over, mlflow_env)
     agents = [node0, node1]
     try:
         Agent.first(agents, r"world size 2 .* steps 0->")
@@ -178,7 +181,7 @@ def test_a_node_lost_and_joining_again_the_job_ends_with_the_uninterrupted_weigh
         # Node 1 comes back: node 0's agent sees a node waiting, SIGTERMs its worker (which checkpoints
         # at the step boundary and exits 75), and both agents start the next round on 2 nodes.
         joining = time.monotonic()
-        node1 = Agent(wrapper, port, over)
+        node1 = Agent(wrapper, port, over, mlflow_env)
         agents = [node0, node1]
         again = Agent.first(agents, r"world size 2 .* steps \d+->", after=joining)
         last_alone = max(step for t, step in _steps([node0]) if alone <= t < again)
@@ -196,6 +199,19 @@ def test_a_node_lost_and_joining_again_the_job_ends_with_the_uninterrupted_weigh
           f"{first_again - joining:.1f} s from the new agent's start to the first step on 2 ranks, "
           f"{first_again - stalled:.1f} s without a step")
     _assert_uninterrupted_weights(tmp_path)
+
+    # One MLflow run across the three starts, which says when the job shrank and grew and what it lost.
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_env["MLFLOW_TRACKING_URI"])
+    (mlflow_run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert mlflow_run.info.status == "FINISHED"
+    history = {k: [m.value for m in sorted(client.get_metric_history(mlflow_run.info.run_id, k),
+                                           key=lambda m: m.step)]
+               for k in ("run/world_size", "run/restarts", "run/lost_steps")}
+    assert history["run/world_size"] == [2, 1, 2] and history["run/restarts"] == [0, 1, 2], history
+    lost = history["run/lost_steps"]
+    assert lost[0] == 0 and 0 <= lost[1] <= CKPT_EVERY and lost[2] == 0, history
 
 
 HANG_TIMEOUT_S = 20  # dist.timeout_s: short, yet longer than any step, save or start-up phase here

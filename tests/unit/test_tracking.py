@@ -312,3 +312,19 @@ def test_damaged_metric_lines_are_counted_and_named_and_the_rest_is_sent(tmp_pat
     assert history(MlflowClient(uri), done["run_id"], "loss") == [(0, 1.0), (3, 3.0)]
     again = sync_run_dir(run_dir, uri)  # counted once: the offset moved past them
     assert (again["metrics"], again["skipped_lines"]) == (0, 0)
+
+
+def test_start_metrics_count_the_starts_and_the_steps_lost_since_the_checkpoint(tmp_path):
+    from pipeline.tracking import METRICS_FILE, start_metrics
+
+    assert start_metrics(tmp_path, 0, 2) == {"run/world_size": 2.0, "run/restarts": 0.0, "run/lost_steps": 0.0}
+    lines = [{"step": 0, "metrics": {"run/world_size": 2.0, "run/restarts": 0.0, "run/lost_steps": 0.0}},
+             *({"step": s, "metrics": {"train/loss": 1.0}} for s in (2, 4, 6, 8)),
+             {"step": 5, "metrics": {"run/world_size": 1.0, "run/restarts": 1.0, "run/lost_steps": 3.0}},
+             {"step": 6, "metrics": {"train/loss": 1.0}}]
+    text = "".join(json.dumps(x) + "\n" for x in lines) + '{"step": 12, "metri'  # cut short by a SIGKILL
+    (tmp_path / METRICS_FILE).write_text(text)
+    # Two starts recorded; the furthest step logged is 8 (the cut line does not count); resumed from 5.
+    assert start_metrics(tmp_path, 5, 2) == {"run/world_size": 2.0, "run/restarts": 2.0, "run/lost_steps": 3.0}
+    # A requeue that resumes where it stopped loses nothing.
+    assert start_metrics(tmp_path, 8, 1)["run/lost_steps"] == 0.0
