@@ -43,6 +43,10 @@
 #   MAX_RESTARTS     give up after this many requeues (default: 20)
 #   ENTRY            the Python entry point (default: launch/pretrain.py; slurm/finetune.sh sets it)
 #   EXTRA_ARGS       arguments placed before the overrides (slurm/finetune.sh uses it)
+#   ELASTIC_MIN_NODES  run elastically (docs/cluster.md, Elastic): one torchrun agent per node, the
+#                    rendezvous on the first node; the job goes on while at least this many nodes live.
+#                    Submit with `sbatch --no-kill` so that Slurm keeps the allocation when a node fails.
+#   ELASTIC_MAX_RESTARTS  worker-group restarts torchrun allows (default: 20)
 set -euo pipefail
 
 # The trainer's exit codes this script acts on: ExitCode in pipeline/exit_codes.py (a test checks
@@ -72,6 +76,14 @@ EXTRA_ARGS=${EXTRA_ARGS:-}
 MAX_RESTARTS=${MAX_RESTARTS:-20}
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-}
 RESTART_COUNT=${SLURM_RESTART_COUNT:-0}
+ELASTIC_MIN_NODES=${ELASTIC_MIN_NODES:-}
+ELASTIC_MAX_RESTARTS=${ELASTIC_MAX_RESTARTS:-20}
+NUM_NODES=${SLURM_JOB_NUM_NODES:-1}
+if [[ -n $ELASTIC_MIN_NODES ]]; then
+    [[ $ELASTIC_MIN_NODES =~ ^[1-9][0-9]*$ && $ELASTIC_MIN_NODES -le $NUM_NODES ]] \
+        || die "ELASTIC_MIN_NODES=$ELASTIC_MIN_NODES: expected a whole number from 1 to the job's $NUM_NODES nodes"
+    [[ $ELASTIC_MAX_RESTARTS =~ ^[0-9]+$ ]] || die "ELASTIC_MAX_RESTARTS=$ELASTIC_MAX_RESTARTS: expected a whole number"
+fi
 
 if [[ -z ${PYTHON:-} ]]; then
     if [[ -n $CONTAINER_IMAGE ]]; then
@@ -105,12 +117,44 @@ read -r -a overrides <<<"$OVERRIDES"
 config_args=()
 [[ -z $CONFIG ]] || config_args=(--config "$CONFIG")
 cmd=("${python_cmd[@]}" "$ENTRY" "${config_args[@]}" "${extra_args[@]}" "run.dir=$RUN_DIR" "${overrides[@]}")
+elastic_exits=""
+if [[ -n $ELASTIC_MIN_NODES ]]; then
+    # One task per node: a torchrun agent that starts this node's ranks (as many as --ntasks-per-node
+    # asked for) and meets the other agents at a c10d rendezvous on the first node (its store lives in
+    # the agent there: losing that node ends the job; docs/cluster.md, Elastic, says what to do instead).
+    procs=${SLURM_NTASKS_PER_NODE:-1}
+    procs=${procs%%(*}  # "8(x2)" -> 8
+    rdzv_host=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?}" | head -n 1)
+    # Next to the MASTER_PORT that pipeline/dist.py derives from the job id; the workers' own port is the agent's choice.
+    rdzv_port=${RDZV_PORT:-$((10000 + (SLURM_JOB_ID + 1) % 20000))}
+    # Each agent's exit code, by node: srun reports the highest of its tasks, and a lost node's is a kill.
+    elastic_exits=logs/elastic-${SLURM_JOB_ID}
+    rm -rf "$elastic_exits" && mkdir -p "$elastic_exits"
+    # --rdzv-conf is_host: the first node's agent hosts the store, said outright (torch guesses from the
+    # endpoint's name, and agents that share a host, or a name that resolves locally, would race for it).
+    torchrun_args=(--nnodes "$ELASTIC_MIN_NODES:$NUM_NODES" --nproc-per-node "$procs" --rdzv-backend c10d
+                   --rdzv-endpoint "$rdzv_host:$rdzv_port" --rdzv-id "slurm-$SLURM_JOB_ID" --rdzv-conf __IS_HOST__
+                   --max-restarts "$ELASTIC_MAX_RESTARTS")
+    # A node joining later needs it (pipeline.dist.elastic_store_warning says why).
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    # Per task: __IS_HOST__ -> is_host=1 on the job's first node, 0 elsewhere; the agent's exit code to a file.
+    # shellcheck disable=SC2016  # expanded by the task's shell, not this one
+    task='args=(); for a in "$@"; do [[ $a == __IS_HOST__ ]] && a="is_host=$((SLURM_NODEID == 0))"; args+=("$a"); done
+          "${args[@]}"; rc=$?; echo "$rc" > "'"$elastic_exits"'/$SLURMD_NODENAME"; exit "$rc"'
+    cmd=(bash -c "$task" elastic-agent "${python_cmd[@]}" -m torch.distributed.run "${torchrun_args[@]}" "$ENTRY"
+         "${config_args[@]}" "${extra_args[@]}" "run.dir=$RUN_DIR" "${overrides[@]}")
+fi
 
 # Slurm >= 22.05 no longer passes --cpus-per-task from sbatch to srun: say it again.
 # No --kill-on-bad-exit: every rank of a preempted job exits 75, and the first one's exit must not kill
 # the others before they have left. A task that fails leaves its peers waiting in a collective until
 # their watchdog (dist.timeout_s) ends them with 76.
 srun_args=(--label "--cpus-per-task=${SLURM_CPUS_PER_TASK:-1}")
+if [[ -n $ELASTIC_MIN_NODES ]]; then
+    # One agent per node with the CPUs of all its ranks; --no-kill: a failed node does not end the step.
+    srun_args=(--label --no-kill --kill-on-bad-exit=0 --nodes "$NUM_NODES" --ntasks "$NUM_NODES" --ntasks-per-node 1
+               "--cpus-per-task=$(( ${SLURM_CPUS_PER_TASK:-1} * ${procs:-1} ))")
+fi
 if [[ -n $CONTAINER_IMAGE ]]; then
     srun_args+=(
         "--container-image=$CONTAINER_IMAGE"
@@ -158,6 +202,12 @@ while true; do
     kill -0 "$srun_pid" 2>/dev/null || break
 done
 trap - USR1 TERM
+if [[ -n $elastic_exits ]] && grep -qx 0 "$elastic_exits"/* 2>/dev/null; then
+    # The run finished on the nodes that were left: a lost node's agent (killed) does not fail the job.
+    echo "=== $(date -Is) elastic: finished on $(grep -lx 0 "$elastic_exits"/* | xargs -n1 basename | paste -sd' ')" \
+         "(srun exited with $rc)"
+    rc=0
+fi
 
 # srun exits with the highest exit code of its tasks.
 if [[ $rc -eq 0 ]]; then

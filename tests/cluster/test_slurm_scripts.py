@@ -7,6 +7,7 @@ resume). The second group runs the real trainer on the digits demo, on CPU over 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from pathlib import Path
@@ -246,3 +247,48 @@ def test_finetune_from_the_pretrain_run(slurm_cluster, digits_shards, pretrain_r
     weights = load_file(job_dir / "run" / "model.safetensors")
     pos_embed = next(v for k, v in weights.items() if k.endswith("pos_embed"))
     assert pos_embed.shape[1] == 1 + (64 // 4) ** 2   # class token + a 16x16 grid of 4x4 patches
+
+
+def _kill_node_agent(job_id: int, node: str) -> int:
+    """SIGKILL the task of `job_id` on `node` (the script's wrapper, its torchrun agent, the ranks), as the
+    node's death would: found by their environment, that job's task on that slurmd (both "nodes" are this
+    machine). Returns the task's pid."""
+    import psutil
+
+    agents = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            environ = proc.environ()
+            if "torch.distributed.run" in " ".join(proc.info["cmdline"] or []) \
+                    and environ.get("SLURM_JOB_ID") == str(job_id) and environ.get("SLURMD_NODENAME") == node:
+                agents.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    pids = {p.pid for p in agents}
+    tops = [p for p in agents if p.ppid() not in pids]  # the wrapper shell, whose child is the agent
+    assert len(tops) == 1, f"expected one task of job {job_id} on {node}, found {[p.cmdline()[:3] for p in tops]}"
+    for proc in [tops[0], *tops[0].children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return tops[0].pid
+
+
+def test_elastic_job_loses_a_node_and_finishes_on_one(slurm_cluster, digits_shards, job_dir):
+    """ELASTIC_MIN_NODES=1 on 2 nodes (sbatch --no-kill): n2's agent and rank are killed mid-run; n1's agent
+    restarts its rank on world size 1 from the newest checkpoint, and the job completes (exit 0, no requeue)."""
+    steps, every = 60, 5
+    job_id = submit(slurm_cluster, job_dir, sbatch_args=["--no-kill"], CONFIG=PRETRAIN_CONFIG, ELASTIC_MIN_NODES="1",
+                    OVERRIDES=f"train.steps={steps} train.log_every=1 train.eval_every=0 train.ckpt_every={every} "
+                              f"data.num_workers=1 tracking.enabled=false data.path={digits_shards}")
+    wait_for_log(slurm_cluster, job_dir, job_id, r"^\d: pretrain: .*\| world size 2 \|", timeout_s=300)
+    wait_for_log(slurm_cluster, job_dir, job_id, r"^\d: step 8/", timeout_s=300)
+    _kill_node_agent(job_id, "n2")
+    lost_at = max(int(s) for s in re.findall(r"^\d: step (\d+)/", job_log(job_dir, job_id), re.MULTILINE))
+    info = slurm_cluster.wait_job(job_id, timeout_s=600)
+    log = job_log(job_dir, job_id)
+    assert_finished(info, log)
+    assert re.search(r"^0: pretrain: .*\| world size 1 \|", log, re.MULTILINE), log
+    assert "elastic: finished on n1" in log, log
+    resumed = int(re.findall(r"resumed from \S+ at step (\d+)", log)[-1])
+    assert lost_at - resumed <= every, (lost_at, resumed)
+    assert f"step {steps}/{steps}" in log and (job_dir / "run" / "model.safetensors").is_file()
