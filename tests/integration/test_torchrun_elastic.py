@@ -142,8 +142,17 @@ def _start_two(tmp_path: Path, over: list[str], extra_env: dict[str, str] | None
     return node0, Agent(wrapper, port, over, extra_env), wrapper, port
 
 
-def _assert_uninterrupted_weights(tmp_path: Path) -> None:
-    a, b = weights(tmp_path / "ref"), weights(tmp_path / "elastic")
+@pytest.fixture(scope="module")
+def reference(shards, tmp_path_factory) -> Path:
+    """The uninterrupted 2-rank run both tests end equal to (deepspeed launcher, same overrides), run once."""
+    ref_dir = tmp_path_factory.mktemp("elastic-ref") / "ref"
+    ref = run("pretrain.py", CONFIG, overrides(shards, ref_dir))
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    return ref_dir
+
+
+def _assert_uninterrupted_weights(ref_dir: Path, tmp_path: Path) -> None:
+    a, b = weights(ref_dir), weights(tmp_path / "elastic")
     assert a.keys() == b.keys()
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     assert worst <= 1e-6, f"largest weight difference {worst:.3g}"
@@ -156,9 +165,7 @@ def _save_logs(tmp_path: Path, **agents: Agent) -> None:
         (tmp_path / f"{name}.log").write_text(agent.text())
 
 
-def test_a_node_lost_and_joining_again_the_job_ends_with_the_uninterrupted_weights(shards, tmp_path):
-    ref = run("pretrain.py", CONFIG, overrides(shards, tmp_path / "ref"))
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+def test_a_node_lost_and_joining_again_the_job_ends_with_the_uninterrupted_weights(shards, reference, tmp_path):
 
     # MLflow on: one run from start to end, whichever node's rank 0 logs (the run id is in the run dir).
     over = [*overrides(shards, tmp_path / "elastic"), "tracking.enabled=true"]
@@ -198,7 +205,7 @@ def test_a_node_lost_and_joining_again_the_job_ends_with_the_uninterrupted_weigh
     print(f"loss: {first_alone - killed:.1f} s from SIGKILL to the first step on 1 rank; join: "
           f"{first_again - joining:.1f} s from the new agent's start to the first step on 2 ranks, "
           f"{first_again - stalled:.1f} s without a step")
-    _assert_uninterrupted_weights(tmp_path)
+    _assert_uninterrupted_weights(reference, tmp_path)
 
     # One MLflow run across the three starts, which says when the job shrank and grew and what it lost.
     from mlflow import MlflowClient
@@ -217,9 +224,7 @@ def test_a_node_lost_and_joining_again_the_job_ends_with_the_uninterrupted_weigh
 HANG_TIMEOUT_S = 20  # dist.timeout_s: short, yet longer than any step, save or start-up phase here
 
 
-def test_a_rank_that_hangs_is_noticed_within_dist_timeout_s_and_the_job_goes_on(shards, tmp_path):
-    ref = run("pretrain.py", CONFIG, overrides(shards, tmp_path / "ref"))
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+def test_a_rank_that_hangs_is_noticed_within_dist_timeout_s_and_the_job_goes_on(shards, reference, tmp_path):
 
     over = [*overrides(shards, tmp_path / "elastic"), f"dist.timeout_s={HANG_TIMEOUT_S}"]
     node0, node1, _, _ = _start_two(tmp_path, over)
@@ -249,4 +254,4 @@ def test_a_rank_that_hangs_is_noticed_within_dist_timeout_s_and_the_job_goes_on(
         _save_logs(tmp_path, node0=node0, node1=node1)
     print(f"hang: noticed {hung - stopped:.1f} s after SIGSTOP (dist.timeout_s={HANG_TIMEOUT_S}); "
           f"{first_again - stopped:.1f} s from SIGSTOP to the first step on 2 ranks again")
-    _assert_uninterrupted_weights(tmp_path)
+    _assert_uninterrupted_weights(reference, tmp_path)
