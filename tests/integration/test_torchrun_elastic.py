@@ -42,6 +42,8 @@ sys.argv = sys.argv[3:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 STEP_S = 0.2
+# torch's rendezvous timers are left at their defaults; RDZV_CONF=key=value,... measures others (docs/cluster.md).
+RDZV_CONF = ["--rdzv-conf", os.environ["RDZV_CONF"]] if os.environ.get("RDZV_CONF") else []
 STEPS = 80
 # The documented launch line's environment (docs/cluster.md, Elastic): without it the join fails in the next
 # rendezvous round (pipeline.dist.elastic_store_warning says why).
@@ -64,7 +66,7 @@ class Agent:
     def __init__(self, wrapper: Path, port: int, over: list[str], extra_env: dict[str, str] | None = None):
         argv = [TORCHRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts", "3",
-                "--monitor-interval", "1", str(wrapper), str(STEP_S), str(ROOT), str(ROOT / "launch/pretrain.py"),
+                "--monitor-interval", "1", *RDZV_CONF, str(wrapper), str(STEP_S), str(ROOT), str(ROOT / "launch/pretrain.py"),
                 "--config", CONFIG, *over]
         self.proc = subprocess.Popen(argv, cwd=ROOT, env={**env(), **AGENT_ENV, **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
