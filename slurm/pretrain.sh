@@ -137,12 +137,10 @@ if [[ -n $ELASTIC_MIN_NODES ]]; then
                    --max-restarts "$ELASTIC_MAX_RESTARTS")
     # A node joining later needs it (pipeline.dist.elastic_store_warning says why).
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    # Per task: __IS_HOST__ -> is_host=1 on the job's first node, 0 elsewhere; the agent's exit code to a file.
-    # shellcheck disable=SC2016  # expanded by the task's shell, not this one
-    task='args=(); for a in "$@"; do [[ $a == __IS_HOST__ ]] && a="is_host=$((SLURM_NODEID == 0))"; args+=("$a"); done
-          "${args[@]}"; rc=$?; echo "$rc" > "'"$elastic_exits"'/$SLURMD_NODENAME"; exit "$rc"'
-    cmd=(bash -c "$task" elastic-agent "${python_cmd[@]}" -m torch.distributed.run "${torchrun_args[@]}" "$ENTRY"
-         "${config_args[@]}" "${extra_args[@]}" "run.dir=$RUN_DIR" "${overrides[@]}")
+    # Per task (slurm/elastic_agent.sh): __IS_HOST__ -> is_host=1 on the job's first node, 0 elsewhere; a
+    # SIGUSR1 -> the agent's SIGTERM (checkpoint, exit 75); the agent's exit code to $elastic_exits/<node>.
+    cmd=(slurm/elastic_agent.sh "$elastic_exits" "${python_cmd[@]}" -m torch.distributed.run "${torchrun_args[@]}"
+         "$ENTRY" "${config_args[@]}" "${extra_args[@]}" "run.dir=$RUN_DIR" "${overrides[@]}")
 fi
 
 # Slurm >= 22.05 no longer passes --cpus-per-task from sbatch to srun: say it again.

@@ -292,3 +292,23 @@ def test_elastic_job_loses_a_node_and_finishes_on_one(slurm_cluster, digits_shar
     resumed = int(re.findall(r"resumed from \S+ at step (\d+)", log)[-1])
     assert lost_at - resumed <= every, (lost_at, resumed)
     assert f"step {steps}/{steps}" in log and (job_dir / "run" / "model.safetensors").is_file()
+
+
+def test_elastic_job_usr1_checkpoints_requeues_and_resumes(slurm_cluster, digits_shards, job_dir):
+    """The time-limit signal in elastic mode: slurm/elastic_agent.sh turns SIGUSR1 into the agent's SIGTERM,
+    the ranks checkpoint and exit 75 (the agent does not restart them), the job is requeued and resumes there."""
+    steps = 40
+    job_id = submit(slurm_cluster, job_dir, sbatch_args=["--no-kill"], CONFIG=PRETRAIN_CONFIG, ELASTIC_MIN_NODES="1",
+                    OVERRIDES=f"train.steps={steps} train.log_every=1 train.eval_every=0 train.ckpt_every=100 "
+                              f"data.num_workers=1 tracking.enabled=false data.path={digits_shards}")
+    wait_for_log(slurm_cluster, job_dir, job_id, r"^\d: step 8/", timeout_s=300)
+    slurm_cluster.run(["scancel", "--signal=USR1", str(job_id)])
+    info = slurm_cluster.wait_job(job_id, timeout_s=600)
+    log = job_log(job_dir, job_id)
+    assert_finished(info, log, restarts="1")
+    before, after = log.split("requeueing job", 1)
+    saved = re.search(r"preempted: checkpoint at step (\d+) saved", before)
+    assert saved and 8 <= int(saved.group(1)) < steps, log
+    # One start before the requeue: the agent ended instead of restarting its ranks after their exit 75.
+    assert len(re.findall(r"^\d: pretrain: .*\| world size 2 \|", before, re.MULTILINE)) == 1, log
+    assert f"at step {saved.group(1)}" in after and f"step {steps}/{steps}" in after, log
