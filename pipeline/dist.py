@@ -249,12 +249,12 @@ SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"  # for torchrun's envi
 def elastic_store_warning(environ: Mapping[str, str]) -> str | None:
     """A warning for an elastic torchrun job whose agents share their rendezvous TCP store, else None.
 
-    With the shared store (torch's default since 2.4) the agent that is rank 0 keeps the MASTER_ADDR and
+    With the shared store (torch's default since 2.5) the agent that is rank 0 keeps the MASTER_ADDR and
     MASTER_PORT it published in its first round and never writes them under a later round's key prefix
     (torch 2.15, dynamic_rendezvous.py next_rendezvous: `_bootstrap_store_info` is built once). A node that
     joins a running job builds them anew, waits for that round's MASTER_ADDR, and both agents die of a
     DistStoreError after 60 s (`.../MASTER_ADDR` on the newcomer, `.../role_info/N` on rank 0); pytorch
-    issue 135712 is the same cache. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the agents' environment makes
+    issue 135712 reports other restarts broken by the same sharing. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the agents' environment makes
     rank 0 publish a fresh address every round (tests/integration/test_torchrun_elastic.py joins with it).
     Only a job that can restart (--max-restarts > 0) under a named rendezvous (--rdzv-id; "none" is the
     static rendezvous's default, whose membership never changes) can meet this. The TORCHELASTIC_* variables
