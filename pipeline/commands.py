@@ -273,9 +273,11 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
     check_data(cfg.data.path, where)
     # Imported after the config is read: a typo is reported at once, not after DeepSpeed's import.
     from pipeline.data import BadDataError, DataError, EvalFailed
-    from pipeline.dist import PortInUse
+    from pipeline.dist import PortInUse, import_deepspeed
     from pipeline.exit_codes import ExitCode
     from pipeline.model.weights import WeightsError
+
+    import_deepspeed()  # before pipeline.train imports it: without its autotuner's MLflow import
     from pipeline.train.checkpoint import CheckpointError
     from pipeline.train.lock import RunDirLocked
     from pipeline.train.resume import TrainError

@@ -87,7 +87,8 @@ LIMIT_S = 10  # dist.timeout_s for this test: a step here takes well under a sec
 
 def test_a_stopped_rank_ends_the_job_with_one_line_naming_rank_step_phase_and_the_stacks(shards, tmp_path):
     run_dir = tmp_path / "run"
-    argv = command("pretrain.py", CONFIG, [*overrides(shards, run_dir, steps=1000), f"dist.timeout_s={LIMIT_S}"], 2)
+    argv = command("pretrain.py", CONFIG, [*overrides(shards, run_dir, steps=1000), f"dist.timeout_s={LIMIT_S}"], 2,
+                   launcher="deepspeed")  # exit 76 passed on, --local_rank in the ranks' argv
     proc = subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # one line at a time

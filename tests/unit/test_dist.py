@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +20,8 @@ from pipeline.dist import (
     expand_nodelist,
     expand_nodelist_python,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_torchrun_env_is_used_as_is():
@@ -180,3 +186,14 @@ def test_elastic_store_warning_only_where_a_join_would_fail(change, warns):
     assert (warning is not None) == warns
     if warns:
         assert SHARED_STORE_FIX in warning and "job7" in warning
+
+
+@pytest.mark.slow
+def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_after():
+    code = ("import sys; from pipeline.dist import import_deepspeed; import_deepspeed(); "
+            "import deepspeed.autotuning.autotuner as a; print('mlflow' in sys.modules, a.has_mlflow); "
+            "import mlflow; print(type(mlflow.__version__).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["False", "False", "str"], out.stdout
