@@ -1,6 +1,6 @@
 """Start or resume a run: what is decided, and what is restored, in this order.
 
-Before DeepSpeed starts (`plan`; rank 0 decides, every rank learns the answer):
+Before DeepSpeed starts (`lock`, then `plan`; rank 0 decides, every rank learns the answer):
   1. Lock the run directory (rank 0, `pipeline.train.lock`): a second job on it stops here, before it
      has written anything. A lock left by a dead job is gone with its process: a requeue takes it.
   2. Find the checkpoint: the newest tag of RUN_DIR/checkpoints that is complete (complete.json written
@@ -17,8 +17,9 @@ After the engine is built (`restore`, every rank):
      step 2, its traceback goes to RUN_DIR/errors/ and the next older complete tag of the same layout is
      tried, named in the log.
   7. The hyperparameters the config changed (`optim.RESUMABLE_HPARAMS`) replace the checkpoint's, named.
-  8. The data position (layout-free: the same samples follow on any world size).
-  9. Every rank's RNG, on the same world size (on another: the same samples, other dropout draws).
+  8. The client state's parts (pipeline/train/state.py), in order: the data position (layout-free: the
+     same samples follow on any world size), the objective's state (a teacher, centers), and
+  9. every rank's RNG, on the same world size (on another: the same samples, other dropout draws).
  10. The MLflow run: `pipeline.tracking` continues the run named in RUN_DIR/mlflow_sync.json.
 A fine-tune's source is decided once, at its first start, and recorded in RUN_DIR/config.yaml; a restart
 reads it from there (`pipeline.commands.recorded_finetune_source`) and, resuming, loads no source weights.
@@ -27,6 +28,7 @@ reads it from there (`pipeline.commands.recorded_finetune_source`) and, resuming
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,8 @@ from pipeline.train import checkpoint as ckpt
 from pipeline.train import ds_compat, mirror
 from pipeline.train.ds_compat import DeepSpeedFailed, UnsafeCheckpoint
 from pipeline.train.lock import RunDirLocked, lock_run_dir
-from pipeline.train.optim import RESUMABLE_HPARAMS, apply_hparams, exempt_names
+from pipeline.train.optim import RESUMABLE_HPARAMS, exempt_names
+from pipeline.train.state import ClientState
 
 SHAPE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
               "num_classes", "representation_size")
@@ -86,18 +89,25 @@ def _on_rank0(env: DistEnv, fn) -> Any:
 # ----------------------------------------------------------------------------- 1-5: before DeepSpeed
 
 
-def plan(cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> ResumePlan | None:
+def lock(cfg: Config, env: DistEnv) -> None:
+    """Step 1 (rank 0; its refusal raised on every rank): lock RUN_DIR, and with run.remote the bucket's
+    run lock, restoring a newer tag from the bucket into RUN_DIR/checkpoints (train/mirror.py)."""
     run_dir = Path(cfg.run.dir)
 
-    def lock_and_find() -> tuple[list[str], list[str]]:
-        lock_run_dir(run_dir)  # 1
+    def take() -> None:
+        lock_run_dir(run_dir)
         try:
-            mirror.start(cfg, run_dir)  # run.remote: the remote lock; restore a newer tag from the bucket
+            mirror.start(cfg, run_dir)
         except mirror.RemoteError as e:
             raise TrainError(str(e)) from None
-        return find_complete(run_dir)  # 2
 
-    usable, skipped = _on_rank0(env, lock_and_find)
+    _on_rank0(env, take)
+
+
+def plan(cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> ResumePlan | None:
+    """Steps 2-5, after `lock`: the tag to resume and how to load it; None for a fresh start."""
+    run_dir = Path(cfg.run.dir)
+    usable, skipped = _on_rank0(env, lambda: find_complete(run_dir))  # 2
     for line in skipped:
         log(env, f"resume: skipping {line}")
     if not usable:  # 3
@@ -216,9 +226,11 @@ def convert(env: DistEnv, run_dir: Path, tag: str, state: ckpt.TrainerState, why
 # ----------------------------------------------------------------------------- 6-9: into the engine
 
 
-def restore(p: ResumePlan | None, cfg: Config, env: DistEnv, engine, optimizer, groups, scheduler,
-            train_loader, depth: int, objective=None) -> int:
-    """Load the planned checkpoint into the built engine and loader; return the step to continue from."""
+def restore(p: ResumePlan | None, cfg: Config, env: DistEnv, engine, client_state: ClientState,
+            reapply_hparams: Callable[[], None]) -> int:
+    """Load the planned checkpoint into the built engine (DeepSpeed's files) and the client state's parts
+    (pipeline/train/state.py); return the step to continue from. `reapply_hparams` puts the config's lr,
+    weight decay and schedule on the resumed optimizer."""
     if p is None:
         return 0
     run_dir = Path(cfg.run.dir)
@@ -240,18 +252,13 @@ def restore(p: ResumePlan | None, cfg: Config, env: DistEnv, engine, optimizer, 
                          f"({state.world_size} ranks, ZeRO-{state.zero_stage}). Start a new run.dir.")
     changed = changed_hparams(state, cfg)  # 7
     if changed or p.universal:
-        # The checkpoint restored its own lr, weight decay and schedule; the config's values win.
-        apply_hparams(optimizer.param_groups, groups, scheduler, cfg.train, depth)
+        reapply_hparams()  # the checkpoint restored its own lr, weight decay and schedule; the config's win
     if changed:
         log(env, "resume: overrides applied to the resumed optimizer and schedule: " + ", ".join(changed))
-    train_loader.load_state_dict(client["data"])  # 8
-    if objective is not None:  # its own state (a teacher); none in a tag written before objectives had any
-        objective.load_state_dict(client.get("objective", {}))
-    if state.world_size == env.world_size:  # 9
-        ckpt.set_rng_state(client["rng"][env.rank])
-    else:
-        log(env, f"note: checkpoint was written by {state.world_size} ranks, this job has "
-                 f"{env.world_size}: the same samples follow, but dropout's random draws differ")
+    try:  # 8-9: the data position, the objective's state, every rank's RNG (on the same world size)
+        client_state.load_state_dict(client, where=str(p.root / tag))
+    except KeyError as e:
+        raise TrainError(f"{e.args[0]}: not a checkpoint of this trainer; start a new run.dir") from None
     log(env, f"resumed from {ckpt.checkpoint_dir(run_dir) / tag} at step {state.step}")
     return state.step
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import Config, save_config, to_dict
-from pipeline.data import build_train_loader, dataset_info_of, merge_counters
+from pipeline.data import build_train_loader, dataset_info_of
 from pipeline.derived import deepspeed_config, resolve_batch
 from pipeline.dist import DistEnv, init_distributed
 from pipeline.exit_codes import ExitCode
@@ -30,8 +30,16 @@ from pipeline.tracking import start_metrics, start_tracking
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import mirror, resume
 from pipeline.train.metrics import ThroughputMeter, device_peak_flops
-from pipeline.train.optim import build_optimizer, build_scheduler, exempt_names, param_groups, peak_group_lr
+from pipeline.train.optim import (
+    apply_hparams,
+    build_optimizer,
+    build_scheduler,
+    exempt_names,
+    param_groups,
+    peak_group_lr,
+)
 from pipeline.train.preemption import Preemption
+from pipeline.train.state import ClientState, training_client_state
 from pipeline.train.watchdog import Watchdog, process_group_timeout_s
 
 MIRROR_POLL_S = 5.0  # a preempted stop waiting for run.remote's uploads: seconds between agreements
@@ -54,6 +62,7 @@ class Setup:
     plan: resume.ResumePlan | None
     objective: Objective  # what the recipe is (pipeline/objectives/): model, data view, loss, eval
     run_dir: Path
+    client_state: ClientState  # what a checkpoint holds besides DeepSpeed's engine (pipeline/train/state.py)
     watchdog: Watchdog | None = None  # started with the loop (fit)
 
     @property
@@ -108,7 +117,8 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
     info = dataset_info_of(cfg.data)  # a dataset.json at a URL is retried by data.retry_*, as shards are
     objective = build_objective(cfg, info)
     model_kwargs = objective.model_kwargs()
-    plan = resume.plan(cfg, env, model_kwargs)  # locks run_dir; refuses a wrong checkpoint before DeepSpeed
+    resume.lock(cfg, env)  # before anything is written: a second job on this run.dir stops here
+    plan = resume.plan(cfg, env, model_kwargs)  # refuses a wrong checkpoint before DeepSpeed starts
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -132,19 +142,18 @@ def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | No
     tracker = start_tracking(cfg, run_dir, env.is_main, env.world_size, tags=tags)
     dtype = torch.bfloat16 if cfg.deepspeed.bf16 else torch.float32
     return Setup(env, engine, optimizer, groups, model_kwargs, train_loader, eval_loaders, tracker, dtype,
-                 objective.flops_per_image(model_kwargs), plan, objective, run_dir)
+                 objective.flops_per_image(model_kwargs), plan, objective, run_dir,
+                 training_client_state(train_loader, objective, env))
 
 
 # ----------------------------------------------------------------------------- save
 
 
 def save(s: Setup, cfg: Config, step: int) -> str:
-    """Collective checkpoint: DeepSpeed state + the data state (once, layout-free) and every rank's RNG
-    (client state) + what the tag is (trainer_state.json, written by rank 0)."""
+    """Collective checkpoint: DeepSpeed's engine + the client state's parts (data position, objective,
+    every rank's RNG: pipeline/train/state.py) + what the tag is (trainer_state.json, written by rank 0)."""
     s.watchdog.beat("checkpoint save", step)
-    counters = merge_counters(ckpt.gather_to_all(s.train_loader.counters()))  # bad data of all ranks
-    client = {"data": s.train_loader.state_dict(counters), "rng": ckpt.gather_to_all(ckpt.rng_state()),
-              "objective": s.objective.state_dict()}
+    client = s.client_state.state_dict()
     state = ckpt.TrainerState(step=step, world_size=s.env.world_size,
                               model={k: resume.plain(v) for k, v in s.model_kwargs.items()}, config=to_dict(cfg),
                               no_weight_decay=exempt_names(s.engine.module))
@@ -233,8 +242,8 @@ def backward_and_step(engine: Any, loss: torch.Tensor) -> None:
 def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> int:
     s = setup(cfg, prepare_model)
     env, engine = s.env, s.engine
-    step = resume.restore(s.plan, cfg, env, engine, s.optimizer, s.groups, engine.lr_scheduler, s.train_loader,
-                          s.model_kwargs["depth"], s.objective)
+    step = resume.restore(s.plan, cfg, env, engine, s.client_state, reapply_hparams=lambda: apply_hparams(
+        s.optimizer.param_groups, s.groups, engine.lr_scheduler, cfg.train, s.model_kwargs["depth"]))
     if env.is_main:  # world size, restarts and lost steps, before this start logs anything
         s.tracker.log_metrics(start_metrics(Path(cfg.run.dir), step, env.world_size), step)
     preemption = Preemption(every=PREEMPTION_CHECK_EVERY)
