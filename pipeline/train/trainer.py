@@ -379,7 +379,7 @@ def finish(s: Setup, cfg: Config, step: int) -> None:
                         metadata={"variant": cfg.model.variant, "step": str(step)},
                         state=s.objective.exported_weights(s.engine))  # a teacher, for DINOv2
     if s.env.is_main:
-        s.tracker.log_artifact(run_dir / "config.yaml")
+        # (config.yaml reached MLflow when this start connected: tracking/sync.py logs tracking.json's config)
         s.tracker.log_artifact(run_dir / "model.safetensors")  # a path tag instead with tracking.log_model=false
     s.tracker.finish("FINISHED")
     if s.env.is_main:
