@@ -214,7 +214,8 @@ def is_rank0(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def say(msg: str) -> None:
-    """Print on rank 0 only (see is_rank0)."""
+    """Print on rank 0 only (see is_rank0): the one rank-0 output of commands, fine-tuning, the trainer and
+    resume, before and after the process group exists."""
     if is_rank0():
         print(msg, flush=True)
 

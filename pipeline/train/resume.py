@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import Config, to_dict
-from pipeline.dist import DistEnv
+from pipeline.dist import DistEnv, say
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import ds_compat, mirror
 from pipeline.train.ds_compat import DeepSpeedFailed, UnsafeCheckpoint
@@ -62,11 +62,6 @@ class ResumePlan:
     root: Path  # RUN_DIR/checkpoints, or RUN_DIR/universal when the layout changed
     universal: bool
     fallbacks: list[str]  # older complete tags of the same layout, newest first (step 6)
-
-
-def log(env: DistEnv, msg: str) -> None:
-    if env.is_main:
-        print(msg, flush=True)
 
 
 def _on_rank0(env: DistEnv, fn) -> Any:
@@ -109,7 +104,7 @@ def plan(cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> ResumePlan 
     run_dir = Path(cfg.run.dir)
     usable, skipped = _on_rank0(env, lambda: find_complete(run_dir))  # 2
     for line in skipped:
-        log(env, f"resume: skipping {line}")
+        say(f"resume: skipping {line}")
     if not usable:  # 3
         if skipped:
             raise TrainError(f"{ckpt.checkpoint_dir(run_dir)} holds checkpoints but none is complete ("
@@ -134,7 +129,7 @@ def plan(cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> ResumePlan 
     why = "; ".join(x for x in (
         f"world size {state.world_size} -> {env.world_size}" if state.world_size != env.world_size else "",
         f"ZeRO-{state.zero_stage} -> ZeRO-{stage}" if state.zero_stage != stage else "") if x)
-    _on_rank0(env, lambda: convert(env, run_dir, tag, state, why))
+    _on_rank0(env, lambda: convert(run_dir, tag, state, why))
     return ResumePlan(tag, state, ckpt.universal_dir(run_dir), universal=True, fallbacks=[])
 
 
@@ -206,7 +201,7 @@ def check_resumable_hparams(state: ckpt.TrainerState, cfg: Config, tag_dir: Path
                          f"{_yaml(saved['layer_decay'])} or start a new run.dir.")
 
 
-def convert(env: DistEnv, run_dir: Path, tag: str, state: ckpt.TrainerState, why: str) -> None:
+def convert(run_dir: Path, tag: str, state: ckpt.TrainerState, why: str) -> None:
     """Rank 0: the tag to a universal checkpoint (DeepSpeed's converter; its traceback to RUN_DIR/errors/)."""
     t0 = time.perf_counter()
     try:
@@ -218,9 +213,9 @@ def convert(env: DistEnv, run_dir: Path, tag: str, state: ckpt.TrainerState, why
                          f"format for the new layout ({why}): {e.first_line} (traceback: {e.traceback_file}). "
                          f"Resume with {state.world_size} ranks and deepspeed.zero_stage={state.zero_stage}, or "
                          f"start a new run.dir.") from None
-    log(env, f"resume: layout changed ({why}): converted {ckpt.checkpoint_dir(run_dir) / tag} to a universal "
-             f"checkpoint in {out} ({time.perf_counter() - t0:.1f} s); model and optimizer state are "
-             f"re-partitioned from it")
+    say(f"resume: layout changed ({why}): converted {ckpt.checkpoint_dir(run_dir) / tag} to a universal "
+        f"checkpoint in {out} ({time.perf_counter() - t0:.1f} s); model and optimizer state are "
+        f"re-partitioned from it")
 
 
 # ----------------------------------------------------------------------------- 6-9: into the engine
@@ -243,8 +238,8 @@ def restore(p: ResumePlan | None, cfg: Config, env: DistEnv, engine, client_stat
         except UnsafeCheckpoint as e:  # not a checkpoint our trainer wrote: nothing older is trusted more
             raise TrainError(f"{p.root / tag} is not resumed: {e}") from None
         except DeepSpeedFailed as e:
-            log(env, f"resume: DeepSpeed could not load {p.root / tag}: {e.first_line} (traceback: "
-                     f"{e.traceback_file}); trying an older checkpoint")
+            say(f"resume: DeepSpeed could not load {p.root / tag}: {e.first_line} (traceback: "
+                f"{e.traceback_file}); trying an older checkpoint")
             failure = e
     if client is None:
         raise TrainError(f"{p.root / p.tag}: DeepSpeed could not load this checkpoint ({failure.first_line}; "
@@ -254,12 +249,12 @@ def restore(p: ResumePlan | None, cfg: Config, env: DistEnv, engine, client_stat
     if changed or p.universal:
         reapply_hparams()  # the checkpoint restored its own lr, weight decay and schedule; the config's win
     if changed:
-        log(env, "resume: overrides applied to the resumed optimizer and schedule: " + ", ".join(changed))
+        say("resume: overrides applied to the resumed optimizer and schedule: " + ", ".join(changed))
     try:  # 8-9: the data position, the objective's state, every rank's RNG (on the same world size)
         client_state.load_state_dict(client, where=str(p.root / tag))
     except KeyError as e:
         raise TrainError(f"{e.args[0]}: not a checkpoint of this trainer; start a new run.dir") from None
-    log(env, f"resumed from {ckpt.checkpoint_dir(run_dir) / tag} at step {state.step}")
+    say(f"resumed from {ckpt.checkpoint_dir(run_dir) / tag} at step {state.step}")
     return state.step
 
 

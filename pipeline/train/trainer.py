@@ -22,7 +22,7 @@ from torch import nn
 from pipeline.config import Config, save_config, to_dict
 from pipeline.data import build_train_loader, dataset_info_of
 from pipeline.derived import deepspeed_config, resolve_batch
-from pipeline.dist import DistEnv, init_distributed
+from pipeline.dist import DistEnv, init_distributed, say
 from pipeline.exit_codes import ExitCode
 from pipeline.objectives import OBJECTIVES, EvalResult, Objective, build_objective
 from pipeline.signals import exit_at_once_on_signal
@@ -69,11 +69,6 @@ class Setup:
     def eval_loader(self) -> Any:
         """The objective's validation pass."""
         return self.objective.eval_loader
-
-
-def log(env: DistEnv, msg: str) -> None:
-    if env.is_main:
-        print(msg, flush=True)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -206,11 +201,11 @@ class NonFiniteGuard:
     in_a_row: int = 0
     total: int = 0
 
-    def finite(self, env: DistEnv, loss: torch.Tensor, step: int) -> bool:
+    def finite(self, loss: torch.Tensor, step: int) -> bool:
         if all_finite(loss):
             return True
         self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
-        log(env, f"warning: non-finite loss at step {step}: micro batch skipped ({self.in_a_row} in a row)")
+        say(f"warning: non-finite loss at step {step}: micro batch skipped ({self.in_a_row} in a row)")
         if self.in_a_row >= self.limit:
             raise NonFiniteLosses(f"{self.in_a_row} non-finite losses in a row at step {step}")
         return False
@@ -228,7 +223,7 @@ def micro_batch_loss(s: Setup, cfg: Config, data, meter: ThroughputMeter, guard:
         # Extras (the objective's per_batch) were computed in the loader's workers with this micro batch.
         loss = s.objective.loss(s.engine, images, targets, s.train_loader.last_per_batch)
         meter.add(len(targets), wait)  # samples: an objective's view makes `images` a tuple of crops
-        if guard is None or guard.finite(s.env, loss, step):
+        if guard is None or guard.finite(loss, step):
             return loss
 
 
@@ -248,8 +243,8 @@ def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None
         s.tracker.log_metrics(start_metrics(Path(cfg.run.dir), step, env.world_size), step)
     preemption = Preemption(every=PREEMPTION_CHECK_EVERY)
     if preemption.should_stop():  # first safe point: a signal arrived during setup or the checkpoint load
-        log(env, f"preempted during setup: nothing new to save (step {step}); exiting with {int(ExitCode.PREEMPTED)} "
-                 f"to be requeued")
+        say(f"preempted during setup: nothing new to save (step {step}); exiting with {int(ExitCode.PREEMPTED)} "
+            f"to be requeued")
         s.tracker.finish(status=None)
         return ExitCode.PREEMPTED
     # From here on a rank that stops making progress ends the job and says where (pipeline/train/watchdog.py).
@@ -281,10 +276,10 @@ def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
     env, engine, tc = s.env, s.engine, cfg.train
     accum = s.train_loader.accum  # micro batches per rank per step: train.global_batch_size / layout
     meter = ThroughputMeter(s.flops_per_image, env.world_size, device_peak_flops(tc.peak_flops))
-    log(env, f"{cfg.run.kind}: {cfg.model.variant} {s.model_kwargs['img_size']} | world size {env.world_size} | "
-             f"global batch {s.train_loader.global_batch} ({s.train_loader.accum} x {tc.micro_batch_size} x "
-             f"{env.world_size}) | "
-             f"ZeRO-{cfg.deepspeed.zero_stage} | steps {step}->{tc.steps} | run dir {cfg.run.dir}")
+    say(f"{cfg.run.kind}: {cfg.model.variant} {s.model_kwargs['img_size']} | world size {env.world_size} | "
+        f"global batch {s.train_loader.global_batch} ({s.train_loader.accum} x {tc.micro_batch_size} x "
+        f"{env.world_size}) | "
+        f"ZeRO-{cfg.deepspeed.zero_stage} | steps {step}->{tc.steps} | run dir {cfg.run.dir}")
     bar = _progress(env, step, tc.steps)
     data = iter(s.train_loader)
     guard = NonFiniteGuard(tc.max_nonfinite_steps) if tc.check_finite else None
@@ -342,7 +337,7 @@ def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
             if last_saved != step:
                 save(s, cfg, step)
             wait_for_mirror(s, cfg, step, preemption.group)
-            log(env, f"preempted: checkpoint at step {step} saved; exiting with {int(ExitCode.PREEMPTED)} to be requeued")
+            say(f"preempted: checkpoint at step {step} saved; exiting with {int(ExitCode.PREEMPTED)} to be requeued")
             s.tracker.finish(status=None)  # the requeued job continues this MLflow run
             return ExitCode.PREEMPTED
 
@@ -384,7 +379,7 @@ def finish(s: Setup, cfg: Config, step: int) -> None:
     s.tracker.finish("FINISHED")
     if s.env.is_main:
         mirror.finish(run_dir)  # run.remote: every tag, then config, metrics and weights are up before the end
-    log(s.env, f"done: {run_dir / 'model.safetensors'}")
+    say(f"done: {run_dir / 'model.safetensors'}")
 
 
 def _progress(env: DistEnv, start: int, total: int):
