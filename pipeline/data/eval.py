@@ -11,6 +11,7 @@ Whatever fails on one rank, its pass still yields every batch (see EvalLoader): 
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -43,8 +44,12 @@ class EvalStream(IterableDataset):
         self.batches = range(num_batches)  # the batches of this pass (a restarted pass: those not yet seen)
         self.num_classes, self.label_key = num_classes, label_key
         self.workers = max(1, workers)
-        self.transform = eval_transform(cfg, img_size)
         self.normalize = BatchNormalizer(cfg.mean, cfg.std)
+
+    @functools.cached_property
+    def transform(self) -> Any:
+        """timm's eval transform, built in the workers that use it (see TrainStream.transform)."""
+        return eval_transform(self.cfg, self.img_size)
 
     def _sample(self, i: int, indexes: Indexes, counters: dict[str, Any]) -> tuple[Any, int]:
         """(uint8 tensor or None, label) of global index i."""

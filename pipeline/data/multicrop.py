@@ -35,7 +35,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torchvision.transforms.functional as TF
 from PIL import Image
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -106,11 +105,15 @@ class MultiCrop:
         self.cfg = cfg or MultiCropConfig()
 
     def _geometric(self, g: torch.Generator, image: Image.Image, size: int, scale: tuple[float, float]) -> Image.Image:
+        import torchvision.transforms.functional as TF  # noqa: N812 - here: the rank never imports torchvision
+
         top, left, h, w = _crop_box(g, *image.size, scale)
         out = TF.resized_crop(image, top, left, h, w, [size, size], TF.InterpolationMode.BICUBIC)
         return TF.hflip(out) if torch.rand((), generator=g) < 0.5 else out
 
     def _photometric(self, g: torch.Generator, image: Image.Image, blur_p: float, solarize_p: float) -> torch.Tensor:
+        import torchvision.transforms.functional as TF  # noqa: N812 - in the loader workers only (see _geometric)
+
         cfg = self.cfg
         # Every draw is made whether or not its transform applies, so one crop's draws never shift on
         # another's outcome (simpler to reason about; the distribution is the same).

@@ -24,6 +24,7 @@ global batch), bad-data counts, and the fingerprint of what the order depends on
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import uuid
@@ -78,7 +79,6 @@ class TrainStream(IterableDataset):
         self.cfg, self.img_size, self.seed = cfg, img_size, seed
         self.micro, self.accum, self.rank, self.world_size = micro, accum, rank, world_size
         self.num_classes, self.label_key, self.ids_only = num_classes, label_key, ids_only
-        self.transform = train_transform(cfg, img_size)
         self.normalize = BatchNormalizer(cfg.mean, cfg.std)
         self.mixup = build_mixup(cfg, num_classes, micro)
         self.gpu_decode = cfg.decode_device == "cuda"  # workers draw crops; TrainLoader.to_device decodes
@@ -90,6 +90,12 @@ class TrainStream(IterableDataset):
         # One retry budget per shard for this rank's readers and its fetch-ahead process (index.local_copy);
         # made here, in the rank, and pickled with the stream to its workers. A new run makes a new key.
         self.budget_key = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+    @functools.cached_property
+    def transform(self) -> Any:
+        """timm's train transform, built where it is first used: in the loader workers, whose fork server has
+        timm imported, so that the rank itself never imports timm and torchvision (2.5 s of CPU per rank)."""
+        return train_transform(self.cfg, self.img_size)
 
     def positions(self, j: int) -> range:
         return micro_batch_positions(j, self.rank, self.world_size, self.micro, self.accum)
@@ -178,13 +184,14 @@ class TrainStream(IterableDataset):
             counters.count_bad(e.kind, shard, str(e))
             return None
         seed = self.order.augment_seed(position)
+        transform = self.transform if self.view is None else None  # built (once) outside the seeded draws
         with seeded(seed, restore):
             if self.view is not None:
                 return self.view(img, seed), label
             if self.draw is not None:  # same RNG calls as self.transform: the same box and flip
                 box, flip = self.draw(img)
                 return (data, box, flip, shard_no), label
-            return self.transform(img), label
+            return transform(img), label
 
 
 class TrainLoader:
