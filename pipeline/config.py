@@ -321,7 +321,9 @@ class DinoConfig:
     weight_decay_end: float = 0.4
     """Weight decay at the last step: a cosine from train.weight_decay (Meta: 0.04) to this."""
     freeze_last_layer_steps: int = 1250
-    """Steps at the start during which the heads' prototypes (last_layer) get no gradient (Meta: 1 epoch of 1250 iterations)."""
+    """Steps at the start during which the heads' prototypes (last_layer) have lr 0: their gradients are computed (and clipped with the rest) but the weights do not move (Meta's freeze_last_layer_epochs: 1 epoch of 1250 iterations)."""
+    patch_embed_lr_mult: float = 0.2
+    """Factor on the patch embedding's lr, on top of train.layer_decay's (Meta's optim.patch_embed_lr_mult)."""
     knn_k: int = 20
     """Evaluation: neighbours voting in the k-NN top-1 on the teacher's class token (0 disables; only where the validation split has labels)."""
     knn_train_samples: int = 10000
@@ -498,6 +500,7 @@ def dino_checks(cfg: Config) -> list[tuple[str, bool, str]]:
         ("dino.momentum_teacher", 0 <= d.momentum_teacher <= d.final_momentum_teacher <= 1,
          "in [0, dino.final_momentum_teacher] (and that at most 1)"),
         ("dino.freeze_last_layer_steps", d.freeze_last_layer_steps >= 0, ">= 0"),
+        ("dino.patch_embed_lr_mult", d.patch_embed_lr_mult >= 0, ">= 0"),
         ("dino.knn_k", d.knn_k >= 0, ">= 0"),
         ("dino.pca_images", d.pca_images >= 0, ">= 0"),
     ]

@@ -347,8 +347,8 @@ class VisionTransformer(nn.Module):
         """Names of parameters with more than one dimension that are not decayed (timm's and DeiT's set:
         the position embedding, the class token and timm's register tokens). Biases, norm weights and
         LayerScale gammas (ndim <= 1) are never decayed whatever this says; the optimizer adds them
-        (`pipeline.train.optim.param_groups`); DINOv2 exempts the same (bias, norm, gamma). mask_token is
-        decayed, as in DINOv2's parameter groups."""
+        (`pipeline.train.optim.param_groups`). mask_token is decayed. DINOv2's student
+        (`pipeline.objectives.dino.DINOv2Model`) exempts none of these by name, as Meta's parameter groups."""
         return {"pos_embed", "cls_token", "reg_token"}
 
     def group_matcher(self, coarse: bool = False) -> dict[str, str]:

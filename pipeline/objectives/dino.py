@@ -110,18 +110,13 @@ class _WeightNormLinear(nn.Module):
         # partitioned (an empty tensor) when copied.
         self.weight_v = nn.Parameter(torch.empty(out_features, in_features))
         nn.init.kaiming_uniform_(self.weight_v, a=math.sqrt(5))
-        self.frozen = False  # DINOv2's frozen last layer: the forward gives g and v zero gradients (not saved)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.weight_g * self.weight_v / self.weight_v.norm(dim=1, keepdim=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if self.frozen:
-            # Zero, not absent, gradients: every parameter still gets one (ZeRO's reductions expect them).
-            weight = weight.detach() + 0 * weight
-        return F.linear(x, weight)
+        return F.linear(x, self.weight)
 
 
 def _build_mlp(nlayers: int, in_dim: int, bottleneck_dim: int, hidden_dim: int, use_bn: bool,
@@ -315,12 +310,15 @@ class DINOv2Model(nn.Module):
     """The student (and, another instance, the teacher) of DINOv2: a `VisionTransformer` backbone (with
     `mask_token`, no classifier) and the DINO head, plus an iBOT head when it is separate (Meta's
     `student`/`teacher` ModuleDicts: `backbone`, `dino_head`, `ibot_head`). The constructor takes the
-    backbone's arguments and the heads' (`HEAD_KEYS`) in one flat dict, the run's recorded model kwargs."""
+    backbone's arguments and the heads' (`HEAD_KEYS`) in one flat dict, the run's recorded model kwargs;
+    `patch_embed_lr_mult` (dino.patch_embed_lr_mult) is optimizer metadata the objective passes, not
+    recorded with the model: it may change on resume, the parameter groups do not (see `param_roles`)."""
 
     def __init__(self, head_n_prototypes: int = 65536, head_hidden_dim: int = 2048, head_bottleneck_dim: int = 256,
                  head_nlayers: int = 3, ibot_separate_head: bool = False, ibot_head_n_prototypes: int = 65536,
-                 ibot_head_bottleneck_dim: int = 256, **vit_kwargs: Any) -> None:
+                 ibot_head_bottleneck_dim: int = 256, patch_embed_lr_mult: float = 1.0, **vit_kwargs: Any) -> None:
         super().__init__()
+        self.patch_embed_lr_mult = patch_embed_lr_mult
         self.backbone = VisionTransformer(**{**vit_kwargs, "num_classes": 0, "mask_token": True})
         dim = self.backbone.embed_dim
 
@@ -340,7 +338,10 @@ class DINOv2Model(nn.Module):
 
     # -- what the trainer and the optimizer ask of a model
     def no_weight_decay(self) -> set[str]:
-        return {f"backbone.{n}" for n in self.backbone.no_weight_decay()}
+        """None beyond the optimizer's rule (biases and 1-D parameters: norms, LayerScale gammas): Meta's
+        `get_params_groups_with_decay` exempts only names ending in `.bias` or holding `norm` or `gamma`, so
+        the position table, class, register and mask tokens are decayed, unlike the ViT's timm/DeiT set."""
+        return set()
 
     def group_matcher(self, coarse: bool = False) -> dict[str, str]:
         """The backbone's layers (Meta's layer-wise decay numbers only backbone parameters; the heads are the
@@ -350,11 +351,16 @@ class DINOv2Model(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.backbone.set_grad_checkpointing(enable)
 
-    def freeze_last_layer(self, frozen: bool) -> None:
-        """DINOv2's first epoch: the prototypes get zero gradients."""
-        for head in (self.dino_head, self.ibot_head):
-            if head is not None:
-                head.last_layer.frozen = frozen
+    def param_roles(self) -> dict[str, str]:
+        """The parameters DINOv2's optimizer treats apart (Meta's `get_params_groups_with_decay`):
+        `patch_embed` ("patch_embed" in the name: its lr x `patch_embed_lr_mult`) and `last_layer` (the
+        heads' weight-normalised prototypes, `is_last_layer`: lr 0 for dino.freeze_last_layer_steps, which
+        the objective applies). Each is a parameter group of its own (`pipeline.train.optim.param_groups`)."""
+        return {"patch_embed": r"^backbone\.patch_embed\.", "last_layer": r"^(dino_head|ibot_head)\.last_layer\."}
+
+    def lr_multipliers(self) -> dict[str, float]:
+        """Role -> factor on the lr (on top of layer-wise decay, as Meta multiplies them)."""
+        return {"patch_embed": self.patch_embed_lr_mult}
 
     @property
     def patch_head(self) -> DINOHead:
@@ -478,7 +484,7 @@ class DINOv2(Objective):
         return dinov2_model_kwargs(self.cfg)
 
     def build_model(self, model_kwargs: dict[str, Any]) -> nn.Module:
-        student = DINOv2Model(**model_kwargs)
+        student = DINOv2Model(**model_kwargs, patch_embed_lr_mult=self.cfg.dino.patch_embed_lr_mult)
         # The teacher: no stochastic depth (Meta's), never trained; under ZeRO-3 partitioned like the student
         # (built in the same zero.Init), so that its EMA runs on each rank's own shard.
         self.teacher = DINOv2Model(**{**model_kwargs, "drop_path_rate": 0.0})
@@ -540,16 +546,23 @@ class DINOv2(Objective):
 
     def _begin_step(self, engine: Any) -> None:
         """Once per optimizer step, at its first micro batch (also the first after a resume, whose restored
-        optimizer carries train.weight_decay): the step's weight decay into every decayed parameter group,
-        the prototypes frozen or not, the teacher and the loss centres on the engine's device."""
+        optimizer carries train.weight_decay): the step's weight decay into every decayed parameter group
+        (Meta's `apply_optim_scheduler`: wd x wd_multiplier, 0 or 1), lr 0 for the prototypes' groups
+        (role `last_layer`) during the first dino.freeze_last_layer_steps (Meta's last_layer_lr schedule:
+        gradients are computed, count in the clipping norm and fill AdamW's moments; with lr 0 neither the
+        step nor the decoupled decay moves the weights), the teacher and the loss centres on the engine's
+        device. The lr needs no restoring after the freeze: the trainer's schedule sets every group's lr
+        after each optimizer step, before the next step's first micro batch."""
         if self._begun == self.step:
             return
         self._begun = self.step
         wd = self.weight_decay(self.step)
+        frozen = self.step < self.cfg.dino.freeze_last_layer_steps
         for group in engine.optimizer.param_groups:
             if group.get("decay", group.get("weight_decay", 0.0) > 0):
                 group["weight_decay"] = wd
-        engine.module.freeze_last_layer(self.step < self.cfg.dino.freeze_last_layer_steps)
+            if frozen and group.get("role") == "last_layer":
+                group["lr"] = 0.0
         device = engine.device
         if not any(_zero3(p) for p in self.teacher.parameters()):  # ZeRO-3's partitions are on the device already
             self.teacher.to(device)

@@ -46,26 +46,56 @@ def lr_scale(cfg: TrainConfig, layer: int, depth: int) -> float:
     return cfg.layer_decay ** (depth + 1 - layer) if cfg.layer_decay is not None else 1.0
 
 
+def param_roles(model: nn.Module) -> tuple[dict[str, str], dict[str, float]]:
+    """What the model says of parameters that a recipe treats apart (DINOv2's patch embedding and
+    prototypes): its `param_roles()`, role -> regular expression over parameter names (the first role
+    that matches wins), and its `lr_multipliers()`, role -> factor on the group's lr. A model with
+    neither (the ViT, MAE) has no roles. A multiplier for a role the model does not declare is its bug."""
+    roles = model.param_roles() if hasattr(model, "param_roles") else {}
+    mults = model.lr_multipliers() if hasattr(model, "lr_multipliers") else {}
+    unknown = sorted(set(mults) - set(roles))
+    if unknown:
+        raise ValueError(f"{type(model).__name__}.lr_multipliers() names role(s) {unknown} that its "
+                         f"param_roles() does not declare ({sorted(roles)})")
+    return roles, mults
+
+
+def role_of(name: str, roles: dict[str, str]) -> str:
+    """The first role whose pattern matches `name`; '' for none."""
+    return next((role for role, pattern in roles.items() if re.match(pattern, name)), "")
+
+
 def param_groups(model: nn.Module, cfg: TrainConfig, depth: int) -> list[dict[str, Any]]:
-    """Groups keyed by (decay?, layer): weight decay where it belongs, and with `layer_decay` a learning
-    rate scale of decay ** (depth + 1 - layer) so that early layers move less (BEiT/DeiT fine-tuning).
-    Each group carries `decay` and `layer` so that a resumed run can re-derive its hyperparameters."""
-    groups: dict[tuple[bool, int], dict[str, Any]] = {}
+    """Groups keyed by (decay?, layer, role): weight decay where it belongs, and with `layer_decay` a
+    learning rate scale of decay ** (depth + 1 - layer) so that early layers move less (BEiT/DeiT
+    fine-tuning), times the model's multiplier for the parameter's role (`param_roles`; DINOv2's patch
+    embedding x0.2). A role is a group of its own whatever its multiplier, so that the groups, and so a
+    checkpoint's optimizer state, do not depend on the multiplier's value (it may change on resume), and
+    an objective can find the group at each step (DINOv2's prototypes, at lr 0 while frozen).
+    Each group carries `decay` and `layer` (and `role` and `lr_mult` where it has a role) so that a
+    resumed run can re-derive its hyperparameters. Without roles the groups are what they were before
+    roles existed: same keys, same order."""
+    groups: dict[tuple[bool, int, str], dict[str, Any]] = {}
     if cfg.layer_decay is not None and not hasattr(model, "group_matcher"):
         raise ValueError(f"train.layer_decay is set but {type(model).__name__} has no group_matcher() "
                          "to say which layer each parameter is in")
     matcher = model.group_matcher() if cfg.layer_decay is not None else {}
+    roles, mults = param_roles(model)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         decay = not no_weight_decay(model, name, param)
         layer = layer_id(name, matcher, depth) if cfg.layer_decay is not None else 0
-        key = (decay, layer)
+        role = role_of(name, roles)
+        key = (decay, layer, role)
         if key not in groups:
-            scale = lr_scale(cfg, layer, depth)
+            mult = mults.get(role, 1.0)
+            scale = lr_scale(cfg, layer, depth) * mult
             groups[key] = {"params": [], "weight_decay": cfg.weight_decay if decay else 0.0, "lr_scale": scale,
                            "lr": cfg.lr * scale, "decay": decay, "layer": layer,
-                           "name": f"{'decay' if decay else 'no_decay'}_layer{layer}"}
+                           "name": f"{'decay' if decay else 'no_decay'}_layer{layer}" + (f"_{role}" if role else "")}
+            if role:  # only here: a model without roles keeps its groups' keys as they were
+                groups[key].update(role=role, lr_mult=mult)
         groups[key]["params"].append(param)
     return [groups[k] for k in sorted(groups)]
 
@@ -108,8 +138,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch
 
 def peak_group_lr(groups: list[dict[str, Any]]) -> float:
     """The current lr of a group with scale 1 (the head under layer decay): the schedule's own value.
-    Group 0 is the most-decayed group under layer decay (0.65 ** 13 of the peak for B/16)."""
-    peak = [g["lr"] for g in groups if g.get("lr_scale", 1.0) == 1.0]
+    Group 0 is the most-decayed group under layer decay (0.65 ** 13 of the peak for B/16). Groups with a
+    role are passed over: an objective may set theirs apart (DINOv2's frozen prototypes, lr 0)."""
+    peak = [g["lr"] for g in groups if g.get("lr_scale", 1.0) == 1.0 and not g.get("role")]
     return peak[0] if peak else max(g["lr"] for g in groups)
 
 
@@ -118,11 +149,18 @@ def apply_hparams(groups: list[dict[str, Any]], built: list[dict[str, Any]], sch
     """Make a resumed optimizer and schedule follow `cfg`: a checkpoint restores every group's lr, weight
     decay and betas and the schedule's base lrs as they were saved (DeepSpeed's ZeRO-3 universal load even
     gives every group group 0's values); an override on resume must win. `built` are the groups as
-    `param_groups` made them (same order), which say what each group is. The schedule's position
-    (last_epoch) is kept; the current lr is recomputed from it."""
+    `param_groups` made them (same order), which say what each group is, its role's lr multiplier
+    included (the model's, from this run's config). The schedule's position (last_epoch) is kept; the
+    current lr is recomputed from it."""
     base_lrs = []
     for g, b in zip(groups, built, strict=True):
-        g.update(decay=b["decay"], layer=b["layer"], lr_scale=lr_scale(cfg, b["layer"], depth))
+        mult = b.get("lr_mult", 1.0)
+        g.update(decay=b["decay"], layer=b["layer"], lr_scale=lr_scale(cfg, b["layer"], depth) * mult)
+        for key in ("role", "lr_mult"):  # a universal load may have copied group 0's role into every group
+            if key in b:
+                g[key] = b[key]
+            else:
+                g.pop(key, None)
         g["weight_decay"] = cfg.weight_decay if b["decay"] else 0.0
         if "betas" in g:
             g["betas"] = tuple(cfg.betas)

@@ -1,7 +1,7 @@
 """DINOv2 pretraining end to end on CPU (gloo): preempted on 2 ranks, resumed on 1, it ends where the
 uninterrupted run ends (teacher, student, centres and schedules restored); ZeRO-3 with gradient
-checkpointing trains, its teacher an EMA of the student on each rank's shard; the exported teacher
-backbone fine-tunes."""
+checkpointing trains, its teacher an EMA of the student on each rank's shard, its prototypes still while
+frozen; the exported teacher backbone fine-tunes."""
 
 import numpy as np
 import pytest
@@ -36,6 +36,9 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: f
 def test_dino_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_run_ends(shards, tmp_path):
     fp32 = ["deepspeed.bf16=false"]
     ref_dir = tmp_path / "ref"
+    # The prototypes frozen past the preemption: the 1-rank resume (a universal load, which gives every
+    # parameter group group 0's values) must put them back at lr 0 for steps 4 and 5.
+    fp32 += ["dino.freeze_last_layer_steps=6"]
     ref = run("pretrain.py", CONFIG, base(shards, ref_dir, 1, 12, *fp32), ranks=2)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
 
@@ -74,9 +77,16 @@ def test_dino_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted
 def test_dino_at_zero3_with_gradient_checkpointing_trains_its_teacher_on_each_shard(shards, tmp_path):
     run_dir = tmp_path / "zero3"
     out = run("pretrain.py", CONFIG, base(shards, run_dir, 3, 8, "train.log_every=2", "train.eval_every=8",
-                                          "model.grad_checkpointing=true", "dino.ibot_separate_head=true"),
+                                          "model.grad_checkpointing=true", "dino.ibot_separate_head=true",
+                                          "dino.freeze_last_layer_steps=4", "train.ckpt_every=2"),
               ranks=2)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # The prototypes at lr 0 for steps 0-3 (DeepSpeed's ZeRO-3 bf16 optimizer, weight decay on): the same
+    # after steps 2 and 4, moved by step 6; the rest of the head moves throughout.
+    at = {step: ckpt.consolidate(run_dir, ckpt.tag_for(step)) for step in (2, 4, 6)}
+    for key in [f"{h}.last_layer.weight_{w}" for h in ("dino_head", "ibot_head") for w in "gv"]:
+        assert torch.equal(at[2][key], at[4][key]) and not torch.equal(at[4][key], at[6][key]), key
+    assert not torch.equal(at[2]["dino_head.mlp.0.weight"], at[4]["dino_head.mlp.0.weight"])
     losses = [m["metrics"]["train/loss"] for m in metrics(run_dir) if "train/loss" in m["metrics"]]
     assert len(losses) == 4 and all(np.isfinite(losses))
     teacher, student = weights(run_dir), ckpt.consolidate(run_dir)

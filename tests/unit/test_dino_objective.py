@@ -1,5 +1,6 @@
 """The DINOv2 objective's parts on one process: the multi-crop view is a function of the seed, the model
-says its decay groups and layers, the frozen prototypes get zero gradients, the schedules have DINOv2's
+says its decay groups, layers and roles (patch embedding lr, prototypes), the prototypes do not move while
+frozen (lr 0) and do after, a resume keeps the roles' lr multipliers, the schedules have DINOv2's
 end points, the centres move once per step from the teacher outputs, the PCA image, the config checks."""
 
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ from pipeline.data.multicrop import MultiCropConfig
 from pipeline.model.vit import model_flops
 from pipeline.objectives import OBJECTIVES
 from pipeline.objectives.dino import DINOv2, DINOv2Model, MultiCropView, dinov2_model_kwargs, pca_rgb
-from pipeline.train.optim import param_groups
+from pipeline.train.optim import apply_hparams, build_optimizer, build_scheduler, param_groups
 
 TINY = ["model.objective=dinov2", "model.variant=vit_ti16", "model.img_size=16", "model.patch_size=4",
         "model.embed_dim=32", "model.depth=2", "model.num_heads=2", "dino.local_crops_number=2",
@@ -46,31 +47,111 @@ def test_view_is_a_function_of_the_seed_with_crops_and_masks_of_the_configured_s
     assert local.shape == (0, 3, 98, 98) and not masks.any()
 
 
-def test_model_decay_groups_layers_and_frozen_prototypes():
-    obj = objective("train.layer_decay=0.9")
+def test_model_decay_groups_layers_patch_embed_lr_and_prototype_groups():
+    """Meta's get_params_groups_with_decay: no decay only on biases, norms and LayerScale gammas (the
+    position table, class and mask tokens are decayed); layer 0 for the embeddings, i + 1 for block i, the
+    heads at scale 1; the patch embedding's lr x dino.patch_embed_lr_mult on top of layer decay; the
+    prototypes (last_layer) in groups of their own, for the freeze."""
+    obj = objective("train.layer_decay=0.9", "train.lr=1.0")
     model = obj.build_model(obj.model_kwargs())
     groups = param_groups(model, obj.cfg.train, depth=2)
     names = {id(p): n for n, p in model.named_parameters()}
     by_name = {names[id(p)]: g for g in groups for p in g["params"]}
-    assert by_name["backbone.pos_embed"]["weight_decay"] == 0 and by_name["backbone.pos_embed"]["layer"] == 0
+    assert set(by_name) == set(names.values())  # every trainable parameter in exactly one group
+    assert sum(len(g["params"]) for g in groups) == len(names)
+    decayed = {n for n, g in by_name.items() if g["weight_decay"] > 0}
+    assert {"backbone.pos_embed", "backbone.cls_token", "backbone.mask_token", "backbone.patch_embed.proj.weight",
+            "dino_head.last_layer.weight_g", "dino_head.last_layer.weight_v"} <= decayed
+    assert not any(n.endswith(".bias") or "norm" in n or "gamma" in n for n in decayed)
+    assert by_name["backbone.pos_embed"]["layer"] == 0 and by_name["backbone.mask_token"]["layer"] == 0
     assert by_name["backbone.blocks.1.attn.qkv.weight"]["layer"] == 2
     assert by_name["dino_head.last_layer.weight_v"]["layer"] == 3 and by_name["dino_head.last_layer.weight_v"]["decay"]
-    assert by_name["backbone.mask_token"]["layer"] == 0
+    # Which names get x0.2 (the patch embedding, nothing else), which are the frozen prototypes.
+    x02 = {n for n, g in by_name.items() if g.get("lr_mult") == 0.2}
+    assert x02 == {"backbone.patch_embed.proj.weight", "backbone.patch_embed.proj.bias"}
+    assert by_name["backbone.patch_embed.proj.weight"]["lr"] == pytest.approx(0.9 ** 3 * 0.2)
+    assert by_name["backbone.pos_embed"]["lr"] == pytest.approx(0.9 ** 3)  # same layer, no multiplier
+    assert by_name["dino_head.mlp.0.weight"]["lr"] == pytest.approx(1.0)
+    last = {n for n, g in by_name.items() if g.get("role") == "last_layer"}
+    assert last == {"dino_head.last_layer.weight_g", "dino_head.last_layer.weight_v"}
+    assert by_name["dino_head.last_layer.weight_v"]["lr"] == pytest.approx(1.0)  # frozen by the objective, per step
+    # The groups do not depend on the multiplier's value (a resume may change it): x1 is still its own group.
+    one = objective("train.layer_decay=0.9", "dino.patch_embed_lr_mult=1.0")
+    same = param_groups(one.build_model(one.model_kwargs()), one.cfg.train, depth=2)
+    assert [g["name"] for g in same] == [g["name"] for g in groups]
+    # A separate iBOT head's prototypes are last-layer too.
+    sep = objective("dino.ibot_separate_head=true")
+    model = sep.build_model(sep.model_kwargs())
+    names = {id(p): n for n, p in model.named_parameters()}
+    last = {names[id(p)] for g in param_groups(model, sep.cfg.train, depth=2) if g.get("role") == "last_layer"
+            for p in g["params"]}
+    assert last == {f"{h}.last_layer.weight_{w}" for h in ("dino_head", "ibot_head") for w in "gv"}
     # The teacher starts as the student and is not trained.
-    assert all(torch.equal(s, t) for s, t in zip(model.state_dict().values(), obj.teacher.state_dict().values()))
-    assert not any(p.requires_grad for p in obj.teacher.parameters())
+    assert all(torch.equal(s, t) for s, t in zip(model.state_dict().values(), sep.teacher.state_dict().values()))
+    assert not any(p.requires_grad for p in sep.teacher.parameters())
 
-    crops = torch.randn(4, 3, 16, 16)
-    masks = torch.zeros(4, 16, dtype=torch.bool)
-    masks[:, :3] = True
-    for frozen in (True, False):
-        model.zero_grad()
-        model.freeze_last_layer(frozen)
-        out = model(crops, torch.randn(4, 3, 8, 8), masks)
-        (out["global"].sum() + out["local"].sum() + out["masked"].sum()).backward()
-        grad = model.dino_head.last_layer.weight_v.grad
-        assert grad is not None and (grad.abs().sum() == 0) == frozen  # zero, but present
-        assert model.dino_head.mlp[0].weight.grad.abs().sum() > 0
+
+def test_prototypes_do_not_move_while_frozen_and_do_after():
+    """dino.freeze_last_layer_steps=2: the prototypes' groups run at lr 0 for steps 0 and 1 (AdamW with
+    weight decay 0.04: neither the update nor the decay moves them), although their gradients are
+    computed; from step 2 they move. The rest moves from step 0. The trainer's order: loss, backward,
+    optimizer step, schedule step, after_step."""
+    obj = objective("dino.mask_probability=1.0", "train.lr=1e-2", "train.warmup_steps=0")
+    model = obj.build_model(obj.model_kwargs())
+    opt = build_optimizer(param_groups(model, obj.cfg.train, depth=2), obj.cfg.train)
+    sched = build_scheduler(opt, obj.cfg.train)
+    engine = FakeEngine(model, opt.param_groups)
+    view = obj.sample_view(obj.model_kwargs())
+    batch = tuple(torch.stack(part) for part in zip(*[view(image(i), i) for i in range(4)]))
+    last = model.dino_head.last_layer
+    for step in range(4):
+        before = [last.weight_g.detach().clone(), last.weight_v.detach().clone()]
+        trunk = model.backbone.blocks[0].attn.qkv.weight.detach().clone()
+        obj.loss(engine, batch, torch.zeros(4), None).backward()
+        assert last.weight_v.grad.abs().sum() > 0  # computed, as Meta's
+        lrs = {g.get("role", ""): g["lr"] for g in opt.param_groups}
+        assert (lrs["last_layer"] == 0.0) == (step < 2) and lrs[""] > 0
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        obj.after_step(engine, step + 1)
+        moved = not (torch.equal(before[0], last.weight_g) and torch.equal(before[1], last.weight_v))
+        assert moved == (step >= 2), step
+        assert not torch.equal(trunk, model.backbone.blocks[0].attn.qkv.weight)
+
+
+def test_resume_reapplies_the_patch_embed_multiplier_after_a_universal_load():
+    """`apply_hparams` re-derives each group's lr from the model's roles, also when DeepSpeed's universal
+    load has copied group 0's values (its role, its lr_mult) into every group, and follows a multiplier
+    changed on resume."""
+    old = objective("train.layer_decay=0.9", "train.lr=1e-3", "train.warmup_steps=2")
+    model = old.build_model(old.model_kwargs())
+    opt = build_optimizer(param_groups(model, old.cfg.train, depth=2), old.cfg.train)
+    sched = build_scheduler(opt, old.cfg.train)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    saved_opt, saved_sched = opt.state_dict(), sched.state_dict()
+    new = objective("train.layer_decay=0.9", "train.lr=1e-3", "train.warmup_steps=2", "dino.patch_embed_lr_mult=0.5")
+    model2 = new.build_model(new.model_kwargs())
+    built = param_groups(model2, new.cfg.train, depth=2)
+    opt2 = build_optimizer(built, new.cfg.train)
+    sched2 = build_scheduler(opt2, new.cfg.train)
+    opt2.load_state_dict(saved_opt)
+    sched2.load_state_dict(saved_sched)
+    assert opt2.param_groups[0].get("role") == "patch_embed"  # group 0 sorts first: (no decay, layer 0, patch_embed)
+    for g in opt2.param_groups:  # as DeepSpeed's ZeRO-3 universal load leaves them
+        g.update({k: v for k, v in opt2.param_groups[0].items() if k != "params"})
+    apply_hparams(opt2.param_groups, built, sched2, new.cfg.train, depth=2)
+    fresh = build_optimizer(param_groups(model2, new.cfg.train, depth=2), new.cfg.train)
+    fresh_sched = build_scheduler(fresh, new.cfg.train)
+    for _ in range(3):
+        fresh_sched.step()
+    for g, f in zip(opt2.param_groups, fresh.param_groups, strict=True):
+        assert g["lr"] == pytest.approx(f["lr"]) and g.get("role") == f.get("role"), f["name"]
+        assert g.get("lr_mult") == f.get("lr_mult") and g["weight_decay"] == f["weight_decay"]
+    patch = [g for g in opt2.param_groups if g.get("role") == "patch_embed"]
+    assert patch and all(g["lr_scale"] == pytest.approx(0.9 ** 3 * 0.5) for g in patch)
 
 
 def test_schedules_have_dinov2_end_points():
@@ -97,7 +178,8 @@ class FakeEngine(torch.nn.Module):
 def test_a_step_applies_the_schedules_and_moves_centres_and_teacher_once():
     obj = objective("dino.mask_probability=1.0")
     model = obj.build_model(obj.model_kwargs())
-    groups = [{"decay": True, "weight_decay": 0.04}, {"decay": False, "weight_decay": 0.0}]
+    groups = [{"decay": True, "weight_decay": 0.04}, {"decay": False, "weight_decay": 0.0},
+              {"decay": True, "weight_decay": 0.04, "role": "last_layer", "lr": 0.5}]
     engine = FakeEngine(model, groups)
     view = obj.sample_view(obj.model_kwargs())
     samples = [view(image(i), i) for i in range(4)]
@@ -106,7 +188,7 @@ def test_a_step_applies_the_schedules_and_moves_centres_and_teacher_once():
     loss = obj.loss(engine, batch, torch.zeros(4), None)
     assert loss.ndim == 0 and torch.isfinite(loss)
     assert groups[0]["weight_decay"] == pytest.approx(obj.weight_decay(60)) and groups[1]["weight_decay"] == 0.0
-    assert not model.dino_head.last_layer.frozen  # past dino.freeze_last_layer_steps
+    assert groups[2]["lr"] == 0.5  # past dino.freeze_last_layer_steps: the schedule's lr, left alone
     assert obj.dino_loss.center.abs().sum() == 0  # the centre moves at the step's end, not per micro batch
     loss.backward()
     with torch.no_grad():

@@ -187,3 +187,52 @@ def test_koleo_same_value_and_gradient(official):
     loss_mine.backward()
     loss_theirs.backward()
     torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("extra", [[], ["model.reg_tokens=4", "model.init_values=1e-5", "model.mlp_layer=swiglu",
+                                        "dino.ibot_separate_head=true"]])
+def test_param_groups_match_metas_get_params_groups_with_decay(extra):
+    """Every student parameter's lr multiplier (layer-wise decay 0.9 x the patch embedding's 0.2), weight
+    decay (on or off) and last-layer flag as Meta's `dinov2/utils/param_groups.py` gives them: its
+    function is run on each submodel of ours (backbone, dino_head, ibot_head, as `SSLMetaArch` calls it
+    per submodel), under Meta's parameter names (`register_tokens` for our `reg_token`)."""
+    from pipeline.config import load_config
+    from pipeline.objectives import OBJECTIVES
+    from pipeline.train.optim import param_groups
+
+    sys.path.insert(0, REPO)
+    try:
+        from dinov2.utils.param_groups import get_params_groups_with_decay
+    finally:
+        sys.path.remove(REPO)
+    cfg = load_config(None, ["model.objective=dinov2", "model.variant=vit_ti16", "model.img_size=16",
+                             "model.patch_size=4", "model.embed_dim=32", "model.depth=3", "model.num_heads=2",
+                             "dino.local_crops_size=8", "dino.head_n_prototypes=64", "dino.head_hidden_dim=32",
+                             "dino.head_bottleneck_dim=16", "dino.ibot_head_n_prototypes=48",
+                             "train.layer_decay=0.9", "train.lr=1.0", "train.weight_decay=0.04", *extra])
+    obj = OBJECTIVES["dinov2"](cfg, type("Info", (), {"num_classes": 0})())
+    model = obj.build_model(obj.model_kwargs())
+    mine = {id(p): g for g in param_groups(model, cfg.train, depth=3) for p in g["params"]}
+
+    class MetaNamed(torch.nn.Module):
+        """One submodel's parameters under Meta's names; `blocks` as long as the backbone's (Meta counts them)."""
+
+        def __init__(self, sub: torch.nn.Module, blocks: int) -> None:
+            super().__init__()
+            self.named = [(n.replace("reg_token", "register_tokens"), p) for n, p in sub.named_parameters()]
+            if blocks:
+                self.blocks = [None] * blocks
+
+        def named_parameters(self, *args, **kwargs):
+            return iter(self.named)
+
+    theirs = []
+    for sub, blocks in ((model.backbone, 3), (model.dino_head, 0), (model.ibot_head, 0)):
+        if sub is not None:
+            theirs += get_params_groups_with_decay(MetaNamed(sub, blocks), lr_decay_rate=0.9, patch_embed_lr_mult=0.2)
+    assert len(theirs) == sum(1 for _ in model.parameters())
+    for d in theirs:
+        g = mine[id(d["params"])]
+        assert g["lr_scale"] == pytest.approx(d["lr_multiplier"]), d["name"]
+        assert (g["weight_decay"] > 0) == (d["wd_multiplier"] == 1.0), d["name"]
+        assert (g.get("role") == "last_layer") == d["is_last_layer"], d["name"]
