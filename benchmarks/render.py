@@ -33,6 +33,10 @@ ABOUT = {
              "mixes, through the real order and partitions with no data (`benchmarks/scale.py`).",
     "mae": "an MAE training step (75% of the patches masked, the 8 x 512 decoder on all tokens) against a "
            "supervised step on the same ViT: step times and the FLOP ratio `mae_flops` predicts (`benchmarks/mae.py`).",
+    "dino": "a DINOv2 training step (the objective's loss and teacher EMA: 2 global + 8 local crops, iBOT masks, "
+            "heads of 65,536 prototypes) against a supervised step on the same backbone: step times, and the FLOPs "
+            "per image `DINOv2.flops_per_image` predicts against those PyTorch's FlopCounterMode counts over a "
+            "step (`benchmarks/dino.py`).",
     "gpu": "training MFU of ViT-B/16 and L/16 on one GPU, end to end from JPEG shards, bf16 and nvjpeg "
            "checks (`benchmarks/gpu.py`).",
 }

@@ -8,6 +8,7 @@
     python launch/bench.py scale --nodes 512   # what 1..512 nodes fetch and read per epoch (order only, no data)
     python launch/bench.py fetch           # local disk vs rate-limited HTTP, with and without fetch ahead
     python launch/bench.py mae             # an MAE step against a supervised one on the same ViT-B/16
+    python launch/bench.py dino            # a DINOv2 step against a supervised one on the same backbone
     python launch/bench.py all             # every benchmark (gpu only where there is a GPU), then render
     python launch/bench.py render          # docs/benchmarks.md from results/benchmarks.csv
 
@@ -63,6 +64,8 @@ BENCHES: dict[str, Bench] = {
                    "rate-limited HTTP with and without fetch ahead: images/s, data wait.", prints_table=True),
     "mae": Bench("mae", "bench_mae", "add_mae_args", "An MAE training step (75%% masked, 8 x 512 decoder) against "
                  "a supervised one on the same ViT."),
+    "dino": Bench("dino", "bench_dino", "add_dino_args", "A DINOv2 training step (2 global + 8 local crops, "
+                  "teacher, heads) against a supervised one on the same backbone; FLOPs predicted vs counted."),
 }
 
 

@@ -645,12 +645,27 @@ class DINOv2(Objective):
         return EvalResult(metrics, f"eval step {step} | teacher{knn or ': no labels, no k-NN'}",
                           [(image, "pca")] if image is not None else [])
 
+    def expected_masked_patches(self, model_kwargs: dict[str, Any]) -> float:
+        """iBOT's masked patches per image on average: 2 global crops, each masked with probability
+        dino.mask_probability, a fraction uniform in dino.mask_ratio of its patches (block masking can
+        stop a little short of its target when no block fits; `launch/bench.py dino` counts the real ones)."""
+        d = self.cfg.dino
+        if d.ibot_loss_weight <= 0:
+            return 0.0
+        img, patch = model_kwargs["img_size"], model_kwargs["patch_size"]
+        side = (img if isinstance(img, int) else img[0]) // patch
+        return 2 * d.mask_probability * side * side * sum(d.mask_ratio) / 2
+
     def flops_per_image(self, model_kwargs: dict[str, Any]) -> float:
-        """The student's forward (global and local crops, heads on their class tokens) plus a third of the
-        teacher's (it runs forward only; the trainer counts 3 x this for forward + backward)."""
+        """The student's forward (global and local crops, the DINO head on their class tokens, the iBOT
+        head on the expected masked patches) plus a third of the teacher's (it runs forward only, on the
+        global crops and the same masked patches; the trainer counts 3 x this for forward + backward)."""
         d, dim = self.cfg.dino, model_kwargs["embed_dim"]
         head = _head_flops(model_kwargs, dim, d.head_n_prototypes)
-        global_fwd = 2 * (model_flops(model_kwargs) + head)
+        patch_head = (_head_flops({**model_kwargs, "head_bottleneck_dim": d.ibot_head_bottleneck_dim}, dim,
+                                  d.ibot_head_n_prototypes) if d.ibot_separate_head else head)
+        ibot = self.expected_masked_patches(model_kwargs) * patch_head
+        global_fwd = 2 * (model_flops(model_kwargs) + head) + ibot
         local_fwd = d.local_crops_number * (model_flops(model_kwargs, d.local_crops_size) + head)
         return global_fwd + local_fwd + global_fwd / 3
 

@@ -14,7 +14,14 @@ from pipeline.config import ConfigError, load_config
 from pipeline.data.multicrop import MultiCropConfig
 from pipeline.model.vit import model_flops
 from pipeline.objectives import OBJECTIVES
-from pipeline.objectives.dino import DINOv2, DINOv2Model, MultiCropView, dinov2_model_kwargs, pca_rgb
+from pipeline.objectives.dino import (
+    DINOv2,
+    DINOv2Model,
+    MultiCropView,
+    _head_flops,
+    dinov2_model_kwargs,
+    pca_rgb,
+)
 from pipeline.train.optim import apply_hparams, build_optimizer, build_scheduler, param_groups
 
 TINY = ["model.objective=dinov2", "model.variant=vit_ti16", "model.img_size=16", "model.patch_size=4",
@@ -216,6 +223,13 @@ def test_flops_count_student_crops_and_a_third_of_the_teacher():
     kwargs = obj.model_kwargs()
     backbone = 2 * model_flops(kwargs) + 2 * model_flops(kwargs, 8)
     assert backbone < obj.flops_per_image(kwargs) < 2 * backbone
+    # iBOT's head on the expected masked patches (2 crops x p 0.5 x 16 patches x mean ratio 0.3), the
+    # student's and a third of the teacher's; nothing without iBOT.
+    assert obj.expected_masked_patches(kwargs) == pytest.approx(4.8)
+    no_ibot = objective("dino.ibot_loss_weight=0")
+    assert no_ibot.expected_masked_patches(kwargs) == 0
+    head = _head_flops(kwargs, 32, 64)
+    assert obj.flops_per_image(kwargs) - no_ibot.flops_per_image(kwargs) == pytest.approx(4.8 * head * 4 / 3)
 
 
 def test_pca_rgb_is_three_channels_in_unit_range():
