@@ -135,9 +135,21 @@ def finished_pretrain_runs(runs: Path = RUNS) -> list[Path]:
 def recorded_finetune_source(run_dir: Path | None) -> str | None:
     """The source a fine-tune run recorded at its first start (RUN_DIR/config.yaml's finetune.source), once
     the run has a complete checkpoint: a start that was refused or failed before its first save trained
-    nothing from that source, and the next start (with a corrected --from) is a first start again."""
+    nothing from that source, and the next start (with a corrected --from) is a first start again.
+
+    Not "does this start resume?": that is `resume.start`'s plan, made once in `run`, which needs the
+    process group, the lock and the config. This runs before all three, to choose the config itself
+    (which source, which recipe), and asks only whether a complete tag exists, by the same predicate
+    (`checkpoint.newest_complete_tag`)."""
     cfg = _saved_config(run_dir) if run_dir is not None else {}
-    if _run_kind(cfg) != "finetune" or not any((run_dir / "checkpoints").glob("step_*/complete.json")):
+    if _run_kind(cfg) != "finetune" or not (run_dir / "checkpoints").is_dir():
+        return None  # (no tag at all: not worth importing DeepSpeed for)
+    from pipeline.dist import import_deepspeed
+
+    import_deepspeed()  # pipeline.train imports DeepSpeed: without its autotuner's MLflow import (see `run`)
+    from pipeline.train.checkpoint import newest_complete_tag
+
+    if newest_complete_tag(run_dir) is None:
         return None
     return (cfg.get("finetune") or {}).get("source")
 
@@ -267,7 +279,9 @@ def check_variant(cfg: Config) -> None:
 
 
 def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
-    """Train `cfg` (a fine-tune when cfg.run.kind says so); a user error is one line and its exit code."""
+    """Train `cfg` (a fine-tune when cfg.run.kind says so); a user error is one line and its exit code.
+    Whether this start resumes is decided here, once (`resume.start`: process group, lock, plan), and the
+    plan handed to the fine-tune's preparation and to the trainer."""
     install_signal_handlers()  # before anything slow (the launch scripts already did; idempotent)
     check_variant(cfg)
     check_data(cfg.data.path, where)
@@ -278,19 +292,23 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
     from pipeline.model.weights import WeightsError
 
     import_deepspeed()  # before pipeline.train imports it: without its autotuner's MLflow import
+    from pipeline.train import resume
     from pipeline.train.checkpoint import CheckpointError
-    from pipeline.train.lock import RunDirLocked
+    from pipeline.train.lock import RunDirLocked, remove_if_unused
     from pipeline.train.resume import TrainError
     from pipeline.train.trainer import fit
 
     together = False  # every rank leaves at the same point (set when fit returns normally)
+    run_dir = Path(cfg.run.dir)
     try:
+        # Once: the process group, the run directory's lock, and whether this start resumes (the plan).
+        env, plan = resume.start(cfg)
         prepare = None
         if cfg.run.kind == "finetune":
             from pipeline.train.finetune import prepare_finetune
 
-            cfg, prepare = prepare_finetune(cfg, cli_model_keys or set())
-        code = fit(cfg, prepare)
+            cfg, prepare = prepare_finetune(cfg, plan, cli_model_keys or set())
+        code = fit(cfg, env, plan, prepare)
         together = code in (ExitCode.OK, ExitCode.PREEMPTED)
         return code
     except (ConfigError, RunDirLocked, PortInUse) as e:  # e.g. fine-tuning without --from
@@ -300,6 +318,8 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
         _error(e, shared=isinstance(e, (TrainError, CheckpointError, EvalFailed)))
         return ExitCode.ERROR
     finally:
+        if not together:  # a start refused before it wrote anything (a bad --from) leaves no run directory
+            remove_if_unused(run_dir)
         _shutdown(together)
 
 

@@ -33,6 +33,7 @@ from pipeline.model.vit import VisionTransformer, _init_param
 from pipeline.model.weights import WeightsError, convert_dinov2_state_dict, is_dinov2_state_dict, load_weights
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.ds_compat import real_shape
+from pipeline.train.resume import ResumePlan
 
 ARCH_KEYS = ("variant", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "init_values",
              "reg_tokens", "no_embed_class", "mlp_layer")
@@ -69,16 +70,16 @@ def source_state_dict(src: Source) -> dict[str, torch.Tensor]:
     return ckpt.consolidate(src.path)  # a run stopped before export: its newest checkpoint
 
 
-def prepare_finetune(cfg: Config, cli_model_keys: set[str] | frozenset[str] = frozenset()
+def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[str] | frozenset[str] = frozenset()
                      ) -> tuple[Config, Callable[[nn.Module], dict[str, str]] | None]:
     """The fine-tune config with the source's architecture, and the hook that loads the weights (None
-    when the run directory holds a checkpoint to resume: it has the weights, and the source may have
-    moved since). `cli_model_keys`: the model.* keys set on the command line; one the source decides
-    is refused unless it agrees."""
+    when `plan`, the run's start-or-resume plan from `resume.start`, resumes a checkpoint: it has the
+    weights, and the source may have moved since). `cli_model_keys`: the model.* keys set on the command
+    line; one the source decides is refused unless it agrees."""
     if not cfg.finetune.source:
         raise ConfigError("fine-tuning needs a source: --from RUN_DIR | FILE.safetensors | FILE.pth")
     model_cfg, source_img_size = cfg.model, cfg.finetune.source_img_size
-    if ckpt.newest_complete_tag(Path(cfg.run.dir)) is not None:  # a restart: the run's first start decided the model
+    if plan is not None:  # a restart: the run's first start decided the model
         recorded = Path(cfg.run.dir) / "config.yaml"
         arch_from = load_config(recorded) if recorded.is_file() else None
         if arch_from is not None:

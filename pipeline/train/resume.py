@@ -1,28 +1,39 @@
 """Start or resume a run: what is decided, and what is restored, in this order.
 
-Before DeepSpeed starts (`lock`, then `plan`; rank 0 decides, every rank learns the answer):
-  1. Lock the run directory (rank 0, `pipeline.train.lock`): a second job on it stops here, before it
-     has written anything. A lock left by a dead job is gone with its process: a requeue takes it.
-  2. Find the checkpoint: the newest tag of RUN_DIR/checkpoints that is complete (complete.json written
-     after every rank wrote, each file it lists present at its recorded size) and whose
-     trainer_state.json reads. Each newer tag skipped is named, with why. `latest` is never read.
-  3. No complete tag: a fresh start; but a checkpoints/ folder holding tags none of which is usable is
-     refused (the first save would prune them).
-  4. Refuse a checkpoint of another model (its shape keys) or another optimizer (train.optimizer,
-     layer decay switched on or off): their state cannot be carried over.
+At the command, once (`start`, called by `pipeline.commands.run`; rank 0 decides, every rank learns):
+  1. Join the process group, then lock the run directory (rank 0, `lock`: `pipeline.train.lock`): a
+     second job on it stops here, before it has written anything. A lock left by a dead job is gone
+     with its process: a requeue takes it. With run.remote, the bucket's lock too, and a newer tag in
+     the bucket is restored into RUN_DIR/checkpoints first (train/mirror.py).
+  2. Find the checkpoint (`plan`): the newest tag of RUN_DIR/checkpoints that is complete (complete.json
+     written after every rank wrote, each file it lists present at its recorded size: `ckpt.check_tag`)
+     and whose trainer_state.json reads. Each newer tag skipped is named, with why. `latest` is never read.
+  3. No complete tag: a fresh start (the plan is None); but a checkpoints/ folder holding tags none of
+     which is usable is refused (the first save would prune them).
+  4. Refuse a checkpoint of another optimizer (train.optimizer, layer decay switched on or off): its
+     state cannot be carried over.
   5. Choose how to load: same world size and ZeRO stage (or ZeRO-0 on both sides) loads the tag as
-     written, bit-exact; otherwise rank 0 converts it to DeepSpeed's universal format and all load that.
+     written, bit-exact; another layout of ZeRO 1-3 goes through DeepSpeed's universal format.
+The plan is the one answer to "is this a restart?": the fine-tune (`pipeline.train.finetune`) loads no
+source weights when it is not None (the checkpoint has them; the source may have moved since), and the
+trainer resumes it.
+Once the model's shape is known, before DeepSpeed starts (`check_model_and_convert`):
+  6. Refuse a checkpoint of another model (its shape keys), naming what differs.
+  7. Another layout: rank 0 converts the tag to DeepSpeed's universal format, which every rank loads.
+Once the model is built, before the engine (`check_same_decay_groups`): refuse a checkpoint whose
+optimizer state belongs to other weight-decay groups than the model's `no_weight_decay()`.
 After the engine is built (`restore`, every rank):
-  6. Model, optimizer and schedule from DeepSpeed's files. If DeepSpeed cannot load a tag that passed
+  8. Model, optimizer and schedule from DeepSpeed's files. If DeepSpeed cannot load a tag that passed
      step 2, its traceback goes to RUN_DIR/errors/ and the next older complete tag of the same layout is
      tried, named in the log.
-  7. The hyperparameters the config changed (`optim.RESUMABLE_HPARAMS`) replace the checkpoint's, named.
-  8. The client state's parts (pipeline/train/state.py), in order: the data position (layout-free: the
+  9. The hyperparameters the config changed (`optim.RESUMABLE_HPARAMS`) replace the checkpoint's, named.
+ 10. The client state's parts (pipeline/train/state.py), in order: the data position (layout-free: the
      same samples follow on any world size), the objective's state (a teacher, centers), and
-  9. every rank's RNG, on the same world size (on another: the same samples, other dropout draws).
- 10. The MLflow run: `pipeline.tracking` continues the run named in RUN_DIR/mlflow_sync.json.
+ 11. every rank's RNG, on the same world size (on another: the same samples, other dropout draws).
+ 12. The MLflow run: `pipeline.tracking` continues the run named in RUN_DIR/mlflow_sync.json.
 A fine-tune's source is decided once, at its first start, and recorded in RUN_DIR/config.yaml; a restart
-reads it from there (`pipeline.commands.recorded_finetune_source`) and, resuming, loads no source weights.
+reads it from there (`pipeline.commands.recorded_finetune_source`, before the process group exists: it
+chooses the config, which this plan needs) and, resuming, loads no source weights.
 """
 
 from __future__ import annotations
@@ -37,13 +48,15 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import Config, to_dict
-from pipeline.dist import DistEnv, say
+from pipeline.dist import DistEnv, init_distributed, say
+from pipeline.signals import exit_at_once_on_signal
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import ds_compat, mirror
 from pipeline.train.ds_compat import DeepSpeedFailed, UnsafeCheckpoint
 from pipeline.train.lock import RunDirLocked, lock_run_dir
 from pipeline.train.optim import RESUMABLE_HPARAMS, exempt_names
 from pipeline.train.state import ClientState
+from pipeline.train.watchdog import process_group_timeout_s
 
 SHAPE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
               "num_classes", "representation_size")
@@ -61,7 +74,8 @@ class ResumePlan:
     state: ckpt.TrainerState
     root: Path  # RUN_DIR/checkpoints, or RUN_DIR/universal when the layout changed
     universal: bool
-    fallbacks: list[str]  # older complete tags of the same layout, newest first (step 6)
+    fallbacks: list[str]  # older complete tags of the same layout, newest first (step 8)
+    layout_change: str = ""  # what differs from the tag's layout, when universal (step 7 says it)
 
 
 def _on_rank0(env: DistEnv, fn) -> Any:
@@ -81,7 +95,16 @@ def _on_rank0(env: DistEnv, fn) -> Any:
     return result
 
 
-# ----------------------------------------------------------------------------- 1-5: before DeepSpeed
+# ----------------------------------------------------------------------------- 1-5: at the command
+
+
+def start(cfg: Config) -> tuple[DistEnv, ResumePlan | None]:
+    """Steps 1-5 in every process: join the process group, lock RUN_DIR (rank 0), plan. The one place a
+    run decides whether it starts or resumes; the caller hands the plan to the fine-tune and the trainer."""
+    with exit_at_once_on_signal("joining the process group"):  # nothing to save yet: a signal ends it here
+        env = init_distributed(process_group_timeout_s(cfg.dist.timeout_s))
+    lock(cfg, env)  # before anything is written: a second job on this run.dir stops here
+    return env, plan(cfg, env)
 
 
 def lock(cfg: Config, env: DistEnv) -> None:
@@ -99,8 +122,9 @@ def lock(cfg: Config, env: DistEnv) -> None:
     _on_rank0(env, take)
 
 
-def plan(cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> ResumePlan | None:
-    """Steps 2-5, after `lock`: the tag to resume and how to load it; None for a fresh start."""
+def plan(cfg: Config, env: DistEnv) -> ResumePlan | None:
+    """Steps 2-5, after `lock`: the tag to resume and how to load it; None for a fresh start. Nothing
+    here needs the model: a fine-tune's architecture depends on the answer."""
     run_dir = Path(cfg.run.dir)
     usable, skipped = _on_rank0(env, lambda: find_complete(run_dir))  # 2
     for line in skipped:
@@ -113,8 +137,7 @@ def plan(cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> ResumePlan 
         return None
     tag = usable[0]
     state = ckpt.TrainerState.read(ckpt.checkpoint_dir(run_dir) / tag)
-    check_same_model(state, model_kwargs, ckpt.checkpoint_dir(run_dir) / tag)  # 4
-    check_resumable_hparams(state, cfg, ckpt.checkpoint_dir(run_dir) / tag)
+    check_resumable_hparams(state, cfg, ckpt.checkpoint_dir(run_dir) / tag)  # 4
     same = [t for t in usable[1:] if _layout(ckpt.TrainerState.read(ckpt.checkpoint_dir(run_dir) / t))
             == _layout(state)]
     stage = cfg.deepspeed.zero_stage  # 5
@@ -129,8 +152,18 @@ def plan(cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> ResumePlan 
     why = "; ".join(x for x in (
         f"world size {state.world_size} -> {env.world_size}" if state.world_size != env.world_size else "",
         f"ZeRO-{state.zero_stage} -> ZeRO-{stage}" if state.zero_stage != stage else "") if x)
-    _on_rank0(env, lambda: convert(run_dir, tag, state, why))
-    return ResumePlan(tag, state, ckpt.universal_dir(run_dir), universal=True, fallbacks=[])
+    return ResumePlan(tag, state, ckpt.universal_dir(run_dir), universal=True, fallbacks=[], layout_change=why)
+
+
+def check_model_and_convert(p: ResumePlan | None, cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> None:
+    """Steps 6-7, once the model's shape is known and before DeepSpeed starts: refuse a checkpoint of
+    another model, then (another layout) convert the tag to the universal format on rank 0."""
+    if p is None:
+        return
+    run_dir = Path(cfg.run.dir)
+    check_same_model(p.state, model_kwargs, ckpt.checkpoint_dir(run_dir) / p.tag)  # 6
+    if p.universal:  # 7: not before 6, a checkpoint of another model is not worth converting
+        _on_rank0(env, lambda: convert(run_dir, p.tag, p.state, p.layout_change))
 
 
 def find_complete(run_dir: Path) -> tuple[list[str], list[str]]:
@@ -218,7 +251,7 @@ def convert(run_dir: Path, tag: str, state: ckpt.TrainerState, why: str) -> None
         f"re-partitioned from it")
 
 
-# ----------------------------------------------------------------------------- 6-9: into the engine
+# ----------------------------------------------------------------------------- 8-11: into the engine
 
 
 def restore(p: ResumePlan | None, cfg: Config, env: DistEnv, engine, client_state: ClientState,
@@ -230,7 +263,7 @@ def restore(p: ResumePlan | None, cfg: Config, env: DistEnv, engine, client_stat
         return 0
     run_dir = Path(cfg.run.dir)
     client, state, tag, failure = None, p.state, p.tag, None
-    for tag in [p.tag, *p.fallbacks]:  # 6
+    for tag in [p.tag, *p.fallbacks]:  # 8
         state = ckpt.TrainerState.read(ckpt.checkpoint_dir(run_dir) / tag) if tag != p.tag else p.state
         try:
             client = ds_compat.load_checkpoint(engine, p.root, tag, run_dir)
@@ -245,12 +278,12 @@ def restore(p: ResumePlan | None, cfg: Config, env: DistEnv, engine, client_stat
         raise TrainError(f"{p.root / p.tag}: DeepSpeed could not load this checkpoint ({failure.first_line}; "
                          f"traceback: {failure.traceback_file}), nor an older one of its layout "
                          f"({state.world_size} ranks, ZeRO-{state.zero_stage}). Start a new run.dir.")
-    changed = changed_hparams(state, cfg)  # 7
+    changed = changed_hparams(state, cfg)  # 9
     if changed or p.universal:
         reapply_hparams()  # the checkpoint restored its own lr, weight decay and schedule; the config's win
     if changed:
         say("resume: overrides applied to the resumed optimizer and schedule: " + ", ".join(changed))
-    try:  # 8-9: the data position, the objective's state, every rank's RNG (on the same world size)
+    try:  # 10-11: the data position, the objective's state, every rank's RNG (on the same world size)
         client_state.load_state_dict(client, where=str(p.root / tag))
     except KeyError as e:
         raise TrainError(f"{e.args[0]}: not a checkpoint of this trainer; start a new run.dir") from None

@@ -1,8 +1,9 @@
 """Training, top to bottom: setup -> (resume) -> step loop with eval, checkpoints, preemption -> export.
 
 Used by launch/pretrain.py and launch/finetune.py alike; fine-tuning only adds a `prepare_model` hook
-that loads the source weights into the freshly built model. Whether to start or resume, and what a
-resume restores in which order, is `pipeline.train.resume`. Exit codes: `pipeline.exit_codes`.
+that loads the source weights into the freshly built model. Whether to start or resume is decided once,
+at the command (`pipeline.train.resume.start`: process group, lock, plan), and handed to `fit`; what a
+resume restores in which order is `pipeline.train.resume`. Exit codes: `pipeline.exit_codes`.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ from torch import nn
 from pipeline.config import Config, save_config, to_dict
 from pipeline.data import build_train_loader, dataset_info_of
 from pipeline.derived import deepspeed_config, resolve_batch
-from pipeline.dist import DistEnv, init_distributed, say
+from pipeline.dist import DistEnv, say
 from pipeline.exit_codes import ExitCode
 from pipeline.objectives import OBJECTIVES, EvalResult, Objective, build_objective
-from pipeline.signals import exit_at_once_on_signal
 from pipeline.tracking import start_metrics, start_tracking
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import mirror, resume
@@ -40,7 +40,7 @@ from pipeline.train.optim import (
 )
 from pipeline.train.preemption import Preemption
 from pipeline.train.state import ClientState, training_client_state
-from pipeline.train.watchdog import Watchdog, process_group_timeout_s
+from pipeline.train.watchdog import Watchdog
 
 MIRROR_POLL_S = 5.0  # a preempted stop waiting for run.remote's uploads: seconds between agreements
 # Agree on preemption every N optimizer steps (an all-reduce of one int; `python launch/bench.py preemption` measures its cost).
@@ -105,15 +105,15 @@ def build_engine(cfg: Config, model: nn.Module, depth: int, ds_config: dict[str,
     return engine, optimizer, groups
 
 
-def setup(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> Setup:
-    with exit_at_once_on_signal("joining the process group"):
-        env = init_distributed(process_group_timeout_s(cfg.dist.timeout_s))
+def setup(cfg: Config, env: DistEnv, plan: resume.ResumePlan | None,
+          prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> Setup:
+    """Everything the loop needs, in a process group joined and a run directory locked by `resume.start`,
+    which also made `plan` (None: a fresh start)."""
     run_dir = Path(cfg.run.dir)
     info = dataset_info_of(cfg.data)  # a dataset.json at a URL is retried by data.retry_*, as shards are
     objective = build_objective(cfg, info)
     model_kwargs = objective.model_kwargs()
-    resume.lock(cfg, env)  # before anything is written: a second job on this run.dir stops here
-    plan = resume.plan(cfg, env, model_kwargs)  # refuses a wrong checkpoint before DeepSpeed starts
+    resume.check_model_and_convert(plan, cfg, env, model_kwargs)  # a wrong checkpoint: refused before DeepSpeed
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -234,9 +234,11 @@ def backward_and_step(engine: Any, loss: torch.Tensor) -> None:
     engine.step()
 
 
-def fit(cfg: Config, prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> int:
-    s = setup(cfg, prepare_model)
-    env, engine = s.env, s.engine
+def fit(cfg: Config, env: DistEnv, plan: resume.ResumePlan | None,
+        prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> int:
+    """Train `cfg` from `plan` (`resume.start`'s, made once at the command); the exit code."""
+    s = setup(cfg, env, plan, prepare_model)
+    engine = s.engine
     step = resume.restore(s.plan, cfg, env, engine, s.client_state, reapply_hparams=lambda: apply_hparams(
         s.optimizer.param_groups, s.groups, engine.lr_scheduler, cfg.train, s.model_kwargs["depth"]))
     if env.is_main:  # world size, restarts and lost steps, before this start logs anything

@@ -92,12 +92,29 @@ def test_a_restart_keeps_the_source_recorded_at_the_first_start(tmp_path, capsys
                                                              "run.dir=runs/ft"])
     save_config(cfg, ft_dir / "config.yaml")
     (ft_dir / "checkpoints" / "step_0000010").mkdir(parents=True)  # it trained: a complete checkpoint
-    (ft_dir / "checkpoints" / "step_0000010" / "complete.json").write_text("{}")
+    (ft_dir / "checkpoints" / "step_0000010" / "complete.json").write_text('{"files": {}}')
     make_run(tmp_path, "newer")  # finished since: it must not become the restarted run's source
     args = parse_finetune_args(["--res", "64", "run.dir=runs/ft"])
     cfg, where = finetune_config(args)
     assert cfg.finetune.source == str(first) and where == "runs/ft/config.yaml"
     assert "recorded in runs/ft/config.yaml" in capsys.readouterr().out
+
+
+def test_a_torn_tag_binds_no_source(tmp_path):
+    """recorded_finetune_source asks what resume asks (checkpoint.newest_complete_tag), not whether a
+    complete.json exists: a tag whose complete.json lists a missing file trained nothing to continue."""
+    from pipeline.commands import recorded_finetune_source
+
+    ft_dir = tmp_path / "runs" / "ft"
+    ft_dir.mkdir(parents=True)
+    save_config(load_config(REPO / "configs/finetune/demo.yaml", ["run.kind=finetune", "finetune.source=/a.pth"]),
+                ft_dir / "config.yaml")
+    tag = ft_dir / "checkpoints" / "step_0000010"
+    tag.mkdir(parents=True)
+    (tag / "complete.json").write_text('{"files": {"mp_rank_00_model_states.pt": 10}}')  # the file is gone
+    assert recorded_finetune_source(ft_dir) is None
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"0123456789")
+    assert recorded_finetune_source(ft_dir) == "/a.pth"
 
 
 def test_missing_shards_name_the_command(capsys):

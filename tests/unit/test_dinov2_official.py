@@ -83,7 +83,7 @@ def official_tokens(model, x, masks=None):
 def test_from_meta_file_gives_the_official_features(official, case, tmp_path):
     meta = meta_file(official, case, tmp_path / "dinov2_pretrain.pth")
     cfg = load_config(None, ["model.img_size=42", "model.num_classes=3", f"finetune.source={tmp_path / 'dinov2_pretrain.pth'}"])
-    cfg, prepare = prepare_finetune(cfg)
+    cfg, prepare = prepare_finetune(cfg, None)
     ours = VisionTransformer(**model_kwargs_from_config(cfg.model))
     prepare(ours)
     ours.eval()

@@ -34,7 +34,7 @@ def finetuned(source, res, num_classes=3, extra=()):
     # The fine-tune config does not repeat the architecture: it comes from the source.
     cfg = load_config(None, [f"model.img_size={res}", f"model.num_classes={num_classes}",
                              f"finetune.source={source}", *extra])
-    cfg, prepare = prepare_finetune(cfg)
+    cfg, prepare = prepare_finetune(cfg, None)
     torch.manual_seed(2)
     model = VisionTransformer(**model_kwargs_from_config(cfg.model))
     prepare(model)
@@ -118,7 +118,7 @@ def test_from_a_meta_dinov2_file_reads_the_architecture_and_converts(tmp_path):
     # No model.* keys: width, depth, heads, patch, LayerScale, registers and the 3x3 grid come from the file.
     cfg = load_config(None, ["model.img_size=42", "model.num_classes=3",
                              f"finetune.source={tmp_path / 'dinov2_vits14_reg4_pretrain.pth'}"])
-    cfg, prepare = prepare_finetune(cfg)
+    cfg, prepare = prepare_finetune(cfg, None)
     assert (cfg.model.variant, cfg.model.depth, cfg.model.reg_tokens, cfg.model.no_embed_class) == \
         ("vit_s14_reg4", 2, 4, True)
     assert cfg.finetune.source_img_size == 42
@@ -132,7 +132,7 @@ def test_from_a_meta_dinov2_file_reads_the_architecture_and_converts(tmp_path):
     # At another resolution the patch-only table is resized (no class row to keep apart).
     cfg = load_config(None, ["model.img_size=56", "model.num_classes=3",
                              f"finetune.source={tmp_path / 'dinov2_vits14_reg4_pretrain.pth'}"])
-    cfg, prepare = prepare_finetune(cfg)
+    cfg, prepare = prepare_finetune(cfg, None)
     model = VisionTransformer(**model_kwargs_from_config(cfg.model))
     prepare(model)
     assert torch.equal(model.pos_embed, resize_pos_embed(source.pos_embed.detach(), (4, 4), 0, (3, 3)))

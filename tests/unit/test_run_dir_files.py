@@ -120,6 +120,50 @@ def test_a_torchrun_restart_waits_for_its_previous_attempt_another_job_does_not(
         lock._held.pop(str(tmp_path.resolve()), None)
 
 
+def test_a_failed_start_removes_only_what_its_lock_made(tmp_path):
+    """A start refused after the lock (a bad --from) leaves no run directory; a directory that existed, or
+    that the start wrote into, stays with its lock."""
+    import os
+
+    import pipeline.train.lock as lock
+
+    fresh = tmp_path / "runs" / "ft"  # runs/ does not exist either
+    lock_run_dir(fresh)
+    lock.remove_if_unused(fresh)
+    assert not (tmp_path / "runs").exists() and str(fresh.resolve()) not in lock._held  # released
+    lock_run_dir(fresh)  # a corrected start takes it again
+    (fresh / "config.yaml").write_text("run: {}\n")  # the start wrote: a run directory
+    lock.remove_if_unused(fresh)
+    assert sorted(p.name for p in fresh.iterdir()) == ["config.yaml", "lock"]
+    os.close(lock._held.pop(str(fresh.resolve())))
+
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    lock_run_dir(existing)
+    lock.remove_if_unused(existing)
+    assert (existing / "lock").is_file()
+    os.close(lock._held.pop(str(existing.resolve())))
+
+
+def test_a_lock_on_a_removed_lock_file_is_not_taken_as_held(tmp_path):
+    """remove_if_unused unlinks the file while still holding it: a job that opened it just before locks an
+    orphan, which lock_run_dir notices (and then locks the file at the path)."""
+    import os
+
+    from pipeline.train.lock import _is_at_path
+
+    path = tmp_path / "lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        assert _is_at_path(fd, path)
+        os.unlink(path)
+        assert not _is_at_path(fd, path)
+        path.write_text("")  # another job's new lock file
+        assert not _is_at_path(fd, path)
+    finally:
+        os.close(fd)
+
+
 def test_slurm_scripts_use_the_exit_codes_of_the_enum():
     for script in ("slurm/pretrain.sh", "slurm/finetune.sh"):
         text = (ROOT / script).read_text()

@@ -295,6 +295,6 @@ def test_a_start_that_failed_before_its_first_checkpoint_does_not_bind_the_next(
     assert finetune_config(parse_finetune_args(argv))[0].finetune.source == str(tmp_path / "b.pth")
     tag = run_dir / "checkpoints" / "step_0000010"
     tag.mkdir(parents=True)
-    (tag / "complete.json").write_text("{}")
+    (tag / "complete.json").write_text('{"files": {}}')  # complete: it lists no file that could be missing
     with pytest.raises(SystemExit):  # a restart: "drop --from to continue it"
         finetune_config(parse_finetune_args(argv))
