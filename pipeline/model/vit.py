@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.model.pos_embed import resize_pos_embed
+from pipeline.zero3 import is_partitioned, real_numel
 
 # Table 1 of the paper (+ the Ti and S sizes of DeiT that timm also ships). Patch size is part of the name.
 VARIANTS: dict[str, dict[str, int | float | bool | str]] = {
@@ -84,7 +85,7 @@ def _init_param(param: nn.Parameter, init_fn: Callable[[torch.Tensor], object]) 
             init_fn(values)
             p.copy_(values)
 
-    if hasattr(param, "ds_id"):
+    if is_partitioned(param):
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
@@ -523,4 +524,4 @@ def model_flops(kwargs: dict, img_size: int | tuple[int, int] | None = None) -> 
 
 
 def num_params(model: nn.Module) -> int:
-    return sum(math.prod(p.ds_shape) if hasattr(p, "ds_shape") else p.numel() for p in model.parameters())
+    return sum(real_numel(p) for p in model.parameters())  # full sizes, also of ZeRO-3's 1-D placeholders

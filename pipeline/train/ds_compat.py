@@ -7,7 +7,8 @@ What lives here, and why it cannot use a public API:
   - `convert_to_universal`: runs `ds_to_universal` and rewrites its output (`_bridge_zero_stages`) so
     that ZeRO-1/2 and ZeRO-3 each find the optimizer step where their loader looks for it.
   - `consolidate`, `full_fp32_param`: DeepSpeed's helpers that read its pickles and partitions.
-  - `real_shape`: a ZeRO-3 parameter is a 1-D placeholder; its shape is DeepSpeed's `ds_shape` attribute.
+  - (A ZeRO-3 parameter's own attributes, `ds_id` and `ds_shape`, are read in `pipeline/zero3.py`: the
+    model reads them, and model/ does not import train/ or DeepSpeed.)
   - `no_code_from_pickles`: DeepSpeed reads its checkpoint files with `torch.load(weights_only=False)`,
     which runs whatever a pickle in a tag says; every DeepSpeed call here that reads files runs with
     `torch.load` forced to `weights_only=True`, allowing only the few classes DeepSpeed stores
@@ -49,12 +50,6 @@ def _version(text: str) -> tuple[int, ...]:
         digits = "".join(c for c in p if c.isdigit())
         parts.append(int(digits or 0))
     return tuple(parts)
-
-
-def real_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The parameter's full shape. Under deepspeed.zero.Init (ZeRO-3) `param` is a 1-D partition
-    placeholder and the real shape is in `ds_shape`."""
-    return tuple(getattr(param, "ds_shape", param.shape))
 
 
 def check_version(version: str = deepspeed.__version__) -> None:

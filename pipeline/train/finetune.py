@@ -32,8 +32,8 @@ from pipeline.model.pos_embed import resize_pos_embed
 from pipeline.model.vit import VisionTransformer, _init_param
 from pipeline.model.weights import WeightsError, convert_dinov2_state_dict, is_dinov2_state_dict, load_weights
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.ds_compat import real_shape
 from pipeline.train.resume import ResumePlan
+from pipeline.zero3 import real_shape
 
 ARCH_KEYS = ("variant", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "init_values",
              "reg_tokens", "no_embed_class", "mlp_layer")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipeline.config import TrainConfig
-from pipeline.train.ds_compat import real_shape
+from pipeline.zero3 import real_shape
 
 # Hyperparameters a resumed run takes from its config, not from the checkpoint (see `apply_hparams`).
 RESUMABLE_HPARAMS = ("lr", "min_lr", "weight_decay", "layer_decay", "betas", "momentum", "warmup_steps",
