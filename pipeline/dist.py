@@ -287,6 +287,16 @@ def elastic_store_warning(environ: Mapping[str, str]) -> str | None:
             f"{SHARED_STORE_FIX} in its environment (docs/cluster.md, Elastic).")
 
 
+def after_exit(environ: Mapping[str, str] | None = None) -> str:
+    """What follows a rank's exit 75, for its log line: torchrun's elastic agent (--max-restarts > 0) starts the
+    workers again itself; under Slurm or deepspeed the job is requeued (or started again by the operator)."""
+    environ = os.environ if environ is None else environ
+    restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0").strip()
+    if launcher_of(environ) == "torchrun" and restarts.isdigit() and int(restarts) > 0:
+        return "for torchrun's agent to restart the workers"
+    return "to be requeued"
+
+
 def _select_cuda_device(local_rank: int) -> None:
     import torch
 

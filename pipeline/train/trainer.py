@@ -23,7 +23,7 @@ from torch import nn
 from pipeline.config import Config, save_config, to_dict
 from pipeline.data import build_train_loader, dataset_info_of
 from pipeline.derived import deepspeed_config, resolve_batch
-from pipeline.dist import DistEnv, say
+from pipeline.dist import DistEnv, after_exit, say
 from pipeline.exit_codes import ExitCode
 from pipeline.objectives import OBJECTIVES, EvalResult, Objective, build_objective
 from pipeline.tracking import start_metrics, start_tracking
@@ -246,7 +246,7 @@ def fit(cfg: Config, env: DistEnv, plan: resume.ResumePlan | None,
     preemption = Preemption(every=PREEMPTION_CHECK_EVERY)
     if preemption.should_stop():  # first safe point: a signal arrived during setup or the checkpoint load
         say(f"preempted during setup: nothing new to save (step {step}); exiting with {int(ExitCode.PREEMPTED)} "
-            f"to be requeued")
+            f"{after_exit()}")
         s.tracker.finish(status=None)
         return ExitCode.PREEMPTED
     # From here on a rank that stops making progress ends the job and says where (pipeline/train/watchdog.py).
@@ -339,7 +339,7 @@ def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
             if last_saved != step:
                 save(s, cfg, step)
             wait_for_mirror(s, cfg, step, preemption.group)
-            say(f"preempted: checkpoint at step {step} saved; exiting with {int(ExitCode.PREEMPTED)} to be requeued")
+            say(f"preempted: checkpoint at step {step} saved; exiting with {int(ExitCode.PREEMPTED)} {after_exit()}")
             s.tracker.finish(status=None)  # the requeued job continues this MLflow run
             return ExitCode.PREEMPTED
 

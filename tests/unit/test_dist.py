@@ -15,6 +15,7 @@ from pipeline.dist import (
     SHARED_STORE_FIX,
     DistEnv,
     DistEnvError,
+    after_exit,
     detect_env,
     elastic_store_warning,
     expand_nodelist,
@@ -197,3 +198,12 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_after():
                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-3:] == ["False", "False", "str"], out.stdout
+
+
+def test_the_exit_line_says_torchruns_agent_restarts_and_otherwise_a_requeue():
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert after_exit({**torchrun, "TORCHELASTIC_MAX_RESTARTS": "3"}) == "for torchrun's agent to restart the workers"
+    assert after_exit({**torchrun, "TORCHELASTIC_MAX_RESTARTS": "0"}) == "to be requeued"  # torchrun, no restarts
+    assert after_exit(torchrun) == "to be requeued"  # the deepspeed launcher sets no TORCHELASTIC_* variables
+    assert after_exit({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0"}) \
+        == "to be requeued"
