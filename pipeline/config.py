@@ -203,6 +203,18 @@ class TrainConfig:
     """Check each micro batch's loss on all ranks before backward (skips non-finite steps; one host sync per micro batch)."""
     eval_batch_size: int | None = None
     """Images per rank per eval forward; None uses micro_batch_size."""
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the model's weights with this decay (timm's ModelEmaV3; e.g. 0.9998), in float32, updated after every optimizer step: evaluated beside the model at every evaluation (its metrics with an _ema suffix, eval/top1_ema) and exported to model.safetensors in place of the raw weights, which the checkpoints keep (docs/training.md, Model EMA). None: no EMA. Not with model.objective 'dinov2', whose teacher is the EMA."""
+    ema_warmup: bool = False
+    """Warm the EMA's decay up (timm's use_warmup): t steps after the first averaging step, min(train.ema_decay, 1 - (1 + t / ema_warmup_gamma) ** -ema_warmup_power), at least train.ema_min_decay."""
+    ema_warmup_gamma: float = 1.0
+    """timm's warmup_gamma: the warm-up's time scale in steps."""
+    ema_warmup_power: float = 0.6666666666666666
+    """timm's warmup_power (2/3: decay 0.999 at about 31.6k steps; 3/4 for shorter runs: at about 10k)."""
+    ema_min_decay: float = 0.0
+    """timm's min_decay: the warm-up's decay is at least this."""
+    ema_update_after_step: int = 0
+    """timm's update_after_step: the EMA copies the model (decay 0) through step ema_update_after_step + 1 and averages from the next."""
 
 
 @dataclass
@@ -442,6 +454,11 @@ def validate(cfg: Config, where: str = "config") -> None:
         ("train.ckpt_every_s", cfg.train.ckpt_every_s >= 0, ">= 0 (seconds)"),
         ("train.layer_decay", cfg.train.layer_decay is None or 0 < cfg.train.layer_decay <= 1, "in (0, 1] or null"),
         ("train.max_nonfinite_steps", cfg.train.max_nonfinite_steps > 0, "> 0"),
+        ("train.ema_decay", cfg.train.ema_decay is None or 0 <= cfg.train.ema_decay <= 1, "in [0, 1] or null"),
+        ("train.ema_min_decay", 0 <= cfg.train.ema_min_decay <= 1, "in [0, 1]"),
+        ("train.ema_warmup_gamma", cfg.train.ema_warmup_gamma > 0, "> 0 (steps)"),
+        ("train.ema_warmup_power", cfg.train.ema_warmup_power > 0, "> 0"),
+        ("train.ema_update_after_step", cfg.train.ema_update_after_step >= 0, ">= 0"),
         ("data.max_bad_fraction", 0 <= cfg.data.max_bad_fraction <= 1, "between 0 and 1"),
         ("data.num_workers", cfg.data.num_workers >= 0, ">= 0"),
         ("data.partitions", cfg.data.partitions is None or cfg.data.partitions > 0, "> 0 or null"),
@@ -490,6 +507,8 @@ def dino_checks(cfg: Config) -> list[tuple[str, bool, str]]:
          "runs in the loader workers)"),
         ("model.representation_size", cfg.model.representation_size is None,
          "null with model.objective 'dinov2' (the backbone has no classifier head)"),
+        ("train.ema_decay", cfg.train.ema_decay is None,
+         "null with model.objective 'dinov2' (its teacher is the EMA of the student: dino.momentum_teacher)"),
         ("dino.local_crops_number", d.local_crops_number >= 0, ">= 0"),
         ("dino.local_crops_size", d.local_crops_size > 0, "> 0"),
         ("dino.mask_probability", 0 <= d.mask_probability <= 1, "in [0, 1]"),

@@ -1,5 +1,5 @@
 """A parameter as ZeRO-3 partitions it, read without importing DeepSpeed: the one home of the attributes
-DeepSpeed puts on a partitioned parameter (`ds_id`, `ds_shape`).
+DeepSpeed puts on a partitioned parameter (`ds_id`, `ds_shape`, `ds_tensor`).
 
 Under `deepspeed.zero.Init` each parameter is a 1-D placeholder holding this rank's slice; its real shape
 is DeepSpeed's `ds_shape` attribute. Reading it is DeepSpeed internals, which otherwise live in
@@ -20,6 +20,13 @@ import torch
 def is_partitioned(param: torch.Tensor) -> bool:
     """Whether ZeRO-3 partitioned `param` (built under deepspeed.zero.Init): this rank holds a slice."""
     return hasattr(param, "ds_id")
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """This rank's values of `param`: under ZeRO-3 its slice (`ds_tensor`, flat; two models of the same shapes
+    built under zero.Init on the same world size hold the same slices: an EMA of one into the other needs no
+    communication, pipeline/train/ema.py), else the whole tensor."""
+    return param.ds_tensor if is_partitioned(param) else param
 
 
 def real_shape(param: torch.Tensor) -> tuple[int, ...]:

@@ -33,10 +33,8 @@ Where we differ from Meta's code, on purpose:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline import zero3
 from pipeline.config import Config, ConfigError, DataConfig
 from pipeline.data import build_eval_loader, raise_if_any_failed
 from pipeline.data.multicrop import MultiCrop, MultiCropConfig, block_mask
@@ -59,6 +58,8 @@ from pipeline.model.vit import (
 )
 from pipeline.objectives.base import EvalResult, Objective
 from pipeline.objectives.mae import knn_top1, label_free
+from pipeline.train import ds_compat
+from pipeline.train.ema import Ema
 
 __all__ = ["DINOHead", "DINOLoss", "iBOTPatchLoss", "KoLeoLoss", "DINOv2", "DINOv2Model", "MultiCropView"]
 
@@ -433,23 +434,6 @@ def dinov2_model_kwargs(cfg: Config) -> dict[str, Any]:
     return {**vit, **{k: getattr(cfg.dino, k) for k in HEAD_KEYS}}
 
 
-def _zero3(p: torch.Tensor) -> bool:
-    return hasattr(p, "ds_tensor")
-
-
-@contextlib.contextmanager
-def _gathered(module: nn.Module, modifier_rank: int | None = None) -> Iterator[None]:
-    """Within: a ZeRO-3 partitioned module's full parameters (collective); a plain module as it is."""
-    params = [p for p in module.parameters() if _zero3(p)]
-    if not params:
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
-        yield
-
-
 class DINOv2(Objective):
     """DINOv2 self-distillation (Oquab et al. 2023, Meta's `SSLMetaArch`): the student is the model DeepSpeed
     trains; the teacher, an EMA of it (momentum cosine from dino.momentum_teacher to 1 over train.steps),
@@ -470,6 +454,7 @@ class DINOv2(Objective):
         super().__init__(cfg, info)
         d = cfg.dino
         self.teacher: DINOv2Model | None = None
+        self.teacher_ema: Ema | None = None  # the teacher's update (built with it, in build_model)
         self.dino_loss = DINOLoss(d.head_n_prototypes, student_temp=d.student_temp)
         self.ibot_loss = iBOTPatchLoss(d.ibot_head_n_prototypes if d.ibot_separate_head else d.head_n_prototypes,
                                        student_temp=d.student_temp)
@@ -490,19 +475,11 @@ class DINOv2(Objective):
         self.teacher = DINOv2Model(**{**model_kwargs, "drop_path_rate": 0.0})
         self.teacher.requires_grad_(False)
         self.teacher.eval()
-        self._ema(student, 0.0)  # the teacher starts as the student
+        # Meta's update (teacher x m + student x (1 - m)) of the parameters, on each rank's own partitions at
+        # ZeRO-3: the machinery of train.ema_decay's model EMA (pipeline/train/ema.py).
+        self.teacher_ema = Ema(self.teacher, "scale_add", buffers=False)
+        self.teacher_ema.update(student, 0.0)  # the teacher starts as the student
         return student
-
-    @torch.no_grad()
-    def _ema(self, student: nn.Module, momentum: float) -> None:
-        """teacher = momentum x teacher + (1 - momentum) x student, parameter by parameter; under ZeRO-3 on
-        this rank's partitions (`ds_tensor`: the same slices of the same shapes in both models)."""
-        for s, t in zip(student.parameters(), self.teacher.parameters(), strict=True):
-            src, dst = (s.ds_tensor, t.ds_tensor) if _zero3(t) else (s, t)
-            if momentum == 0.0:
-                dst.copy_(src)
-            else:
-                dst.mul_(momentum).add_(src.to(dst.dtype), alpha=1.0 - momentum)
 
     # -- the data
     def train_data(self) -> DataConfig:
@@ -564,7 +541,8 @@ class DINOv2(Objective):
             if frozen and group.get("role") == "last_layer":
                 group["lr"] = 0.0
         device = engine.device
-        if not any(_zero3(p) for p in self.teacher.parameters()):  # ZeRO-3's partitions are on the device already
+        # ZeRO-3's partitions are on the device already.
+        if not any(zero3.is_partitioned(p) for p in self.teacher.parameters()):
             self.teacher.to(device)
         for loss in (self.dino_loss, self.ibot_loss):
             loss.to(device)
@@ -587,9 +565,9 @@ class DINOv2(Objective):
         temp = self.teacher_temp(self.step)
 
         teacher_dtype = next(self.teacher.parameters()).dtype
-        with _gathered(self.teacher), torch.autocast(engine.device.type, dtype=global_crops.dtype,
-                                                     enabled=engine.device.type == "cuda"
-                                                     and global_crops.dtype != teacher_dtype):
+        with ds_compat.gathered(self.teacher), torch.autocast(engine.device.type, dtype=global_crops.dtype,
+                                                              enabled=engine.device.type == "cuda"
+                                                              and global_crops.dtype != teacher_dtype):
             t_cls, t_masked = self.teacher.teacher_forward(global_crops.to(teacher_dtype), masks)
         t_cls = t_cls.float()
         if d.centering == "centering":
@@ -634,7 +612,7 @@ class DINOv2(Objective):
             if total[-1] > 0:
                 batch_center = (total[:-1] / total[-1]).float().view_as(loss.center)
                 loss.center = loss.center * loss.center_momentum + batch_center * (1 - loss.center_momentum)
-        self._ema(engine.module, self.momentum(step - 1))  # the momentum of the step just taken
+        self.teacher_ema.update(engine.module, self.momentum(step - 1))  # the momentum of the step just taken
         self.step = step
 
     # -- evaluation, cost, state
@@ -675,8 +653,7 @@ class DINOv2(Objective):
 
     def _teacher_state(self) -> dict[str, torch.Tensor]:
         """The teacher's full fp32 state dict on the CPU (collective under ZeRO-3)."""
-        with _gathered(self.teacher):
-            return {k: v.detach().float().cpu().clone() for k, v in self.teacher.state_dict().items()}
+        return self.teacher_ema.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "teacher": self._teacher_state(), "dino_center": self.dino_loss.center.cpu(),
@@ -688,10 +665,7 @@ class DINOv2(Objective):
             raise ValueError("the checkpoint holds no DINOv2 state (teacher, centres): it was not written by a "
                              "model.objective=dinov2 run")
         self.step = int(state["step"])
-        own = dict(self.teacher.named_parameters()) | dict(self.teacher.named_buffers())
-        with _gathered(self.teacher, modifier_rank=0):  # every rank holds the same full tensors
-            for name, value in state["teacher"].items():
-                own[name].data.copy_(value.to(own[name].dtype))
+        self.teacher_ema.load_state_dict(state["teacher"])
         self.dino_loss.center = state["dino_center"].clone()
         self.ibot_loss.center = state["ibot_center"].clone()
 
@@ -710,7 +684,7 @@ def evaluate_teacher(objective: DINOv2, device: torch.device, dtype: torch.dtype
     feats, labels, shown = [], [], []
     mem_feats, mem_labels = [], []
     samples = torch.zeros(1, dtype=torch.float64, device=device)
-    with _gathered(teacher):
+    with ds_compat.gathered(teacher):
         for images, targets, valid in objective.eval_loader:
             tokens = teacher.backbone.forward_tokens(images.to(device, teacher_dtype, non_blocking=True))
             feats.append(F.normalize(tokens.cls_token.float(), dim=-1))

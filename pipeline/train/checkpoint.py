@@ -28,6 +28,7 @@ import os
 import random
 import shutil
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -309,16 +310,24 @@ def convert_to_universal(run_dir: Path, tag: str) -> Path:
 
 def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     """Consolidated fp32 weights, whatever the ZeRO stage. Collective (ZeRO-3 gathers each parameter)."""
+    return fp32_state_dict(engine.module, ds_compat.full_fp32_param)
+
+
+def fp32_state_dict(module: torch.nn.Module, master: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: None
+                    ) -> dict[str, torch.Tensor]:
+    """`module`'s weights as they are exported, fp32 on the CPU. `master(param)`: the parameter's fp32 master
+    copy (DeepSpeed's, assembled from the partitions), or None to read the parameter itself (a module outside
+    DeepSpeed's optimizer, such as the model EMA, which its caller gathers under ZeRO-3)."""
     state = {}
-    for name, param in engine.module.named_parameters():
-        full = ds_compat.full_fp32_param(param)  # the fp32 master copy, assembled from the partitions
+    for name, param in module.named_parameters():
+        full = master(param)
         state[name] = (full if full is not None else param.detach()).float().cpu()
     # Fixed (untrained) tensors that belong to the weights: MAE's sin-cos tables, under Meta's names.
-    if hasattr(engine.module, "fp32_buffers"):
-        state.update(engine.module.fp32_buffers())
+    if hasattr(module, "fp32_buffers"):
+        state.update(module.fp32_buffers())
     # Other persistent buffers as the module holds them (never partitioned, even at ZeRO-3): the linear
     # probe's BatchNorm statistics, without which its exported head would normalise with (0, 1).
-    for mod_name, mod in engine.module.named_modules():
+    for mod_name, mod in module.named_modules():
         for name, buf in mod.named_buffers(recurse=False):
             if buf is not None and name not in mod._non_persistent_buffers_set:
                 key = f"{mod_name}.{name}" if mod_name else name

@@ -7,8 +7,10 @@ What lives here, and why it cannot use a public API:
   - `convert_to_universal`: runs `ds_to_universal` and rewrites its output (`_bridge_zero_stages`) so
     that ZeRO-1/2 and ZeRO-3 each find the optimizer step where their loader looks for it.
   - `consolidate`, `full_fp32_param`: DeepSpeed's helpers that read its pickles and partitions.
-  - (A ZeRO-3 parameter's own attributes, `ds_id` and `ds_shape`, are read in `pipeline/zero3.py`: the
-    model reads them, and model/ does not import train/ or DeepSpeed.)
+  - (A ZeRO-3 parameter's own attributes, `ds_id`, `ds_shape` and its partition `ds_tensor`, are read in
+    `pipeline/zero3.py`: the model reads them, and model/ does not import train/ or DeepSpeed.)
+  - `gathered`: a ZeRO-3 module's full parameters for a forward, a save or a load outside the engine (the
+    DINOv2 teacher, the model EMA: pipeline/train/ema.py).
   - `no_code_from_pickles`: DeepSpeed reads its checkpoint files with `torch.load(weights_only=False)`,
     which runs whatever a pickle in a tag says; every DeepSpeed call here that reads files runs with
     `torch.load` forced to `weights_only=True`, allowing only the few classes DeepSpeed stores
@@ -39,6 +41,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from pipeline.model.weights import WeightsError, refused_global
+from pipeline.zero3 import is_partitioned
 
 TESTED = ((0, 19, 8), (0, 20, 0))  # [low, high): the range pyproject.toml accepts
 ERRORS_DIR = "errors"  # RUN_DIR/errors/<what>-<time>.txt: DeepSpeed's tracebacks behind a one-line message
@@ -50,6 +53,18 @@ def _version(text: str) -> tuple[int, ...]:
         digits = "".join(c for c in p if c.isdigit())
         parts.append(int(digits or 0))
     return tuple(parts)
+
+
+@contextmanager
+def gathered(module: torch.nn.Module, modifier_rank: int | None = None) -> Iterator[None]:
+    """Within: a ZeRO-3 partitioned module's full parameters (collective: every rank enters); with
+    `modifier_rank`, what that rank writes into them is partitioned again on exit. A plain module as it is."""
+    params = [p for p in module.parameters() if is_partitioned(p)]
+    if not params:
+        yield
+        return
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+        yield
 
 
 def check_version(version: str = deepspeed.__version__) -> None:

@@ -6,6 +6,7 @@ needs goes into the tag's client state, one entry per part, in this order:
     data       the train loader's position and bad-data counts: layout-free, so the same samples follow
                on any world size (`LoaderState`)
     objective  the objective's own state: a teacher, running centers ({} for supervised)
+    ema        the model EMA's weights, full fp32 (`pipeline.train.ema.ModelEma`), only with train.ema_decay
     rng        every rank's RNG: torch, Python, NumPy, CUDA (`RngState`); restored on the same world size
 
 `ClientState.state_dict()` is collective (each part may gather from every rank, and every rank calls the
@@ -80,7 +81,10 @@ class ClientState:
             part.load_state_dict(client.get(name, {}))
 
 
-def training_client_state(loader: Any, objective: Stateful, env: DistEnv) -> ClientState:
-    """The trainer's parts. The objective's entry is optional: tags written before objectives had state."""
-    return ClientState({"data": LoaderState(loader), "objective": objective, "rng": RngState(env)},
-                       optional=("objective",))
+def training_client_state(loader: Any, objective: Stateful, env: DistEnv, ema: Stateful | None = None
+                          ) -> ClientState:
+    """The trainer's parts. Optional entries: the objective's (tags written before objectives had state) and
+    the model EMA's (a run that turns train.ema_decay on: its EMA starts from the resumed weights)."""
+    ema_part = {"ema": ema} if ema is not None else {}
+    return ClientState({"data": LoaderState(loader), "objective": objective, **ema_part, "rng": RngState(env)},
+                       optional=("objective", "ema"))

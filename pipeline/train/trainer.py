@@ -29,6 +29,7 @@ from pipeline.objectives import OBJECTIVES, EvalResult, Objective, build_objecti
 from pipeline.tracking import start_metrics, start_tracking
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import mirror, resume
+from pipeline.train.ema import ModelEma, build_model_ema
 from pipeline.train.metrics import ThroughputMeter, device_peak_flops
 from pipeline.train.optim import (
     apply_hparams,
@@ -63,6 +64,7 @@ class Setup:
     objective: Objective  # what the recipe is (pipeline/objectives/): model, data view, loss, eval
     run_dir: Path
     client_state: ClientState  # what a checkpoint holds besides DeepSpeed's engine (pipeline/train/state.py)
+    ema: ModelEma | None = None  # train.ema_decay: evaluated beside the model, exported in its place
     watchdog: Watchdog | None = None  # started with the loop (fit)
 
     @property
@@ -124,7 +126,11 @@ def setup(cfg: Config, env: DistEnv, plan: resume.ResumePlan | None,
     model = build_model(cfg, model_kwargs, ds_config, objective)
     tags = prepare_model(model) if prepare_model is not None else {}
     resume.check_same_decay_groups(plan, model)  # before DeepSpeed loads an optimizer state of other groups
+    # After the fine-tune source is loaded (the EMA starts from it) and before DeepSpeed casts to bf16.
+    ema = build_model_ema(cfg, model, lambda: objective.build_model(model_kwargs), ds_config)
     engine, optimizer, groups = build_engine(cfg, model, model_kwargs["depth"], ds_config)
+    if ema is not None:
+        ema.to(engine.device)
 
     img_size = model_kwargs["img_size"]
     # The loader hands out micro batches; loader.accum of them (DeepSpeed's accumulation) make a step.
@@ -138,7 +144,7 @@ def setup(cfg: Config, env: DistEnv, plan: resume.ResumePlan | None,
     dtype = torch.bfloat16 if cfg.deepspeed.bf16 else torch.float32
     return Setup(env, engine, optimizer, groups, model_kwargs, train_loader, eval_loaders, tracker, dtype,
                  objective.flops_per_image(model_kwargs), plan, objective, run_dir,
-                 training_client_state(train_loader, objective, env))
+                 training_client_state(train_loader, objective, env, ema), ema)
 
 
 # ----------------------------------------------------------------------------- save
@@ -163,8 +169,13 @@ def save(s: Setup, cfg: Config, step: int) -> str:
 
 
 def evaluate(s: Setup, step: int) -> EvalResult:
-    """The objective's evaluation (collective); rank 0 is given the run directory to write figures to."""
-    return s.objective.evaluate(s.engine, s.dtype, s.run_dir if s.env.is_main else None, step)
+    """The objective's evaluation (collective); rank 0 is given the run directory to write figures to. With
+    train.ema_decay the model EMA's too, its metrics beside the model's (eval/top1_ema)."""
+    result = s.objective.evaluate(s.engine, s.dtype, s.run_dir if s.env.is_main else None, step)
+    if s.ema is None:
+        return result
+    ema = s.ema.evaluate(s.objective, step)
+    return EvalResult({**result.metrics, **ema.metrics}, f"{result.line}\n{ema.line}", result.artifacts)
 
 
 def all_finite(loss: torch.Tensor) -> bool:
@@ -298,6 +309,8 @@ def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
                 loss_sum += loss.detach()
                 micro_count += 1
             s.objective.after_step(engine, step + 1)  # DeepSpeed stepped the optimizer at the last one
+            if s.ema is not None:
+                s.ema.update(step + 1)
         except NonFiniteLosses as e:
             good = ckpt.newest_complete_tag(Path(cfg.run.dir))
             print(f"error: {e}; stopping without saving. Last good checkpoint: {good or 'none'} in "
@@ -372,9 +385,14 @@ def finish(s: Setup, cfg: Config, step: int) -> None:
     """Export consolidated weights (collective), hand the artifacts to MLflow, end the run."""
     s.watchdog.beat("export", step)
     run_dir = Path(cfg.run.dir)
-    ckpt.export_weights(s.engine, run_dir / "model.safetensors",
-                        metadata={"variant": cfg.model.variant, "step": str(step)},
-                        state=s.objective.exported_weights(s.engine))  # a teacher, for DINOv2
+    metadata = {"variant": cfg.model.variant, "step": str(step)}
+    if s.ema is not None:  # the EMA is the run's product; the checkpoints keep the raw weights
+        say(f"export: model.safetensors holds the model EMA (train.ema_decay={cfg.train.ema_decay}); the "
+            f"raw weights stay in {ckpt.checkpoint_dir(run_dir)}")
+        state, metadata["ema_decay"] = s.ema.exported_weights(), str(cfg.train.ema_decay)
+    else:
+        state = s.objective.exported_weights(s.engine)  # a teacher, for DINOv2
+    ckpt.export_weights(s.engine, run_dir / "model.safetensors", metadata=metadata, state=state)
     if s.env.is_main:
         # (config.yaml reached MLflow when this start connected: tracking/sync.py logs tracking.json's config)
         s.tracker.log_artifact(run_dir / "model.safetensors")  # a path tag instead with tracking.log_model=false
