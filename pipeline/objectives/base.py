@@ -111,6 +111,18 @@ class Objective:
 
         return full_fp32_state_dict(engine)
 
+    #: What `weights_from_checkpoint` gives, for the log of a fine-tune from a run stopped before its export.
+    checkpoint_weights: ClassVar[str] = "the trained model's weights (DeepSpeed's, consolidated to fp32)"
+
+    @classmethod
+    def weights_from_checkpoint(cls, run_dir: Path, tag: str, cfg: Config) -> dict[str, torch.Tensor]:
+        """What `exported_weights` would have given at checkpoint `tag` of `run_dir` (a run stopped before its
+        export: preempted, crashed, still going), read from the files on disk without an engine, on any ZeRO
+        stage and world size. `cfg`: that run's config.yaml. By default the trained model's weights."""
+        from pipeline.train.checkpoint import consolidate  # the train package imports objectives
+
+        return consolidate(run_dir, tag)
+
     def state_dict(self) -> dict[str, Any]:
         """The objective's own state (a teacher, running centers), saved with every checkpoint."""
         return {}

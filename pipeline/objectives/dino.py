@@ -649,7 +649,23 @@ class DINOv2(Objective):
 
     def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:
         """The teacher's backbone, in `VisionTransformer`'s (timm's) names: what fine-tuning starts from."""
-        return {k[len("backbone."):]: v for k, v in self._teacher_state().items() if k.startswith("backbone.")}
+        return _backbone(self._teacher_state())
+
+    checkpoint_weights = "the teacher's backbone"
+
+    @classmethod
+    def weights_from_checkpoint(cls, run_dir: Path, tag: str, cfg: Config) -> dict[str, torch.Tensor]:
+        """The teacher's backbone saved in checkpoint `tag`: the tensors `exported_weights` gives at that step.
+        The checkpoint holds the teacher whole on every ZeRO stage (`state_dict` gathers it before the save),
+        so no partitions are reassembled here; DeepSpeed's module in the tag is the student."""
+        from pipeline.train.checkpoint import CheckpointError, checkpoint_dir, read_client_state
+
+        objective = read_client_state(run_dir, tag).get("objective") or {}
+        if "teacher" not in objective:
+            raise CheckpointError(f"{checkpoint_dir(run_dir) / tag}: its client state has no DINOv2 teacher "
+                                  f"(objective.teacher), though {run_dir / 'config.yaml'} says "
+                                  f"model.objective={cfg.model.objective}")
+        return _backbone(objective["teacher"])
 
     def _teacher_state(self) -> dict[str, torch.Tensor]:
         """The teacher's full fp32 state dict on the CPU (collective under ZeRO-3)."""
@@ -668,6 +684,11 @@ class DINOv2(Objective):
         self.teacher_ema.load_state_dict(state["teacher"])
         self.dino_loss.center = state["dino_center"].clone()
         self.ibot_loss.center = state["ibot_center"].clone()
+
+
+def _backbone(teacher: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The backbone's tensors of a `DINOv2Model` state dict, under `VisionTransformer`'s (timm's) names."""
+    return {k[len("backbone."):]: v for k, v in teacher.items() if k.startswith("backbone.")}
 
 
 # ----------------------------------------------------------------------------- evaluation

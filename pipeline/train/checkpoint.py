@@ -345,6 +345,25 @@ def export_weights(engine, path: Path, metadata: dict[str, str] | None = None,
         dist.barrier()
 
 
+def read_client_state(run_dir: Path, tag: str) -> dict[str, Any]:
+    """The client state (trainer_state's parts: data, objective, ema, rng) of checkpoints/tag on disk, without
+    an engine. DeepSpeed writes it into every model-states file (every part is gathered on every rank before
+    the save, pipeline/train/state.py), so the first rank's file holds all of it whatever the ZeRO stage:
+    mp_rank_00_model_states.pt at ZeRO 0-2, zero_pp_rank_0_mp_rank_00_model_states.pt at ZeRO-3. Read with
+    `weights_only=True` and DeepSpeed's own few types (ds_compat.no_code_from_pickles), memory-mapped: the
+    module's weights beside it at ZeRO 0-2 are not read."""
+    tag_dir = checkpoint_dir(run_dir) / tag
+    files = [tag_dir / name for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")]
+    found = [f for f in files if f.is_file()]
+    if not found:
+        raise CheckpointError(f"{tag_dir}: no {files[0].name} or {files[1].name} (DeepSpeed's model states, "
+                              f"which hold the client state)")
+    with ds_compat.no_code_from_pickles():
+        state = torch.load(found[0], map_location="cpu", mmap=True)
+    # DeepSpeed puts the client state's entries beside its own keys (engine._save_checkpoint: state.update).
+    return {k: state[k] for k in ("data", "objective", "ema", "rng") if k in state}
+
+
 def consolidate(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
     """fp32 weights from a complete checkpoint on disk (any ZeRO stage, any world size), without an engine.
 

@@ -2,8 +2,10 @@
 
 `--from` may name
   - a pretraining run directory: its model.safetensors + config.yaml, or, for a run that was stopped
-    before exporting, its latest DeepSpeed checkpoint (consolidated to fp32 here, its files read with
-    `weights_only=True` and DeepSpeed's own few types: `ds_compat.no_code_from_pickles`);
+    before exporting, what it would have exported at its newest complete checkpoint, as its objective reads
+    it (`Objective.weights_from_checkpoint`: the model consolidated to fp32, a DINOv2 run's teacher
+    backbone), its files read with `weights_only=True` and DeepSpeed's own few types
+    (`ds_compat.no_code_from_pickles`);
   - a .safetensors file (ours, or timm's, e.g. `vit_base_patch16_224`'s model.safetensors);
   - a timm-format .pth/.bin state dict, read with `torch.load(weights_only=True)`: nothing executes code;
   - one of Meta's DINOv2 backbone files (`dinov2_vitb14_pretrain.pth`, `dinov2_vitb14_reg4_pretrain.pth`):
@@ -67,7 +69,16 @@ def source_state_dict(src: Source) -> dict[str, torch.Tensor]:
         return load_weights(src.path)
     if (src.path / "model.safetensors").is_file():
         return load_weights(src.path / "model.safetensors")
-    return ckpt.consolidate(src.path)  # a run stopped before export: its newest checkpoint
+    # A run stopped before its export: what it would have exported at its newest complete checkpoint, which
+    # its objective reads (a DINOv2 run's teacher backbone, not DeepSpeed's module, the student).
+    from pipeline.objectives import OBJECTIVES  # DINOv2 imports the train package
+    from pipeline.objectives.base import Objective
+
+    tag = ckpt.newest_complete_tag(src.path)
+    objective = OBJECTIVES[src.config.model.objective] if src.config is not None else Objective
+    _say(f"--from {src.path}: no model.safetensors (the run stopped before its export): "
+         f"{objective.checkpoint_weights} of its newest complete checkpoint, {tag}")
+    return objective.weights_from_checkpoint(src.path, tag, src.config)
 
 
 def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[str] | frozenset[str] = frozenset()

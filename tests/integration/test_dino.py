@@ -1,13 +1,17 @@
 """DINOv2 pretraining end to end on CPU (gloo): preempted on 2 ranks, resumed on 1, it ends where the
 uninterrupted run ends (teacher, student, centres and schedules restored); ZeRO-3 with gradient
 checkpointing trains, its teacher an EMA of the student on each rank's shard, its prototypes still while
-frozen; the exported teacher backbone fine-tunes."""
+frozen; a run stopped before its export fine-tunes from its newest checkpoint's teacher backbone, the
+tensors the run exports at that step (ZeRO-1 and ZeRO-3)."""
 
 import numpy as np
 import pytest
 import torch
 
+from pipeline.config import load_config
+from pipeline.objectives.dino import DINOv2
 from pipeline.train import checkpoint as ckpt
+from pipeline.train.finetune import find_source, source_state_dict
 from tests.integration.runs import TINY, metrics, run, run_and_signal, weights
 
 pytestmark = pytest.mark.dist
@@ -32,6 +36,12 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: f
         assert torch.allclose(a[k], b[k], rtol=0, atol=atol), f"{k}: max |diff| {(a[k] - b[k]).abs().max().item()}"
 
 
+def assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k}: max |diff| {(a[k] - b[k]).abs().max().item()}"
+
+
 @pytest.mark.slow
 def test_dino_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_run_ends(shards, tmp_path):
     fp32 = ["deepspeed.bf16=false"]
@@ -46,6 +56,18 @@ def test_dino_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted
     code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, 1, 12, *fp32), when="step 4/12")
     assert code == 75, out[-3000:]
     assert not (run_dir / "model.safetensors").exists()
+    # Stopped before its export, it fine-tunes (a supervised ViT, class-token head) at twice the resolution
+    # from its newest checkpoint's teacher backbone, not from DeepSpeed's module (the student).
+    ft_dir = tmp_path / "finetune"
+    ft = run("finetune.py", "configs/finetune/demo.yaml",
+             [*TINY, f"data.path={shards}", f"run.dir={ft_dir}", "train.steps=2", "train.eval_every=0"],
+             ranks=1, extra=["--from", str(run_dir), "--res", "32"])
+    assert ft.returncode == 0, ft.stdout[-3000:] + ft.stderr[-3000:]
+    stopped_at = ckpt.newest_complete_tag(run_dir)  # the preemption's own checkpoint (step 4 or 5)
+    assert f"the teacher's backbone of its newest complete checkpoint, {stopped_at}" in ft.stdout
+    tuned = weights(ft_dir)
+    assert tuned["pos_embed"].shape == (1, 65, 32) and "head.weight" in tuned  # 8x8 grid + class token
+
     resumed = run("pretrain.py", CONFIG, base(shards, run_dir, 1, 12, *fp32), ranks=1)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout
@@ -62,15 +84,9 @@ def test_dino_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted
     final = [m["metrics"] for m in metrics(run_dir) if "eval/samples" in m["metrics"]][-1]
     assert "eval/knn_top1" in final  # the synthetic shards have labels (evaluation only)
     assert (run_dir / "pca" / "step00000012.png").is_file()
-
-    # The teacher's backbone fine-tunes (a supervised ViT, class-token head) at twice the resolution.
-    ft_dir = tmp_path / "finetune"
-    ft = run("finetune.py", "configs/finetune/demo.yaml",
-             [*TINY, f"data.path={shards}", f"run.dir={ft_dir}", "train.steps=2", "train.eval_every=0"],
-             ranks=1, extra=["--from", str(run_dir), "--res", "32"])
-    assert ft.returncode == 0, ft.stdout[-3000:] + ft.stderr[-3000:]
-    tuned = weights(ft_dir)
-    assert tuned["pos_embed"].shape == (1, 65, 32) and "head.weight" in tuned  # 8x8 grid + class token
+    # What a fine-tune reads from a checkpoint is, bit for bit, what the run exports at that step.
+    assert_equal(DINOv2.weights_from_checkpoint(run_dir, ckpt.tag_for(12), load_config(run_dir / "config.yaml")),
+                 teacher)
 
 
 @pytest.mark.slow
@@ -98,6 +114,10 @@ def test_dino_at_zero3_with_gradient_checkpointing_trains_its_teacher_on_each_sh
     key = "blocks.1.mlp.fc1.weight"
     assert not torch.equal(teacher[key], start[key]) and not torch.equal(teacher[key], student[f"backbone.{key}"])
     assert (run_dir / "pca" / "step00000008.png").is_file()
+    # Its last checkpoint holds the teacher whole (gathered from the shards before the save): without the
+    # export, `--from RUN_DIR` reads from it, bit for bit, the backbone the run exported at that step.
+    (run_dir / "model.safetensors").rename(tmp_path / "exported.safetensors")
+    assert_equal(source_state_dict(find_source(str(run_dir))), teacher)
 
 
 def run_start_weights(tmp_path, shards, zero: int) -> dict[str, torch.Tensor]:
