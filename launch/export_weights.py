@@ -6,7 +6,9 @@
     python launch/export_weights.py dinov2_vitb14_reg4_pretrain.pth      # Meta's file -> timm names, .safetensors
 
 Works for every ZeRO stage and any number of ranks the run had; runs on CPU. The trainer does this
-itself at the end of a run; this is for a run that is still going or was stopped. Given one of Meta's
+itself at the end of a run; this is for a run that is still going or was stopped. It writes what the run
+exports, as its objective reads it from the checkpoint (`Objective.weights_from_checkpoint`): the model's
+weights, or a DINOv2 run's teacher backbone (not DeepSpeed's module there, the student). Given one of Meta's
 DINOv2 backbone files instead of a run directory, it writes the same weights under timm's names and layout
 (timm's vit_*_patch14[_reg4]_dinov2 load it; mask_token, used in training only, is left out).
 """
@@ -17,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.config import ConfigError, load_config  # noqa: E402
 from pipeline.model.weights import (  # noqa: E402
     WeightsError,
     convert_dinov2_state_dict,
@@ -24,7 +27,8 @@ from pipeline.model.weights import (  # noqa: E402
     load_weights,
     save_weights,
 )
-from pipeline.train.checkpoint import CheckpointError, consolidate, newest_complete_tag  # noqa: E402
+from pipeline.objectives import OBJECTIVES, Objective  # noqa: E402
+from pipeline.train.checkpoint import CheckpointError, checkpoint_dir, newest_complete_tag  # noqa: E402
 from pipeline.train.ds_compat import DeepSpeedFailed  # noqa: E402
 
 
@@ -38,13 +42,18 @@ def main(argv: list[str] | None = None) -> int:
         return export_dinov2(args.run_dir, args.out or args.run_dir.with_suffix(".safetensors"))
     try:
         tag = args.tag or newest_complete_tag(args.run_dir)
-        state = consolidate(args.run_dir, tag)
-    except (FileNotFoundError, ValueError, CheckpointError, DeepSpeedFailed) as e:
+        if tag is None:
+            raise CheckpointError(f"{checkpoint_dir(args.run_dir)} has no complete checkpoint")
+        recorded = args.run_dir / "config.yaml"
+        cfg = load_config(recorded) if recorded.is_file() else None
+        objective = OBJECTIVES[cfg.model.objective] if cfg is not None else Objective  # no config: the model
+        state = objective.weights_from_checkpoint(args.run_dir, tag, cfg)
+    except (FileNotFoundError, ValueError, ConfigError, CheckpointError, DeepSpeedFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     out = args.out or args.run_dir / "model.safetensors"
-    save_weights(state, out, metadata={"step": tag.split("_")[-1] if tag else ""})
-    print(f"wrote {out}: {len(state)} tensors from {args.run_dir}/checkpoints/{tag}")
+    save_weights(state, out, metadata={"step": tag.split("_")[-1]})
+    print(f"wrote {out}: {len(state)} tensors ({objective.checkpoint_weights}) from {args.run_dir}/checkpoints/{tag}")
     return 0
 
 

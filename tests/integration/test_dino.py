@@ -4,9 +4,13 @@ checkpointing trains, its teacher an EMA of the student on each rank's shard, it
 frozen; a run stopped before its export fine-tunes from its newest checkpoint's teacher backbone, the
 tensors the run exports at that step (ZeRO-1 and ZeRO-3)."""
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pipeline.config import load_config
 from pipeline.objectives.dino import DINOv2
@@ -118,6 +122,14 @@ def test_dino_at_zero3_with_gradient_checkpointing_trains_its_teacher_on_each_sh
     # export, `--from RUN_DIR` reads from it, bit for bit, the backbone the run exported at that step.
     (run_dir / "model.safetensors").rename(tmp_path / "exported.safetensors")
     assert_equal(source_state_dict(find_source(str(run_dir))), teacher)
+    # launch/export_weights.py writes it too (the teacher, not DeepSpeed's module: the student).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "launch"))
+    try:
+        from export_weights import main as export_main
+    finally:
+        sys.path.pop(0)
+    assert export_main([str(run_dir), "--out", str(tmp_path / "again.safetensors")]) == 0
+    assert_equal(load_file(str(tmp_path / "again.safetensors")), teacher)
 
 
 def run_start_weights(tmp_path, shards, zero: int) -> dict[str, torch.Tensor]:
