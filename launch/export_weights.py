@@ -27,7 +27,7 @@ from pipeline.model.weights import (  # noqa: E402
     load_weights,
     save_weights,
 )
-from pipeline.objectives import OBJECTIVES, Objective  # noqa: E402
+from pipeline.objectives import objective_of_run  # noqa: E402
 from pipeline.train.checkpoint import CheckpointError, checkpoint_dir, newest_complete_tag  # noqa: E402
 from pipeline.train.ds_compat import DeepSpeedFailed  # noqa: E402
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"{checkpoint_dir(args.run_dir)} has no complete checkpoint")
         recorded = args.run_dir / "config.yaml"
         cfg = load_config(recorded) if recorded.is_file() else None
-        objective = OBJECTIVES[cfg.model.objective] if cfg is not None else Objective  # no config: the model
+        objective = objective_of_run(cfg)
         state = objective.weights_from_checkpoint(args.run_dir, tag, cfg)
     except (FileNotFoundError, ValueError, ConfigError, CheckpointError, DeepSpeedFailed) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -43,7 +43,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline import zero3
 from pipeline.config import Config, ConfigError, DataConfig
 from pipeline.data import build_eval_loader, raise_if_any_failed
 from pipeline.data.multicrop import MultiCrop, MultiCropConfig, block_mask
@@ -541,9 +540,7 @@ class DINOv2(Objective):
             if frozen and group.get("role") == "last_layer":
                 group["lr"] = 0.0
         device = engine.device
-        # ZeRO-3's partitions are on the device already.
-        if not any(zero3.is_partitioned(p) for p in self.teacher.parameters()):
-            self.teacher.to(device)
+        self.teacher_ema.to(device)
         for loss in (self.dino_loss, self.ibot_loss):
             loss.to(device)
 

@@ -28,7 +28,7 @@ import os
 import random
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -313,6 +313,15 @@ def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     return fp32_state_dict(engine.module, ds_compat.full_fp32_param)
 
 
+def persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(state-dict name, buffer) of each buffer `module.state_dict()` holds, module by module: what an
+    export carries besides the parameters and what a weights average walks (pipeline/train/ema.py)."""
+    for mod_name, mod in module.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                yield (f"{mod_name}.{name}" if mod_name else name), buf
+
+
 def fp32_state_dict(module: torch.nn.Module, master: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: None
                     ) -> dict[str, torch.Tensor]:
     """`module`'s weights as they are exported, fp32 on the CPU. `master(param)`: the parameter's fp32 master
@@ -327,11 +336,8 @@ def fp32_state_dict(module: torch.nn.Module, master: Callable[[torch.Tensor], to
         state.update(module.fp32_buffers())
     # Other persistent buffers as the module holds them (never partitioned, even at ZeRO-3): the linear
     # probe's BatchNorm statistics, without which its exported head would normalise with (0, 1).
-    for mod_name, mod in module.named_modules():
-        for name, buf in mod.named_buffers(recurse=False):
-            if buf is not None and name not in mod._non_persistent_buffers_set:
-                key = f"{mod_name}.{name}" if mod_name else name
-                state.setdefault(key, (buf.float() if buf.is_floating_point() else buf).detach().cpu().clone())
+    for key, buf in persistent_buffers(module):
+        state.setdefault(key, (buf.float() if buf.is_floating_point() else buf).detach().cpu().clone())
     return state
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import deepspeed
@@ -40,20 +40,12 @@ from pipeline import zero3
 from pipeline.config import Config, TrainConfig
 from pipeline.dist import say
 from pipeline.train import ds_compat
-from pipeline.train.checkpoint import fp32_state_dict
+from pipeline.train.checkpoint import fp32_state_dict, persistent_buffers
 
 if TYPE_CHECKING:  # pipeline.objectives imports this module (the teacher's EMA)
     from pipeline.objectives.base import EvalResult, Objective
 
 Arithmetic = Literal["lerp", "scale_add"]
-
-
-def _persistent_buffers(module: nn.Module) -> Iterator[torch.Tensor]:
-    """The buffers `module.state_dict()` holds (timm's EMA walks the state dict), module by module."""
-    for mod in module.modules():
-        for name, buf in mod.named_buffers(recurse=False):
-            if buf is not None and name not in mod._non_persistent_buffers_set:
-                yield buf
 
 
 class Ema:
@@ -71,7 +63,8 @@ class Ema:
         pairs = [(zero3.local_tensor(s), zero3.local_tensor(m))
                  for s, m in zip(self.shadow.parameters(), model.parameters(), strict=True)]
         if self.buffers:  # never partitioned, even at ZeRO-3: every rank holds them whole
-            for s, m in zip(_persistent_buffers(self.shadow), _persistent_buffers(model), strict=True):
+            # The buffers the state dict holds (timm's EMA walks the state dict).
+            for (_, s), (_, m) in zip(persistent_buffers(self.shadow), persistent_buffers(model), strict=True):
                 if s.is_floating_point():
                     pairs.append((s, m))
                 else:
@@ -88,6 +81,11 @@ class Ema:
             for dst, src in pairs:
                 dst.mul_(decay).add_(src.to(device=dst.device, dtype=dst.dtype), alpha=1.0 - decay)
 
+    def to(self, device: torch.device) -> None:
+        """The shadow onto `device`; a ZeRO-3 partitioned one is there already (its slices live on the device)."""
+        if not any(zero3.is_partitioned(p) for p in self.shadow.parameters()):
+            self.shadow.to(device)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The shadow's whole state dict on the CPU, floating tensors as fp32 (collective under ZeRO-3)."""
         with ds_compat.gathered(self.shadow):
@@ -97,10 +95,7 @@ class Ema:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore what `state_dict` returned, on any world size and ZeRO stage (collective under ZeRO-3)."""
-        own = dict(self.shadow.named_parameters()) | {
-            f"{mod_name}.{name}" if mod_name else name: buf for mod_name, mod in self.shadow.named_modules()
-            for name, buf in mod.named_buffers(recurse=False)
-            if buf is not None and name not in mod._non_persistent_buffers_set}
+        own = dict(self.shadow.named_parameters()) | dict(persistent_buffers(self.shadow))
         if own.keys() != state.keys():
             missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
             raise ValueError(f"the saved moving average is of another model: missing {missing[:5]}, "
@@ -159,8 +154,7 @@ class ModelEma:
     def to(self, device: torch.device) -> None:
         """Where the evaluation runs (the engine's device); a partitioned shadow is on it already."""
         self.device = device
-        if not any(zero3.is_partitioned(p) for p in self.shadow.parameters()):
-            self.shadow.to(device)
+        self.ema.to(device)
 
     def update(self, step: int) -> None:
         """After optimizer step `step` (1 for the first)."""

@@ -71,11 +71,10 @@ def source_state_dict(src: Source) -> dict[str, torch.Tensor]:
         return load_weights(src.path / "model.safetensors")
     # A run stopped before its export: what it would have exported at its newest complete checkpoint, which
     # its objective reads (a DINOv2 run's teacher backbone, not DeepSpeed's module, the student).
-    from pipeline.objectives import OBJECTIVES  # DINOv2 imports the train package
-    from pipeline.objectives.base import Objective
+    from pipeline.objectives import objective_of_run  # DINOv2 imports the train package
 
     tag = ckpt.newest_complete_tag(src.path)
-    objective = OBJECTIVES[src.config.model.objective] if src.config is not None else Objective
+    objective = objective_of_run(src.config)
     _say(f"--from {src.path}: no model.safetensors (the run stopped before its export): "
          f"{objective.checkpoint_weights} of its newest complete checkpoint, {tag}")
     return objective.weights_from_checkpoint(src.path, tag, src.config)
