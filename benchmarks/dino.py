@@ -132,7 +132,7 @@ def bench_dino(args: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     objective = OBJECTIVES["dinov2"](cfg, SimpleNamespace(num_classes=0))
     kwargs = objective.model_kwargs()
-    student = objective.build_model(kwargs)
+    student = objective.build_all(kwargs)
     objective.teacher.to(device)
     # Each image's crops and iBOT masks as the loader workers make them (the objective's view, seeded).
     view = objective.sample_view(kwargs)

@@ -5,6 +5,7 @@ The trainer (pipeline/train/trainer.py) names no objective. It asks the objectiv
     objective = build_objective(cfg, info)            # the class registered under model.objective
     kwargs = objective.model_kwargs()                 # checked against a checkpoint before anything is built
     model = objective.build_model(kwargs)             # under deepspeed.zero.Init with ZeRO-3
+    objective.build_companions(model, kwargs, init)   # a teacher: float32, partitioned as the model
     train_data, per_batch = objective.train_data(), objective.per_batch(kwargs)   # the loader's view
     view = objective.sample_view(kwargs)              # each sample's tensors, in place of the train transform
     objective.build_eval(env, img_size, eval_batch)   # its evaluation loaders
@@ -21,6 +22,7 @@ A new objective is one file here, a config section and one line in `pipeline.obj
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -59,9 +61,22 @@ class Objective:
         raise NotImplementedError
 
     def build_model(self, model_kwargs: dict[str, Any]) -> nn.Module:
-        """The trained model (the one DeepSpeed wraps). An objective with a second model (a teacher) builds
-        it here too, keeps it on `self`, and saves it through `state_dict`."""
+        """The trained model (the one DeepSpeed wraps)."""
         return self.model_class(**model_kwargs)
+
+    def build_companions(self, model: nn.Module, model_kwargs: dict[str, Any],
+                         init: Callable[[], AbstractContextManager[Any]]) -> None:
+        """Build the models that are not trained but follow `model` (a teacher), keep them on `self` and save
+        them through `state_dict`. `model` is built (and any fine-tune source loaded into it), not yet wrapped
+        by DeepSpeed. Build each inside `with init():`: float32 whatever the run's bf16/fp16, and under ZeRO-3
+        partitioned as `model` is (deepspeed.zero.Init), so that an EMA of it runs on each rank's own shard
+        (pipeline/train/ema.py). By default there are none."""
+
+    def build_all(self, model_kwargs: dict[str, Any]) -> nn.Module:
+        """`build_model` then `build_companions`, outside DeepSpeed (benchmarks, tests); returns the model."""
+        model = self.build_model(model_kwargs)
+        self.build_companions(model, model_kwargs, nullcontext)
+        return model
 
     # -- the data
     def train_data(self) -> DataConfig:

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -453,7 +455,7 @@ class DINOv2(Objective):
         super().__init__(cfg, info)
         d = cfg.dino
         self.teacher: DINOv2Model | None = None
-        self.teacher_ema: Ema | None = None  # the teacher's update (built with it, in build_model)
+        self.teacher_ema: Ema | None = None  # the teacher's update (built with it, in build_companions)
         self.dino_loss = DINOLoss(d.head_n_prototypes, student_temp=d.student_temp)
         self.ibot_loss = iBOTPatchLoss(d.ibot_head_n_prototypes if d.ibot_separate_head else d.head_n_prototypes,
                                        student_temp=d.student_temp)
@@ -468,17 +470,21 @@ class DINOv2(Objective):
         return dinov2_model_kwargs(self.cfg)
 
     def build_model(self, model_kwargs: dict[str, Any]) -> nn.Module:
-        student = DINOv2Model(**model_kwargs, patch_embed_lr_mult=self.cfg.dino.patch_embed_lr_mult)
-        # The teacher: no stochastic depth (Meta's), never trained; under ZeRO-3 partitioned like the student
-        # (built in the same zero.Init), so that its EMA runs on each rank's own shard.
-        self.teacher = DINOv2Model(**{**model_kwargs, "drop_path_rate": 0.0})
+        return DINOv2Model(**model_kwargs, patch_embed_lr_mult=self.cfg.dino.patch_embed_lr_mult)
+
+    def build_companions(self, model: nn.Module, model_kwargs: dict[str, Any],
+                         init: Callable[[], AbstractContextManager[Any]]) -> None:
+        # The teacher: no stochastic depth (Meta's), never trained; float32 whatever the student's dtype (an
+        # EMA at momentum 0.992-1 in bf16 would round most updates away; Meta's FSDP teacher keeps fp32
+        # shards too), under ZeRO-3 partitioned as the student, so that its EMA runs on each rank's shard.
+        with init():
+            self.teacher = DINOv2Model(**{**model_kwargs, "drop_path_rate": 0.0})
         self.teacher.requires_grad_(False)
         self.teacher.eval()
         # Meta's update (teacher x m + student x (1 - m)) of the parameters, on each rank's own partitions at
         # ZeRO-3: the machinery of train.ema_decay's model EMA (pipeline/train/ema.py).
         self.teacher_ema = Ema(self.teacher, "scale_add", buffers=False)
-        self.teacher_ema.update(student, 0.0)  # the teacher starts as the student
-        return student
+        self.teacher_ema.update(model, 0.0)  # the teacher starts as the student
 
     # -- the data
     def train_data(self) -> DataConfig:

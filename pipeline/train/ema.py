@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal
 
 import deepspeed
@@ -187,20 +188,30 @@ class ModelEma:
         self.ema.load_state_dict(state["weights"])
 
 
+def float32_init(cfg: Config, ds_config: dict[str, Any]) -> Callable[[], AbstractContextManager[Any]]:
+    """The context a model that follows the trained one (an EMA shadow, a teacher) is built in: under ZeRO-3
+    deepspeed.zero.Init with bf16 and fp16 off, so its parameters are float32 and partitioned as the trained
+    model's (each rank holds the same slices of both); otherwise nothing (a module is built in float32, and
+    DeepSpeed casts only the module it wraps)."""
+    if cfg.deepspeed.zero_stage != 3:
+        return nullcontext
+    # zero.Init takes the parameters' dtype from the config's bf16/fp16 sections: both off is float32.
+    fp32 = {**ds_config, "bf16": {"enabled": False}, "fp16": {"enabled": False}}
+    return lambda: deepspeed.zero.Init(config_dict_or_path=fp32)
+
+
 def build_model_ema(cfg: Config, model: nn.Module, rebuild: Callable[[], nn.Module],
                     ds_config: dict[str, Any]) -> ModelEma | None:
     """The model EMA of `model` (after any fine-tune source was loaded into it), or None without
     train.ema_decay. At ZeRO 0-2 its shadow is a float32 copy of `model`; at ZeRO-3 `rebuild()` builds one of
-    the same structure under zero.Init (float32), partitioned as `model` is."""
+    the same structure in `float32_init` (float32, partitioned as `model` is)."""
     if cfg.train.ema_decay is None:
         return None
     if cfg.deepspeed.zero_stage != 3:
         return ModelEma(model, copy.deepcopy(model).float(), cfg.train)
-    # zero.Init takes the parameters' dtype from the config's bf16/fp16 sections: both off is float32.
-    fp32 = {**ds_config, "bf16": {"enabled": False}, "fp16": {"enabled": False}}
     # The shadow's initial values are overwritten by the model's; forking the RNG leaves the model's
     # dropout draws those of a run without EMA.
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices), deepspeed.zero.Init(config_dict_or_path=fp32):
+    with torch.random.fork_rng(devices=devices), float32_init(cfg, ds_config)():
         shadow = rebuild()
     return ModelEma(model, shadow, cfg.train)

@@ -29,7 +29,7 @@ from pipeline.objectives import OBJECTIVES, EvalResult, Objective, build_objecti
 from pipeline.tracking import start_metrics, start_tracking
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import mirror, resume
-from pipeline.train.ema import ModelEma, build_model_ema
+from pipeline.train.ema import ModelEma, build_model_ema, float32_init
 from pipeline.train.metrics import ThroughputMeter, device_peak_flops
 from pipeline.train.optim import (
     apply_hparams,
@@ -126,6 +126,9 @@ def setup(cfg: Config, env: DistEnv, plan: resume.ResumePlan | None,
     model = build_model(cfg, model_kwargs, ds_config, objective)
     tags = prepare_model(model) if prepare_model is not None else {}
     resume.check_same_decay_groups(plan, model)  # before DeepSpeed loads an optimizer state of other groups
+    # A teacher, after the fine-tune source is loaded (it starts as the model) and before DeepSpeed casts the
+    # model to bf16: float32, and under ZeRO-3 partitioned as the model is.
+    objective.build_companions(model, model_kwargs, float32_init(cfg, ds_config))
     # After the fine-tune source is loaded (the EMA starts from it) and before DeepSpeed casts to bf16.
     ema = build_model_ema(cfg, model, lambda: objective.build_model(model_kwargs), ds_config)
     engine, optimizer, groups = build_engine(cfg, model, model_kwargs["depth"], ds_config)

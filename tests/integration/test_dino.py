@@ -117,6 +117,9 @@ def test_dino_at_zero3_with_gradient_checkpointing_trains_its_teacher_on_each_sh
     start = run_start_weights(tmp_path, shards, zero=3)
     key = "blocks.1.mlp.fc1.weight"
     assert not torch.equal(teacher[key], start[key]) and not torch.equal(teacher[key], student[f"backbone.{key}"])
+    # The teacher is float32 while the student trains in bf16: an EMA at momentum 0.992-1 kept in bf16 would
+    # hold only bf16 values (and round most updates away).
+    assert not torch.equal(teacher[key], teacher[key].bfloat16().float())
     assert (run_dir / "pca" / "step00000008.png").is_file()
     # Its last checkpoint holds the teacher whole (gathered from the shards before the save): without the
     # export, `--from RUN_DIR` reads from it, bit for bit, the backbone the run exported at that step.

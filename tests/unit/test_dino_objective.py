@@ -60,7 +60,7 @@ def test_model_decay_groups_layers_patch_embed_lr_and_prototype_groups():
     heads at scale 1; the patch embedding's lr x dino.patch_embed_lr_mult on top of layer decay; the
     prototypes (last_layer) in groups of their own, for the freeze."""
     obj = objective("train.layer_decay=0.9", "train.lr=1.0")
-    model = obj.build_model(obj.model_kwargs())
+    model = obj.build_all(obj.model_kwargs())
     groups = param_groups(model, obj.cfg.train, depth=2)
     names = {id(p): n for n, p in model.named_parameters()}
     by_name = {names[id(p)]: g for g in groups for p in g["params"]}
@@ -84,11 +84,11 @@ def test_model_decay_groups_layers_patch_embed_lr_and_prototype_groups():
     assert by_name["dino_head.last_layer.weight_v"]["lr"] == pytest.approx(1.0)  # frozen by the objective, per step
     # The groups do not depend on the multiplier's value (a resume may change it): x1 is still its own group.
     one = objective("train.layer_decay=0.9", "dino.patch_embed_lr_mult=1.0")
-    same = param_groups(one.build_model(one.model_kwargs()), one.cfg.train, depth=2)
+    same = param_groups(one.build_all(one.model_kwargs()), one.cfg.train, depth=2)
     assert [g["name"] for g in same] == [g["name"] for g in groups]
     # A separate iBOT head's prototypes are last-layer too.
     sep = objective("dino.ibot_separate_head=true")
-    model = sep.build_model(sep.model_kwargs())
+    model = sep.build_all(sep.model_kwargs())
     names = {id(p): n for n, p in model.named_parameters()}
     last = {names[id(p)] for g in param_groups(model, sep.cfg.train, depth=2) if g.get("role") == "last_layer"
             for p in g["params"]}
@@ -104,7 +104,7 @@ def test_prototypes_do_not_move_while_frozen_and_do_after():
     computed; from step 2 they move. The rest moves from step 0. The trainer's order: loss, backward,
     optimizer step, schedule step, after_step."""
     obj = objective("dino.mask_probability=1.0", "train.lr=1e-2", "train.warmup_steps=0")
-    model = obj.build_model(obj.model_kwargs())
+    model = obj.build_all(obj.model_kwargs())
     opt = build_optimizer(param_groups(model, obj.cfg.train, depth=2), obj.cfg.train)
     sched = build_scheduler(opt, obj.cfg.train)
     engine = FakeEngine(model, opt.param_groups)
@@ -132,7 +132,7 @@ def test_resume_reapplies_the_patch_embed_multiplier_after_a_universal_load():
     load has copied group 0's values (its role, its lr_mult) into every group, and follows a multiplier
     changed on resume."""
     old = objective("train.layer_decay=0.9", "train.lr=1e-3", "train.warmup_steps=2")
-    model = old.build_model(old.model_kwargs())
+    model = old.build_all(old.model_kwargs())
     opt = build_optimizer(param_groups(model, old.cfg.train, depth=2), old.cfg.train)
     sched = build_scheduler(opt, old.cfg.train)
     for _ in range(3):
@@ -140,7 +140,7 @@ def test_resume_reapplies_the_patch_embed_multiplier_after_a_universal_load():
         sched.step()
     saved_opt, saved_sched = opt.state_dict(), sched.state_dict()
     new = objective("train.layer_decay=0.9", "train.lr=1e-3", "train.warmup_steps=2", "dino.patch_embed_lr_mult=0.5")
-    model2 = new.build_model(new.model_kwargs())
+    model2 = new.build_all(new.model_kwargs())
     built = param_groups(model2, new.cfg.train, depth=2)
     opt2 = build_optimizer(built, new.cfg.train)
     sched2 = build_scheduler(opt2, new.cfg.train)
@@ -184,7 +184,7 @@ class FakeEngine(torch.nn.Module):
 
 def test_a_step_applies_the_schedules_and_moves_centres_and_teacher_once():
     obj = objective("dino.mask_probability=1.0")
-    model = obj.build_model(obj.model_kwargs())
+    model = obj.build_all(obj.model_kwargs())
     groups = [{"decay": True, "weight_decay": 0.04}, {"decay": False, "weight_decay": 0.0},
               {"decay": True, "weight_decay": 0.04, "role": "last_layer", "lr": 0.5}]
     engine = FakeEngine(model, groups)
@@ -210,7 +210,7 @@ def test_a_step_applies_the_schedules_and_moves_centres_and_teacher_once():
     # Its state round-trips into a fresh objective.
     state = obj.state_dict()
     fresh = objective("dino.mask_probability=1.0")
-    fresh.build_model(fresh.model_kwargs())
+    fresh.build_all(fresh.model_kwargs())
     fresh.load_state_dict(state)
     assert fresh.step == 61 and torch.equal(fresh.dino_loss.center, obj.dino_loss.center)
     assert torch.equal(fresh.teacher.backbone.cls_token, obj.teacher.backbone.cls_token)

@@ -211,7 +211,7 @@ def test_param_groups_match_metas_get_params_groups_with_decay(extra):
                              "dino.head_bottleneck_dim=16", "dino.ibot_head_n_prototypes=48",
                              "train.layer_decay=0.9", "train.lr=1.0", "train.weight_decay=0.04", *extra])
     obj = OBJECTIVES["dinov2"](cfg, type("Info", (), {"num_classes": 0})())
-    model = obj.build_model(obj.model_kwargs())
+    model = obj.build_all(obj.model_kwargs())
     mine = {id(p): g for g in param_groups(model, cfg.train, depth=3) for p in g["params"]}
 
     class MetaNamed(torch.nn.Module):
