@@ -292,6 +292,14 @@ class DinoConfig:
     """Side of a local crop in pixels, a multiple of the patch size (98 = 7 x 14; Meta's default 96 does not tile patch 14)."""
     local_crops_scale: tuple[float, float] = (0.05, 0.32)
     """Area range of a local crop."""
+    color_jitter_p: float = 0.8
+    """Probability of colour jitter on each crop (brightness 0.4, contrast 0.4, saturation 0.2, hue 0.1)."""
+    greyscale_p: float = 0.2
+    """Probability of greyscale on each crop."""
+    blur_p: tuple[float, float, float] = (0.0, 0.9, 0.5)
+    """Probability of Gaussian blur (kernel 9, sigma 0.1-2) on global crop 1, global crop 2 and each local crop: what Meta's code applies (pipeline/data/multicrop.py says why not what its names say)."""
+    solarize_p: float = 0.2
+    """Probability of solarisation (threshold 128) on the second global crop."""
     head_n_prototypes: int = 65536
     """Prototypes of the DINO head (its output width K)."""
     head_hidden_dim: int = 2048
@@ -512,6 +520,10 @@ def dino_checks(cfg: Config) -> list[tuple[str, bool, str]]:
         ("dino.local_crops_number", d.local_crops_number >= 0, ">= 0"),
         ("dino.local_crops_size", d.local_crops_size > 0, "> 0"),
         ("dino.mask_probability", 0 <= d.mask_probability <= 1, "in [0, 1]"),
+        ("dino.color_jitter_p", 0 <= d.color_jitter_p <= 1, "in [0, 1]"),
+        ("dino.greyscale_p", 0 <= d.greyscale_p <= 1, "in [0, 1]"),
+        ("dino.blur_p", all(0 <= p <= 1 for p in d.blur_p), "3 probabilities in [0, 1]"),
+        ("dino.solarize_p", 0 <= d.solarize_p <= 1, "in [0, 1]"),
         ("dino.mask_ratio", 0 <= d.mask_ratio[0] <= d.mask_ratio[1] < 1, "[low, high] with 0 <= low <= high < 1"),
         ("dino.head_n_prototypes", d.head_n_prototypes > 0, "> 0"),
         ("dino.head_nlayers", d.head_nlayers >= 1, ">= 1"),
