@@ -11,6 +11,25 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # DeepSpeed JIT-builds CPU Adam (ZeRO-Offload) into this cache: one per checkout, as the Makefile sets it.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions"))
 
+# Markers whose tests share one machine-wide resource and so must run in one pytest-xdist worker:
+# the local Slurm cluster (one slurmctld, fixed node names) and the image build (one buildah store).
+_ONE_WORKER_MARKERS = ("slurm", "container")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n N --dist loadgroup` (make test), keep each shared resource in one worker.
+
+    Session fixtures are per worker under xdist: two workers would each start a Slurm cluster on the
+    same ports, or build the image into the same store. A group sends all of its tests to one worker,
+    which starts the resource once. Without xdist the mark does nothing.
+    """
+    for item in items:
+        for name in _ONE_WORKER_MARKERS:
+            if item.get_closest_marker(name) is not None:
+                item.add_marker(pytest.mark.xdist_group(name))
+                break
+
 @pytest.fixture(autouse=True)
 def _no_leftover_shm_buffers():
     """Remove DeepSpeed CPU all-reduce buffers a test's runs left behind (69 MB of RAM per rank each).
