@@ -46,3 +46,17 @@ def _no_leftover_shm_buffers():
     for path in leaked_shm_buffers(before):
         Path(path).unlink(missing_ok=True)
 
+
+def pytest_collection_finish(session):
+    """In an xdist worker under --dist loadgroup: stop at once if the groups did not take. pytest-xdist marks a
+    grouped test by appending @GROUP to its node id, which pytest 9.2 ignores (pytest-dev/pytest-xdist#1386):
+    the tests would then run spread over the workers, two Slurm clusters and two image builds at a time."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid]
+    if lost:  # printed here: xdist reports a worker's exception as an INTERNALERROR without its message
+        message = (f"pytest-xdist's --dist loadgroup did not group {len(lost)} tests (e.g. {lost[0]}) with pytest "
+                   f"{pytest.__version__}: install the pytest of constraints.txt")
+        print(f"\nERROR: {message}", file=sys.stderr, flush=True)
+        raise pytest.UsageError(message)
