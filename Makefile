@@ -23,15 +23,12 @@ venv: $(STAMP)
 # Everything: unit tests, multi-process DeepSpeed runs, the local Slurm cluster, the MLflow UI in
 # Chromium, the Docker image built and trained in (buildah). As root, the system packages those need
 # (slurm-wlm, munge, chromium, buildah, podman, debootstrap) are installed with apt when missing;
-# otherwise those tests skip and say why. Tests run in TEST_WORKERS pytest-xdist processes (default 2:
-# most of a test's time is processes starting and waiting on timers, so two overlap well on 2 cores);
-# the Slurm tests share one worker, as do the image tests (tests/conftest.py). TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
+# otherwise those tests skip and say why.
 test: $(STAMP)
 	bash tests/cluster/install_slurm.sh
 	bash tests/ui/install_chromium.sh
 	bash tests/container/install_podman.sh
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest tests
 
 # The fast tier, what to run while editing: unit tests in one process, selected by markers
 # (no `slow`: subprocesses or more than a few seconds; no `dist`: multi-process DeepSpeed runs).
