@@ -55,9 +55,9 @@ class MultiCropConfig:
     """Side of a local crop, pixels: a multiple of the patch (98 = 7 x 14)."""
     local_crops_scale: tuple[float, float] = (0.05, 0.32)
     """Area range of a local crop."""
-    jitter_p: float = 0.8
+    color_jitter_p: float = 0.8
     """Probability of colour jitter (brightness 0.4, contrast 0.4, saturation 0.2, hue 0.1)."""
-    grey_p: float = 0.2
+    greyscale_p: float = 0.2
     """Probability of greyscale."""
     blur_p: tuple[float, float, float] = (0.0, 0.9, 0.5)
     """Probability of Gaussian blur for global crop 1, global crop 2 and each local crop: what Meta's code
@@ -117,10 +117,10 @@ class MultiCrop:
         cfg = self.cfg
         # Every draw is made whether or not its transform applies, so one crop's draws never shift on
         # another's outcome (simpler to reason about; the distribution is the same).
-        jitter = torch.rand((), generator=g) < cfg.jitter_p
+        jitter = torch.rand((), generator=g) < cfg.color_jitter_p
         order = torch.randperm(4, generator=g).tolist()  # torchvision's ColorJitter applies in random order
         factors = [_uniform(g, 0.6, 1.4), _uniform(g, 0.6, 1.4), _uniform(g, 0.8, 1.2), _uniform(g, -0.1, 0.1)]
-        grey = torch.rand((), generator=g) < cfg.grey_p
+        grey = torch.rand((), generator=g) < cfg.greyscale_p
         blur = torch.rand((), generator=g) < blur_p
         sigma = _uniform(g, 0.1, 2.0)
         solarize = torch.rand((), generator=g) < solarize_p

@@ -496,8 +496,8 @@ class DINOv2(Objective):
         size = img if isinstance(img, int) else img[0]
         crops = MultiCropConfig(global_crops_size=size, global_crops_scale=tuple(d.global_crops_scale),
                                 local_crops_number=d.local_crops_number, local_crops_size=d.local_crops_size,
-                                local_crops_scale=tuple(d.local_crops_scale), jitter_p=d.color_jitter_p,
-                                grey_p=d.greyscale_p, blur_p=tuple(d.blur_p), solarize_p=d.solarize_p,
+                                local_crops_scale=tuple(d.local_crops_scale), color_jitter_p=d.color_jitter_p,
+                                greyscale_p=d.greyscale_p, blur_p=tuple(d.blur_p), solarize_p=d.solarize_p,
                                 mean=tuple(data.mean), std=tuple(data.std))
         return MultiCropView(crops, (size // patch, size // patch), d.mask_probability, tuple(d.mask_ratio))
 

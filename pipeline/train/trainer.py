@@ -126,10 +126,9 @@ def setup(cfg: Config, env: DistEnv, plan: resume.ResumePlan | None,
     model = build_model(cfg, model_kwargs, ds_config, objective)
     tags = prepare_model(model) if prepare_model is not None else {}
     resume.check_same_decay_groups(plan, model)  # before DeepSpeed loads an optimizer state of other groups
-    # A teacher, after the fine-tune source is loaded (it starts as the model) and before DeepSpeed casts the
-    # model to bf16: float32, and under ZeRO-3 partitioned as the model is.
+    # The models that follow this one (a teacher, the model EMA): after the fine-tune source is loaded (they
+    # start from it) and before DeepSpeed casts the model to bf16; float32, under ZeRO-3 partitioned alike.
     objective.build_companions(model, model_kwargs, float32_init(cfg, ds_config))
-    # After the fine-tune source is loaded (the EMA starts from it) and before DeepSpeed casts to bf16.
     ema = build_model_ema(cfg, model, lambda: objective.build_model(model_kwargs), ds_config)
     engine, optimizer, groups = build_engine(cfg, model, model_kwargs["depth"], ds_config)
     if ema is not None:

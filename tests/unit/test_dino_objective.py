@@ -264,17 +264,17 @@ def test_photometric_probabilities_reach_the_crops_and_are_checked():
     obj = objective(*off)
     view = obj.sample_view(obj.model_kwargs())
     crops = view.multicrop.cfg
-    assert (crops.jitter_p, crops.grey_p, crops.blur_p, crops.solarize_p) == (0, 0, (0, 0, 0), 0)
+    assert (crops.color_jitter_p, crops.greyscale_p, crops.blur_p, crops.solarize_p) == (0, 0, (0, 0, 0), 0)
     default = objective().sample_view(obj.model_kwargs()).multicrop.cfg
-    assert (default.jitter_p, default.grey_p, default.blur_p, default.solarize_p) == (0.8, 0.2, (0.0, 0.9, 0.5), 0.2)
+    assert (default.color_jitter_p, default.greyscale_p, default.blur_p, default.solarize_p) == (0.8, 0.2, (0.0, 0.9, 0.5), 0.2)
     # A flat grey image: with every photometric step off each crop is that grey, normalised; with colour
     # jitter always on, the brightness and contrast factors change it.
     flat = Image.new("RGB", (20, 24), (100, 100, 100))
     g, local, _ = view(flat, 7)
     mean, std = torch.tensor(obj.cfg.data.mean).view(3, 1, 1), torch.tensor(obj.cfg.data.std).view(3, 1, 1)
     grey = (torch.full((3, 1, 1), 100 / 255) - mean) / std
-    assert torch.allclose(g, grey.expand_as(g[0]).expand_as(g), atol=1e-6)
-    assert torch.allclose(local, grey.expand_as(local[0]).expand_as(local), atol=1e-6)
+    assert torch.allclose(g, grey.expand_as(g), atol=1e-6)
+    assert torch.allclose(local, grey.expand_as(local), atol=1e-6)
     jittered = objective("dino.color_jitter_p=1").sample_view(obj.model_kwargs())(flat, 7)[0]
     assert not torch.allclose(jittered, g, atol=1e-3)
     with pytest.raises(ConfigError, match="dino.blur_p"):

@@ -75,7 +75,7 @@ def test_each_photometric_step_applies_where_configured():
     """Every draw is made whatever applies, so switching one step on changes only the crops it is for."""
     from dataclasses import replace
 
-    plain = replace(CFG, jitter_p=0.0, grey_p=0.0, blur_p=(0.0, 0.0, 0.0), solarize_p=0.0)
+    plain = replace(CFG, color_jitter_p=0.0, greyscale_p=0.0, blur_p=(0.0, 0.0, 0.0), solarize_p=0.0)
     base = MultiCrop(plain)(_image(), 5)
 
     def tv(x):  # total variation: blur lowers it
@@ -89,7 +89,7 @@ def test_each_photometric_step_applies_where_configured():
     assert torch.equal(solarized["global_crops"][0], base["global_crops"][0])
     assert not torch.equal(solarized["global_crops"][1], base["global_crops"][1])
     assert all(torch.equal(a, b) for a, b in zip(base["local_crops"], solarized["local_crops"]))
-    grey = MultiCrop(replace(plain, grey_p=1.0))(_image(), 5)["global_crops"][0]
+    grey = MultiCrop(replace(plain, greyscale_p=1.0))(_image(), 5)["global_crops"][0]
     std = torch.tensor(CFG.std).view(3, 1, 1)
     mean = torch.tensor(CFG.mean).view(3, 1, 1)
     pixels = grey * std + mean
