@@ -93,6 +93,9 @@ class Supervisor:
         self.pending: int | None = None  # the signal the ranks are to get
         self.pending_since = 0.0
         self.delivered: set[int] = set()  # ranks that have it
+        # Processes seen with a rank under them (a shell around the launcher), remembered: once its ranks
+        # have ended, such a shell is about to exit with their code and must not get the late signal.
+        self.wrappers: set[int] = set()
         self.interrupts = 0
         self.kill_now = False
 
@@ -111,8 +114,12 @@ class Supervisor:
         import psutil
 
         found = ranks(os.getpid())
+        for rank in found:
+            try:
+                self.wrappers.update(a.pid for a in psutil.Process(rank).parents())
+            except psutil.Error:  # ended meanwhile
+                pass
         late = time.monotonic() - self.pending_since >= DEFAULT_AFTER_S
-        wrappers: set[int] | None = None  # processes with a rank under them, computed once when needed
         for pid in found:
             if pid in self.delivered:
                 continue
@@ -120,16 +127,7 @@ class Supervisor:
                 # A rank still starting gets it once its handler is in place. One that never installs one
                 # (not our trainer: `make_shards.py`, a shell) gets it after DEFAULT_AFTER_S, unless it
                 # is a wrapper of ranks (`bash -c "... && deepspeed ..."`), which ends when they do.
-                if not late:
-                    continue
-                if wrappers is None:
-                    wrappers = set()
-                    for rank in found:
-                        try:
-                            wrappers.update(a.pid for a in psutil.Process(rank).parents())
-                        except psutil.Error:
-                            pass
-                if pid in wrappers:
+                if not late or pid in self.wrappers:
                     continue
             try:
                 os.kill(pid, self.pending)

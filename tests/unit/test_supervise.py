@@ -168,11 +168,12 @@ def test_usage():
 
 def test_a_shell_around_the_launcher_is_left_alone_and_a_command_without_handler_gets_the_signal_late(job, tmp_path):
     # `docker run IMAGE bash -c "make_shards ... && deepspeed ..."`: the shell does not catch SIGTERM; it
-    # must not be killed while its ranks checkpoint, and it ends with their 75.
+    # must not be killed while its ranks checkpoint, nor in what it does after them, and it ends with their 75.
     launch = f"{sys.executable} {tmp_path / 'deepspeed'} {tmp_path / 'rank.py'} {tmp_path}"
-    # The ranks' checkpoint outlasts DEFAULT_AFTER_S, after which a shell without ranks under it is signalled.
+    # The ranks' checkpoint outlasts DEFAULT_AFTER_S, after which a shell without ranks under it is signalled;
+    # once they have ended, this one has none under it for a second (it once got the signal in that gap).
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.supervise", "sh", "-c",
-                             f"{launch}; code=$?; echo shell saw $code; exit $code"],
+                             f"{launch}; code=$?; sleep 1; echo shell saw $code; exit $code"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "CHECKPOINT_S": str(DEFAULT_AFTER_S + 2)})
     wait_for(tmp_path / "ready0"), wait_for(tmp_path / "ready1")
