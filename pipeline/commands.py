@@ -26,7 +26,7 @@ import yaml
 
 from pipeline.config import Config, ConfigError, FinetuneConfig, apply_overrides, load_or_exit
 from pipeline.dist import is_rank0, say
-from pipeline.signals import install_signal_handlers
+from pipeline.signals import install_signal_handlers, worker_context
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PRETRAIN_CONFIG = "configs/pretrain/demo.yaml"
@@ -308,6 +308,13 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
             from pipeline.train.finetune import prepare_finetune
 
             cfg, prepare = prepare_finetune(cfg, plan, cli_model_keys or set())
+        if cfg.data.num_workers > 0:
+            # The loaders' fork server imports the data modules (torch, torchvision, timm: about 4 s of CPU) in
+            # its own process. Started here, it does so while this rank builds the model and the engine and
+            # loads its checkpoint; started by the first loader, the first batch waited for it. Not earlier:
+            # it holds this rank's stdout until its imports are done, so a start refused above would leave
+            # whoever reads that output waiting for them.
+            worker_context()
         code = fit(cfg, env, plan, prepare)
         together = code in (ExitCode.OK, ExitCode.PREEMPTED)
         return code

@@ -186,10 +186,18 @@ def launcher_of(environ: Mapping[str, str]) -> str:
 
 
 def import_deepspeed() -> None:
-    """Import DeepSpeed without its autotuner's optional MLflow import. DeepSpeed imports MLflow when it is
-    installed (about 1.5 s of CPU in every process that imports DeepSpeed) only to log autotuning
-    experiments, which this pipeline never runs. Every rank imports DeepSpeed; only rank 0 tracks, and
-    it imports MLflow itself (pipeline.tracking). Call it before anything under pipeline.train."""
+    """Import DeepSpeed without two imports this pipeline never uses, each paid by every rank:
+
+    - its autotuner's optional MLflow import (about 1.5 s of CPU), there only to log autotuning
+      experiments, which this pipeline never runs. Only rank 0 tracks, and it imports MLflow itself
+      (pipeline.tracking);
+    - the compilation of its Muon optimizer's kernels at that module's import (torch.compile as a
+      decorator imports torch._inductor: about 1.2 s of CPU). DeepSpeed imports the module in every
+      `deepspeed.initialize` (to ask whether the optimizer is Muon), whatever the optimizer. It is
+      imported here with DeepSpeed's own stand-in for a torch without compile (an undecorated function):
+      Muon is not one of train.optimizer's choices, so its kernels never run.
+
+    Call it before anything under pipeline.train."""
     if "deepspeed" in sys.modules or "mlflow" in sys.modules:
         return  # already imported (and MLflow in use): nothing to save
     sys.modules["mlflow"] = None  # `import mlflow` raises ImportError: DeepSpeed sets has_mlflow = False
@@ -198,6 +206,16 @@ def import_deepspeed() -> None:
     finally:
         if sys.modules.get("mlflow", 0) is None:
             del sys.modules["mlflow"]  # a later `import mlflow` (rank 0's tracker) imports it as usual
+    from deepspeed.runtime import compiler
+
+    compile_ = compiler.compile
+    compiler.compile = lambda: compiler.dummy_decorator  # what @compiler.compile() gives without torch.compile
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    except ImportError:
+        pass  # a DeepSpeed without Muon: nothing to skip
+    finally:
+        compiler.compile = compile_
 
 
 def is_rank0(environ: Mapping[str, str] | None = None) -> bool:

@@ -149,7 +149,8 @@ def worker_context():
         # What the workers unpickle, imported once by the server instead of in every worker (timm's and
         # torchvision's transforms: seconds each, at every evaluation's new workers). Not __main__: a worker
         # runs the launch script again itself, which does nothing outside its main guard.
-        multiprocessing.set_forkserver_preload(["pipeline.data", "timm.data", "PIL.Image"])
+        # pipeline.fork_server, last, makes the server leave without the interpreter's teardown.
+        multiprocessing.set_forkserver_preload(["pipeline.data", "timm.data", "PIL.Image", "pipeline.fork_server"])
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         try:
             forkserver.ensure_running()
