@@ -3,8 +3,8 @@
 #
 #   slurm/elastic_agent.sh EXIT_DIR COMMAND...
 #
-# COMMAND is the torchrun command line; its word __IS_HOST__ becomes is_host=1 on the job's first node
-# and is_host=0 elsewhere (the value of --rdzv-conf). The agent's exit code goes to EXIT_DIR/<node>, so
+# COMMAND is the torchrun command line; __IS_HOST__ in it becomes is_host=1 on the job's first node
+# and is_host=0 elsewhere (in the value of --rdzv-conf). The agent's exit code goes to EXIT_DIR/<node>, so
 # that the batch script can tell "finished on the nodes that were left" from a failure (srun reports
 # only the highest code of its tasks, and a lost node's is a kill).
 set -uo pipefail
@@ -13,7 +13,7 @@ exit_dir=$1
 shift
 args=()
 for word in "$@"; do
-    [[ $word == __IS_HOST__ ]] && word="is_host=$((SLURM_NODEID == 0))"
+    word=${word//__IS_HOST__/is_host=$((SLURM_NODEID == 0))}
     args+=("$word")
 done
 

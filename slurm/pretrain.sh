@@ -47,6 +47,8 @@
 #                    rendezvous on the first node; the job goes on while at least this many nodes live.
 #                    Submit with `sbatch --no-kill` so that Slurm keeps the allocation when a node fails.
 #   ELASTIC_MAX_RESTARTS  worker-group restarts torchrun allows (default: 20)
+#   ELASTIC_RDZV_CONF  more --rdzv-conf key=value pairs, comma separated, e.g. "last_call_timeout=10" (a
+#                    round with fewer than all nodes waits that long for more; torch's default is 30 s)
 set -euo pipefail
 
 # The trainer's exit codes this script acts on: ExitCode in pipeline/exit_codes.py (a test checks
@@ -78,11 +80,14 @@ CONTAINER_IMAGE=${CONTAINER_IMAGE:-}
 RESTART_COUNT=${SLURM_RESTART_COUNT:-0}
 ELASTIC_MIN_NODES=${ELASTIC_MIN_NODES:-}
 ELASTIC_MAX_RESTARTS=${ELASTIC_MAX_RESTARTS:-20}
+ELASTIC_RDZV_CONF=${ELASTIC_RDZV_CONF:-}
 NUM_NODES=${SLURM_JOB_NUM_NODES:-1}
 if [[ -n $ELASTIC_MIN_NODES ]]; then
     [[ $ELASTIC_MIN_NODES =~ ^[1-9][0-9]*$ && $ELASTIC_MIN_NODES -le $NUM_NODES ]] \
         || die "ELASTIC_MIN_NODES=$ELASTIC_MIN_NODES: expected a whole number from 1 to the job's $NUM_NODES nodes"
     [[ $ELASTIC_MAX_RESTARTS =~ ^[0-9]+$ ]] || die "ELASTIC_MAX_RESTARTS=$ELASTIC_MAX_RESTARTS: expected a whole number"
+    [[ -z $ELASTIC_RDZV_CONF || $ELASTIC_RDZV_CONF =~ ^[a-z_]+=[^,=]+(,[a-z_]+=[^,=]+)*$ ]] \
+        || die "ELASTIC_RDZV_CONF=$ELASTIC_RDZV_CONF: expected key=value pairs separated by commas, e.g. last_call_timeout=10"
 fi
 
 if [[ -z ${PYTHON:-} ]]; then
@@ -133,7 +138,7 @@ if [[ -n $ELASTIC_MIN_NODES ]]; then
     # --rdzv-conf is_host: the first node's agent hosts the store, said outright (torch guesses from the
     # endpoint's name, and agents that share a host, or a name that resolves locally, would race for it).
     torchrun_args=(--nnodes "$ELASTIC_MIN_NODES:$NUM_NODES" --nproc-per-node "$procs" --rdzv-backend c10d
-                   --rdzv-endpoint "$rdzv_host:$rdzv_port" --rdzv-id "slurm-$SLURM_JOB_ID" --rdzv-conf __IS_HOST__
+                   --rdzv-endpoint "$rdzv_host:$rdzv_port" --rdzv-id "slurm-$SLURM_JOB_ID" --rdzv-conf "__IS_HOST__${ELASTIC_RDZV_CONF:+,$ELASTIC_RDZV_CONF}"
                    --max-restarts "$ELASTIC_MAX_RESTARTS")
     # A node joining later needs it (pipeline.dist.elastic_store_warning says why).
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1

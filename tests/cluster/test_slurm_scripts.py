@@ -249,10 +249,10 @@ def test_finetune_from_the_pretrain_run(slurm_cluster, digits_shards, pretrain_r
     assert pos_embed.shape[1] == 1 + (64 // 4) ** 2   # class token + a 16x16 grid of 4x4 patches
 
 
-def _kill_node_agent(job_id: int, node: str) -> int:
+def _kill_node_agent(job_id: int, node: str) -> list[str]:
     """SIGKILL the task of `job_id` on `node` (the script's wrapper, its torchrun agent, the ranks), as the
     node's death would: found by their environment, that job's task on that slurmd (both "nodes" are this
-    machine). Returns the task's pid."""
+    machine). Returns the agent's command line."""
     import psutil
 
     agents = []
@@ -267,22 +267,28 @@ def _kill_node_agent(job_id: int, node: str) -> int:
     pids = {p.pid for p in agents}
     tops = [p for p in agents if p.ppid() not in pids]  # the wrapper shell, whose child is the agent
     assert len(tops) == 1, f"expected one task of job {job_id} on {node}, found {[p.cmdline()[:3] for p in tops]}"
+    (agent,) = [p for p in agents if p.ppid() == tops[0].pid]
+    cmdline = agent.cmdline()
     for proc in [tops[0], *tops[0].children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    return tops[0].pid
+    return cmdline
 
 
 def test_elastic_job_loses_a_node_and_finishes_on_one(slurm_cluster, digits_shards, job_dir):
     """ELASTIC_MIN_NODES=1 on 2 nodes (sbatch --no-kill): n2's agent and rank are killed mid-run; n1's agent
-    restarts its rank on world size 1 from the newest checkpoint, and the job completes (exit 0, no requeue)."""
+    restarts its rank on world size 1 from the newest checkpoint, and the job completes (exit 0, no requeue).
+    ELASTIC_RDZV_CONF shortens the rendezvous's waits after the loss (torch's: a 30 s last call, 15 s for
+    the dead node's heartbeat to expire)."""
     steps, every = 60, 5
     job_id = submit(slurm_cluster, job_dir, sbatch_args=["--no-kill"], CONFIG=PRETRAIN_CONFIG, ELASTIC_MIN_NODES="1",
+                    ELASTIC_RDZV_CONF="last_call_timeout=10,keep_alive_interval=3",
                     OVERRIDES=f"train.steps={steps} train.log_every=1 train.eval_every=0 train.ckpt_every={every} "
                               f"data.num_workers=1 tracking.enabled=false data.path={digits_shards}")
     wait_for_log(slurm_cluster, job_dir, job_id, r"^\d: pretrain: .*\| world size 2 \|", timeout_s=300)
     wait_for_log(slurm_cluster, job_dir, job_id, r"^\d: step 8/", timeout_s=300)
-    _kill_node_agent(job_id, "n2")
+    agent = _kill_node_agent(job_id, "n2")
+    assert agent[agent.index("--rdzv-conf") + 1] == "is_host=0,last_call_timeout=10,keep_alive_interval=3", agent
     lost_at = max(int(s) for s in re.findall(r"^\d: step (\d+)/", job_log(job_dir, job_id), re.MULTILINE))
     info = slurm_cluster.wait_job(job_id, timeout_s=600)
     log = job_log(job_dir, job_id)
