@@ -43,7 +43,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 STEP_S = 0.2
 # Rendezvous timers shorter than torch's (last call 30 s, a dead node noticed after 3 heartbeats of 5 s), so
-# that a node loss costs the test about 25 s less; what they change is only how long a round waits.
+# that a node loss costs the test less waiting (docs/testing.md has the times); they change only how long a
+# round waits.
 # RDZV_CONF=key=value,... runs it with others: docs/cluster.md measures torch's defaults that way.
 RDZV_CONF = ["--rdzv-conf", os.environ.get("RDZV_CONF", "last_call_timeout=10,keep_alive_interval=3")]
 STEPS = 80
