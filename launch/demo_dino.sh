@@ -5,7 +5,8 @@
 #   1. shards: data/digits (all 1,438 training images) and data/digits-10pct (143 of them, val whole)
 #   2. the baseline: configs/finetune/mae_demo.yaml from random weights (launch/pretrain.py), as demo-mae's
 #   3. DINOv2 pretraining on data/digits, labels unused (k-NN top-1 of the teacher on val as its progress)
-#   4. the same fine-tune from the teacher's backbone (launch/finetune.py --from)
+#   4. the same fine-tune from the teacher's backbone (launch/finetune.py --from), its new head drawn as the
+#      baseline's is (finetune.head_init=model): the two runs differ in the backbone's starting weights only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=launch/demo_lib.sh
@@ -23,13 +24,14 @@ rm -rf "$PRE" "$FT" "$SCRATCH"
 
 ranks launch/pretrain.py --config configs/finetune/mae_demo.yaml run.dir="$SCRATCH"
 ranks launch/pretrain.py --config configs/pretrain/dino_demo.yaml run.dir="$PRE"
-ranks launch/finetune.py --config configs/finetune/mae_demo.yaml --from "$PRE" --res 32 run.dir="$FT"
+ranks launch/finetune.py --config configs/finetune/mae_demo.yaml --from "$PRE" --res 32 finetune.head_init=model \
+  run.dir="$FT"
 
 echo
 echo "DINOv2 pretraining, no labels: teacher k-NN top-1 $(last_metric "$PRE" eval/knn_top1 pct)%   $PRE (PCA images: $PRE/pca/)"
-echo "10% of the labels, fine-tuned from DINOv2: top-1 $(last_metric "$FT" eval/top1 pct)%   $FT"
+echo "10% of the labels, fine-tuned from DINOv2: top-1 $(last_metric "$FT" eval/top1 pct)%   $FT (the baseline's head init)"
 if [ -f "$MAE_FT/metrics.jsonl" ]; then
-  echo "10% of the labels, fine-tuned from MAE:    top-1 $(last_metric "$MAE_FT" eval/top1 pct)%   $MAE_FT (make demo-mae)"
+  echo "10% of the labels, fine-tuned from MAE:    top-1 $(last_metric "$MAE_FT" eval/top1 pct)%   $MAE_FT (make demo-mae: a zero head)"
 else
   echo "10% of the labels, fine-tuned from MAE:    run make demo-mae for this row"
 fi

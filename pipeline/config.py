@@ -370,6 +370,8 @@ class FinetuneConfig:
     """Resolution the source was trained at (read from the source's config.yaml when it has one)."""
     probe: bool = False
     """Linear probing (--probe; MAE's other measure): the encoder frozen, a BatchNorm without affine (eps 1e-6) before the linear head (MAE's main_linprobe.py); ZeRO 0-2."""
+    head_init: Literal["zero", "model"] = "zero"
+    """The new classifier's start: 'zero' (the paper's, Sec. 3.2: weight and bias 0, every logit 0 at the first step) or 'model' (drawn as the ViT's own init draws it for a run from scratch with the same train.seed: trunc-normal 0.02, zero bias; the fine-tune then starts as that run does but for the pretrained weights). --probe has a head of its own."""
 
 
 @dataclass

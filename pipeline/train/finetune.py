@@ -129,11 +129,17 @@ def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[s
     if probe and cfg.deepspeed.zero_stage == 3:
         raise ConfigError("finetune.probe (--probe) replaces the head after the model is built, which ZeRO-3 has "
                           "already partitioned: use deepspeed.zero_stage 0, 1 or 2 (the encoder is frozen anyway)")
+    head_init = cfg.finetune.head_init
+    if probe and head_init != "zero":
+        raise ConfigError(f"finetune.head_init={head_init} with finetune.probe (--probe): the linear probe has a head of its "
+                          f"own (BatchNorm, then a Linear drawn trunc-normal 0.01, as MAE's main_linprobe.py); "
+                          f"leave finetune.head_init at zero")
     loaded = [state]  # handed to the hook once, not kept for the whole run
     del state
     cfg = dataclasses.replace(cfg, model=model_cfg,
-                              finetune=FinetuneConfig(source=str(src.path), source_img_size=source_img_size, probe=probe))
-    return cfg, lambda model: load_pretrained(model, src, source_img_size, probe, state=loaded.pop())
+                              finetune=FinetuneConfig(source=str(src.path), source_img_size=source_img_size, probe=probe,
+                                                       head_init=head_init))
+    return cfg, lambda model: load_pretrained(model, src, source_img_size, probe, state=loaded.pop(), head_init=head_init)
 
 
 def meta_arch_config(arch: dict) -> dict:
@@ -181,9 +187,9 @@ def not_weights(path: Path) -> str | None:
 
 
 def load_pretrained(model: VisionTransformer, src: Source, source_img_size, probe: bool = False,
-                    state: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
-    """Copy the source trunk (`state`, else read from `src`) into `model` (resizing position embeddings),
-    zero the head. ZeRO-3 safe."""
+                    state: dict[str, torch.Tensor] | None = None, head_init: str = "zero") -> dict[str, str]:
+    """Copy the source trunk (`state`, else read from `src`) into `model` (resizing position embeddings);
+    the head zeroed (`head_init` 'zero') or left as the model's init drew it ('model'). ZeRO-3 safe."""
     state = {k: v for k, v in (state if state is not None else source_state_dict(src)).items()
              if not k.startswith(HEAD_PREFIXES)}
     new_grid = model.grid_size
@@ -225,11 +231,14 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size, prob
     params = dict(model.named_parameters())
     for name in expected:
         _init_param(params[name], _copier(state[name]))
-    model.zero_head()  # the fine-tune starts from the pretrained features with all logits 0
+    if head_init == "zero":
+        model.zero_head()  # the fine-tune starts from the pretrained features with all logits 0
+    head = "zero head" if head_init == "zero" else "head drawn by the model's init (finetune.head_init=model)"
     if probe:
         make_linear_probe(model)
+        head = "linear probe head"
     _say(f"loaded {len(expected)} tensors from {src.path}; position embeddings {old_tokens} -> "
-         f"{new_grid[0]}x{new_grid[1]} grid tokens; new zero head with {model.num_classes} classes")
+         f"{new_grid[0]}x{new_grid[1]} grid tokens; new {head} with {model.num_classes} classes")
     return {}
 
 

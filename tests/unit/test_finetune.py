@@ -6,7 +6,7 @@ import pytest
 import timm
 import torch
 
-from pipeline.config import load_config, save_config
+from pipeline.config import ConfigError, load_config, save_config
 from pipeline.model.pos_embed import resize_pos_embed
 from pipeline.model.vit import VisionTransformer, build_vit, model_kwargs_from_config
 from pipeline.model.weights import WeightsError, save_weights
@@ -48,6 +48,25 @@ def test_pos_embed_is_resized_from_the_source_grid(tmp_path):
     assert torch.equal(model.cls_token, source.cls_token)
     assert model.head.weight.shape == (3, 32) and model.head.weight.abs().sum() == 0  # fresh zero head
     assert isinstance(model.pre_logits, torch.nn.Identity)  # the tanh pre-logits layer is dropped
+
+
+def test_head_init_model_starts_the_head_as_a_run_from_scratch_does(tmp_path):
+    run_dir, source = pretrain_run(tmp_path, img_size=16)
+    model = finetuned(run_dir, 16, extra=["finetune.head_init=model"])  # built after torch.manual_seed(2)
+    torch.manual_seed(2)  # the same seed and build, no source: what a run from scratch starts from
+    scratch = VisionTransformer(**model_kwargs_from_config(load_config(None, [*ARCH, "model.img_size=16",
+                                                                              "model.num_classes=3"]).model))
+    assert model.head.weight.abs().sum() > 0
+    assert torch.equal(model.head.weight, scratch.head.weight) and torch.equal(model.head.bias, scratch.head.bias)
+    assert torch.equal(model.cls_token, source.cls_token)  # the trunk is the source's all the same
+
+
+def test_head_init_model_with_a_probe_is_refused(tmp_path):
+    run_dir, _ = pretrain_run(tmp_path, img_size=16)
+    cfg = load_config(None, ["model.img_size=16", "model.num_classes=3", f"finetune.source={run_dir}",
+                             "finetune.probe=true", "finetune.head_init=model"])
+    with pytest.raises(ConfigError, match="finetune.head_init=model with finetune.probe"):
+        prepare_finetune(cfg, None)
 
 
 def test_same_resolution_gives_the_source_features_exactly(tmp_path):
