@@ -231,12 +231,14 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size, prob
     params = dict(model.named_parameters())
     for name in expected:
         _init_param(params[name], _copier(state[name]))
-    if head_init == "zero":
-        model.zero_head()  # the fine-tune starts from the pretrained features with all logits 0
-    head = "zero head" if head_init == "zero" else "head drawn by the model's init (finetune.head_init=model)"
     if probe:
-        make_linear_probe(model)
+        make_linear_probe(model)  # a head of its own (prepare_finetune refuses head_init=model with it)
         head = "linear probe head"
+    elif head_init == "zero":
+        model.zero_head()  # the fine-tune starts from the pretrained features with all logits 0
+        head = "zero head"
+    else:
+        head = "head drawn by the model's init (finetune.head_init=model)"
     _say(f"loaded {len(expected)} tensors from {src.path}; position embeddings {old_tokens} -> "
          f"{new_grid[0]}x{new_grid[1]} grid tokens; new {head} with {model.num_classes} classes")
     return {}
