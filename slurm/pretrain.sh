@@ -49,6 +49,7 @@
 #   ELASTIC_MAX_RESTARTS  worker-group restarts torchrun allows (default: 20)
 #   ELASTIC_RDZV_CONF  more --rdzv-conf key=value pairs, comma separated, e.g. "last_call_timeout=10" (a
 #                    round with fewer than all nodes waits that long for more; torch's default is 30 s)
+#                    Both are refused without ELASTIC_MIN_NODES.
 set -euo pipefail
 
 # The trainer's exit codes this script acts on: ExitCode in pipeline/exit_codes.py (a test checks
@@ -79,6 +80,11 @@ MAX_RESTARTS=${MAX_RESTARTS:-20}
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-}
 RESTART_COUNT=${SLURM_RESTART_COUNT:-0}
 ELASTIC_MIN_NODES=${ELASTIC_MIN_NODES:-}
+# The two settings of an elastic job mean nothing without it: refuse them rather than run a fixed-size job.
+for var in ELASTIC_MAX_RESTARTS ELASTIC_RDZV_CONF; do
+    [[ -n $ELASTIC_MIN_NODES || -z ${!var:-} ]] \
+        || die "$var=${!var} is set but ELASTIC_MIN_NODES is not: set ELASTIC_MIN_NODES to run elastically, or unset $var"
+done
 ELASTIC_MAX_RESTARTS=${ELASTIC_MAX_RESTARTS:-20}
 ELASTIC_RDZV_CONF=${ELASTIC_RDZV_CONF:-}
 NUM_NODES=${SLURM_JOB_NUM_NODES:-1}
