@@ -63,6 +63,11 @@ class RngState:
                 f"the same samples follow, but dropout's random draws differ")
 
 
+# Why a resumed run may not keep a part its checkpoint has, by part.
+DROPPED_BECAUSE = {"ema": " (the model EMA: train.ema_decay is not set, so the run evaluates and exports its "
+                          "raw weights)"}
+
+
 class ClientState:
     """The parts, by name, in save and restore order. `optional`: parts a tag may lack (written before the
     part existed); they are given {} on restore."""
@@ -79,6 +84,9 @@ class ClientState:
             raise KeyError(f"{where}: its client state has no {', '.join(missing)} (has {', '.join(client)})")
         for name, part in self.parts.items():
             part.load_state_dict(client.get(name, {}))
+        for name in [n for n in client if n not in self.parts]:  # a part this run turned off
+            say(f"note: {where} holds the part '{name}', which this run does not keep{DROPPED_BECAUSE.get(name, '')}: "
+                "it is not restored, and the next checkpoint will not have it")
 
 
 def training_client_state(loader: Any, objective: Stateful, env: DistEnv, ema: Stateful | None = None

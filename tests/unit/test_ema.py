@@ -138,6 +138,29 @@ def test_state_round_trips_and_a_checkpoint_without_ema_starts_from_the_model():
         other.load_state_dict({"weights": {k: v for k, v in state["weights"].items() if k != "3.bias"}})
 
 
+def test_a_resume_without_train_ema_decay_says_it_drops_the_checkpoints_ema(capsys):
+    from pipeline.train.state import ClientState
+
+    class Part:
+        def __init__(self):
+            self.loaded = None
+
+        def state_dict(self):
+            return {"x": 1}
+
+        def load_state_dict(self, state):
+            self.loaded = state
+
+    data = Part()
+    ClientState({"data": data}).load_state_dict({"data": {"x": 2}, "ema": {"weights": {}}}, "checkpoints/step_4")
+    assert data.loaded == {"x": 2}
+    note = capsys.readouterr().out
+    assert "note: checkpoints/step_4 holds the part 'ema', which this run does not keep (the model EMA: train.ema_decay " \
+           "is not set" in note, note
+    ClientState({"data": data}).load_state_dict({"data": {"x": 3}}, "checkpoints/step_8")  # nothing dropped
+    assert capsys.readouterr().out == ""
+
+
 class ForwardSum:
     """A stand-in objective: its evaluation reads the `engine` it is given, as every objective's does."""
 
