@@ -110,6 +110,12 @@ class Objective:
     def after_step(self, engine: Any, step: int) -> None:
         """After each optimizer step (`step` is the number of steps done): a teacher's EMA update, say."""
 
+    def train_metrics(self) -> dict[str, torch.Tensor]:
+        """At each log step, on every rank: the objective's own figures (each loss term, say) as 0-d tensors,
+        this rank's mean over its micro batches since the last call, which it forgets. The trainer averages
+        them over the ranks and logs them as train/<name>. Same names on every rank; none by default."""
+        return {}
+
     # -- evaluation, cost, state
     def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:
         """Collective: every rank runs the same number of forward passes. `run_dir` is set on rank 0 only."""

@@ -463,6 +463,7 @@ class DINOv2(Objective):
         self.step = 0  # optimizer steps done (the schedules' position)
         self._begun = -1  # the step whose schedules were last applied to the optimizer
         self._sums: dict[str, torch.Tensor] = {}  # this step's teacher outputs for the centres: sum, count
+        self._window: dict[str, torch.Tensor] = {}  # train_metrics: per-term sums on the device since the last log
         self.knn_loader: Any = None
 
     # -- the models
@@ -602,7 +603,33 @@ class DINOv2(Objective):
             # Meta's scale: x2 (the global crops together) x 1/2 (per global crop) = 1.
             losses["ibot"] = self.ibot_loss.forward_masked(out["masked"].float(), t_ibot, masks)
             total = total + d.ibot_loss_weight * losses["ibot"]
+        self._log_terms(losses, t_dino, total)
         return total
+
+    @torch.no_grad()
+    def _log_terms(self, losses: dict[str, torch.Tensor], t_dino: torch.Tensor, total: torch.Tensor) -> None:
+        """Adds this micro batch's terms to the log window, on the device (no sync), unless its loss is not
+        finite (the trainer skips such a micro batch). Names as in Meta's loss_dict, each weighted as it is
+        added to the loss, so that they sum to it (Meta logs ibot_loss at half of what it adds). The
+        entropy of the teacher's DINO targets watches for collapse: log(dino.head_n_prototypes) when they are
+        uniform (the centre has caught up with outputs that no longer differ between images), near 0 when
+        every image gets one prototype."""
+        d = self.cfg.dino
+        names = {"dino_local": ("dino_local_crops_loss", d.dino_loss_weight),
+                 "dino_global": ("dino_global_crops_loss", d.dino_loss_weight),
+                 "koleo": ("koleo_loss", 1.0), "ibot": ("ibot_loss", d.ibot_loss_weight)}  # koleo's is inside
+        terms = {names[k][0]: names[k][1] * v.detach() for k, v in losses.items()}
+        terms["dino_teacher_entropy"] = -(t_dino * t_dino.clamp_min(1e-30).log()).sum(-1).mean()
+        counted = torch.isfinite(total.detach())
+        for name, value in {**terms, "_micro": torch.ones_like(total)}.items():
+            value = torch.where(counted, value.float(), 0.0)
+            self._window[name] = self._window[name] + value if name in self._window else value
+
+    def train_metrics(self) -> dict[str, torch.Tensor]:
+        window = self._window
+        self._window = {}
+        n = window.pop("_micro", None)
+        return {name: value / n.clamp_min(1) for name, value in window.items()}
 
     @torch.no_grad()
     def after_step(self, engine: Any, step: int) -> None:

@@ -368,12 +368,16 @@ def train_loop(s: Setup, cfg: Config, step: int, preemption: Preemption) -> int:
 
 def window_metrics(s: Setup, loss_sum: torch.Tensor, micro_count: int, meter: ThroughputMeter,
                    nonfinite_total: int) -> dict[str, float]:
-    """The figures of one log line. Reads the device (one sync per log step, not per step)."""
-    window = loss_sum.clone()
+    """The figures of one log line. Reads the device (one sync per log step, not per step): the loss sum and
+    the objective's own figures (per-rank means) in one all-reduce."""
+    own = s.objective.train_metrics()
+    window = torch.stack([loss_sum, *(v.to(loss_sum.device, torch.float32) for v in own.values())])
     if dist.is_initialized():
         dist.all_reduce(window)
+    window = window.tolist()
     # Grouped by prefix: MLflow's chart view groups and sorts by it (data/, eval/, perf/, train/).
-    metrics = {"train/loss": window.item() / max(micro_count * s.env.world_size, 1),
+    metrics = {"train/loss": window[0] / max(micro_count * s.env.world_size, 1),
+               **{f"train/{name}": v / s.env.world_size for name, v in zip(own, window[1:])},
                "train/lr": peak_group_lr(s.optimizer.param_groups), "train/nonfinite_skipped": float(nonfinite_total),
                **{f"perf/{k}": v for k, v in meter.read().items()},
                "data/bad_samples": float(sum(s.train_loader.bad_counts().values()))}

@@ -218,6 +218,32 @@ def test_a_step_applies_the_schedules_and_moves_centres_and_teacher_once():
         fresh.load_state_dict({})
 
 
+def test_train_metrics_are_each_terms_mean_over_the_window_and_the_teachers_entropy():
+    obj = objective("dino.mask_probability=1.0", "dino.dino_loss_weight=0.5", "dino.ibot_loss_weight=2.0")
+    model = obj.build_all(obj.model_kwargs())
+    engine = FakeEngine(model, [{"decay": True, "weight_decay": 0.04}])
+    view = obj.sample_view(obj.model_kwargs())
+    batches = [tuple(torch.stack(part) for part in zip(*[view(image(i), i) for i in range(j, j + 4)]))
+               for j in (0, 4)]
+    assert obj.train_metrics() == {}
+    totals = [obj.loss(engine, b, torch.zeros(4), None) for b in batches]
+    m = obj.train_metrics()
+    assert set(m) == {"dino_local_crops_loss", "dino_global_crops_loss", "koleo_loss", "ibot_loss",
+                      "dino_teacher_entropy"}
+    # The terms, weighted, sum to the window's mean of each micro batch's loss.
+    terms = sum(v for k, v in m.items() if k != "dino_teacher_entropy")
+    assert torch.allclose(terms, sum(totals) / 2, rtol=1e-5)
+    assert 0 < m["dino_teacher_entropy"] <= np.log(64) + 1e-4
+    assert obj.train_metrics() == {}  # forgotten once read
+    # A micro batch whose loss is not finite (the trainer skips it) is not counted.
+    model.backbone.cls_token.data.fill_(float("nan"))
+    assert not torch.isfinite(obj.loss(engine, batches[0], torch.zeros(4), None))
+    model.backbone.cls_token.data.zero_()
+    total = obj.loss(engine, batches[1], torch.zeros(4), None)
+    m = obj.train_metrics()
+    assert torch.allclose(sum(v for k, v in m.items() if k != "dino_teacher_entropy"), total, rtol=1e-5)
+
+
 def test_flops_count_student_crops_and_a_third_of_the_teacher():
     obj = objective()
     kwargs = obj.model_kwargs()
