@@ -463,7 +463,8 @@ class DINOv2(Objective):
         self.step = 0  # optimizer steps done (the schedules' position)
         self._begun = -1  # the step whose schedules were last applied to the optimizer
         self._sums: dict[str, torch.Tensor] = {}  # this step's teacher outputs for the centres: sum, count
-        self._window: dict[str, torch.Tensor] = {}  # train_metrics: per-term sums on the device since the last log
+        self._window: torch.Tensor | None = None  # train_metrics: per-term sums on the device since the last log
+        self._window_names: list[str] = []  # what each entry of _window is (its last: the micro batch count)
         self.knn_loader: Any = None
 
     # -- the models
@@ -618,18 +619,20 @@ class DINOv2(Objective):
         names = {"dino_local": ("dino_local_crops_loss", d.dino_loss_weight),
                  "dino_global": ("dino_global_crops_loss", d.dino_loss_weight),
                  "koleo": ("koleo_loss", 1.0), "ibot": ("ibot_loss", d.ibot_loss_weight)}  # koleo's is inside
-        terms = {names[k][0]: names[k][1] * v.detach() for k, v in losses.items()}
-        terms["dino_teacher_entropy"] = -(t_dino * t_dino.clamp_min(1e-30).log()).sum(-1).mean()
-        counted = torch.isfinite(total.detach())
-        for name, value in {**terms, "_micro": torch.ones_like(total)}.items():
-            value = torch.where(counted, value.float(), 0.0)
-            self._window[name] = self._window[name] + value if name in self._window else value
+        self._window_names = [names[k][0] for k in losses] + ["dino_teacher_entropy"]
+        # One vector per micro batch (the terms, the entropy, a count of 1), zeroed when the loss is not
+        # finite: a few kernels per micro batch, whatever the number of terms.
+        values = torch.stack([*(names[k][1] * v.float() for k, v in losses.items()),
+                              torch.special.entr(t_dino).sum(-1).mean(), torch.ones_like(total)])
+        values = torch.where(torch.isfinite(total), values, 0.0)
+        self._window = values if self._window is None else self._window + values
 
     def train_metrics(self) -> dict[str, torch.Tensor]:
-        window = self._window
-        self._window = {}
-        n = window.pop("_micro", None)
-        return {name: value / n.clamp_min(1) for name, value in window.items()}
+        if self._window is None:
+            return {}
+        sums, self._window = self._window, None
+        means = sums[:-1] / sums[-1].clamp_min(1)  # the last entry counts the finite micro batches
+        return dict(zip(self._window_names, means.unbind()))
 
     @torch.no_grad()
     def after_step(self, engine: Any, step: int) -> None:
