@@ -262,3 +262,29 @@ def test_dino_bench_times_both_steps_and_its_flop_prediction_holds(capsys):
     assert f["dino"]["measured_vs_predicted"] == pytest.approx(1.0, abs=0.03)
     assert f["flop_ratio_measured"] > 2
     assert "DINOv2 step" in capsys.readouterr().out
+
+
+def test_offline_wheels_cover_what_deepspeed_and_webdataset_need_beyond_a_torch_image():
+    """launch/offline_wheels.sh carries, for a GPU machine without PyPI, what DeepSpeed and webdataset need
+    beyond what it takes as there; a new requirement of either (a version bump) fails here, named."""
+    import importlib.metadata as md
+    import re
+
+    script = (ROOT / "launch/offline_wheels.sh").read_text()
+    norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731  pip's name normalisation
+    carried = {norm(p) for p in re.search(r"PACKAGES=\(([^)]*)\)", script).group(1).split()}
+    taken = {"torch", "numpy", "pyyaml", "pillow", "safetensors", "timm",
+             "packaging", "psutil", "tqdm", "einops", "msgpack", "ninja", "py-cpuinfo"}
+    pinned = {norm(line.split("==")[0]) for line in (ROOT / "constraints.txt").read_text().splitlines()
+              if "==" in line and not line.startswith("#")}
+    assert carried <= pinned, f"offline_wheels.sh carries packages constraints.txt does not pin: {carried - pinned}"
+    needed, todo = set(), ["deepspeed", "webdataset"]
+    while todo:  # the closure of their requirements (no extras) down to what is taken as there
+        name = todo.pop()
+        if name in needed or name in taken:
+            continue
+        needed.add(name)
+        for req in md.requires(name) or []:
+            if "extra ==" not in req:
+                todo.append(norm(re.match(r"[A-Za-z0-9._-]+", req).group(0)))
+    assert needed - carried == set(), f"needed on the GPU machine, neither carried nor taken as there: {needed - carried}"
