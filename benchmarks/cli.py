@@ -79,6 +79,9 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
          help="run the gpu benchmark's code on the CPU with a tiny model (minutes on 2 cores, mostly compiling)")
     _add(p, "--models", default=None,
          help="VARIANT@RES,... to measure (default vit_b16@224,vit_l16@224,vit_b16@384)")
+    _add(p, "--parts", default="training,e2e,correctness",
+         help="which parts, each alone a shorter run and its own row: training (the arms and the profile), e2e, "
+              "correctness (default: all three)")
     _add(p, "--budget-s", type=float, default=360.0,
          help="start no training arm after this many seconds (compiling dominates; default 360)")
     _add(p, "--correctness-steps", type=int, default=300, help="steps of the bf16-vs-fp32 loss curves (default 300)")
@@ -188,12 +191,15 @@ def run_gpu(args: argparse.Namespace, print_table: PrintTable) -> dict[str, Any]
         raise NotImplementedError("bench gpu needs a CUDA GPU (`--smoke` runs its code on the CPU)")
     if args.smoke:
         torch.set_num_threads(1)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not parts or set(parts) - set(gpu.PARTS):
+        raise SystemExit(f"error: bench gpu --parts {args.parts!r}: expected some of {','.join(gpu.PARTS)}")
     models = None
     if args.models:
         models = [(m.split("@")[0], int(m.split("@")[1])) for m in args.models.split(",")]
     figures = gpu.run(smoke=args.smoke, models=models, overrides=args.overrides, peak=peak_flops(args),
                       workers=args.e2e_workers, correctness_steps=args.correctness_steps, tmp=args.tmp,
-                      budget_s=args.budget_s)
+                      budget_s=args.budget_s, parts=parts)
     print_table("training step, bf16, SDPA attention, one device; arms one after another", gpu.HEADER,
                 gpu.rows(figures))
     for decode, f in figures["e2e"].items():

@@ -14,6 +14,8 @@
 4. Correctness: bf16 against fp32 (the loss curves of the same ZeRO-1 run on a fixed synthetic set),
    nvjpeg against PIL decode of the same JPEGs (pixel differences).
 
+`--parts` runs some of them: "training" (1 and 2), "e2e" (3), "correctness" (4); each run is one CSV row.
+
 Arms run one after another, not in turns: a dedicated GPU has no neighbours to share the noise with,
 and holding every arm's optimizer states at once would shrink the largest batch. `--smoke` runs the
 same code on the CPU with a tiny model (seconds), which is what the unit test does.
@@ -25,7 +27,7 @@ import gc
 import io
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -62,6 +64,9 @@ class Arm:
     def name(self) -> str:
         return f"{self.loop}{' compiled' if self.compile else ' eager'}{' ckpt' if self.grad_ckpt else ''}"
 
+
+# What `--parts` chooses among; all by default. Each part alone is one shorter run and its own CSV row.
+PARTS = ("training", "e2e", "correctness")
 
 ARMS = [Arm("plain", False), Arm("plain", True), Arm("zero1", False), Arm("zero1", True),
         Arm("zero1", True, grad_ckpt=True, batch_scale=2)]
@@ -279,16 +284,35 @@ def nvjpeg_vs_pil(n: int = 64, size: int = 256, log: Any = print) -> dict[str, A
     return out
 
 
+def e2e_setting(best_zero1: tuple[BenchSpec, Arm, float] | None, first: BenchSpec, smoke: bool,
+                first_model_batch: Callable[[], int]) -> BenchSpec:
+    """The step the end-to-end part times: the profiled (fastest ZeRO-1) arm's batch, compile and
+    checkpointing; without one (no training part), ZeRO-1 compiled (eager on the CPU, where Inductor's
+    build takes minutes) at the first model's largest micro batch."""
+    if best_zero1 is None:
+        spec, arm = replace(first, batch=first_model_batch()), Arm("zero1", not smoke)
+    else:
+        spec, arm, _ = best_zero1
+    return replace(spec, batch=spec.batch * arm.batch_scale, compile=arm.compile, grad_ckpt=arm.grad_ckpt,
+                   steps=2 if smoke else 10, windows=1 if smoke else 3, warmup=1 if smoke else 3)
+
+
 def run(smoke: bool = False, models: list[tuple[str, int]] | None = None, arms: list[Arm] | None = None,
         overrides: list[str] | None = None, peak: float | None = None, workers: int | None = None,
         correctness_steps: int = 300, tmp: str | None = None, budget_s: float = 360.0,
-        log: Any = print) -> dict[str, Any]:
-    """Every part, in the order of the module doc; returns the figures for the CSV row.
+        parts: Sequence[str] = PARTS, log: Any = print) -> dict[str, Any]:
+    """The parts asked for (all by default), in the order of the module doc; returns the figures for the
+    CSV row. `parts` splits the whole into shorter runs, each its own row: "training" (the arms and the
+    profile), "e2e" (at the profiled arm's settings; without "training", at ZeRO-1 compiled with the
+    first model's largest micro batch), "correctness".
 
     Training arms start only while less than `budget_s` has passed (compiling dominates: an arm that
     would start later is recorded as skipped), so the whole command stays under 8 minutes."""
     from benchmarks.engine import init_single_process
 
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise ValueError(f"bench gpu --parts: {','.join(unknown) or 'nothing'} is not among {','.join(PARTS)}")
     t_start = time.perf_counter()
     overrides = list(overrides or [])
     init_single_process()
@@ -301,9 +325,9 @@ def run(smoke: bool = False, models: list[tuple[str, int]] | None = None, arms: 
         candidates = BATCHES
     workers = workers if workers is not None else max(1, (os.cpu_count() or 2) - 1)
     figures: dict[str, Any] = {"device": bench_device().type, "peak_flops": peak, "overrides": overrides,
-                               "training": {}, "profile": None, "e2e": {}, "correctness": {}}
+                               "parts": list(parts), "training": {}, "profile": None, "e2e": {}, "correctness": {}}
     best_zero1: tuple[BenchSpec, Arm, float] | None = None
-    for base in base_specs:
+    for base in base_specs if "training" in parts else []:
         log(f"training step {base.variant}@{base.res}: largest micro batch ...")
         batch = largest_batch(base, overrides, candidates, log)
         spec = replace(base, batch=batch)
@@ -327,17 +351,21 @@ def run(smoke: bool = False, models: list[tuple[str, int]] | None = None, arms: 
         figures["profile"] = profile_arm(spec, arm, overrides)
         for k in figures["profile"]["top"][:6]:
             log(f"  {k['ms_per_step']:8.3f} ms/step {100 * k['share']:5.1f}%  {k['name']}")
-        # End to end at the profiled arm's settings (its compile; no checkpointing: e2e's own engine).
-        e2e_spec = replace(spec, batch=spec.batch * arm.batch_scale, grad_ckpt=arm.grad_ckpt,
-                           steps=2 if smoke else 10, windows=1 if smoke else 3, warmup=1 if smoke else 3)
+    if "e2e" in parts:
+        def first_model_batch() -> int:
+            log(f"end to end: {base_specs[0].variant}@{base_specs[0].res}: largest micro batch ...")
+            return largest_batch(base_specs[0], overrides, candidates, log)
+
+        e2e_spec = e2e_setting(best_zero1, base_specs[0], smoke, first_model_batch)
         images = 48 if smoke else max(2048, 8 * e2e_spec.batch)
         for decode in ("cpu", "cuda"):
             log(f"end to end, decode on {decode}, {workers} worker(s) ...")
             figures["e2e"][decode] = end_to_end(e2e_spec, decode, workers, images, overrides, peak, tmp, log)
-    log("correctness ...")
-    small = SMOKE if smoke else BenchSpec("vit_s16", 224, 128, "bf16")
-    figures["correctness"]["bf16_vs_fp32"] = bf16_vs_fp32(small, overrides, correctness_steps, log)
-    figures["correctness"]["nvjpeg_vs_pil"] = nvjpeg_vs_pil(8 if smoke else 64, 64 if smoke else 256, log)
+    if "correctness" in parts:
+        log("correctness ...")
+        small = SMOKE if smoke else BenchSpec("vit_s16", 224, 128, "bf16")
+        figures["correctness"]["bf16_vs_fp32"] = bf16_vs_fp32(small, overrides, correctness_steps, log)
+        figures["correctness"]["nvjpeg_vs_pil"] = nvjpeg_vs_pil(8 if smoke else 64, 64 if smoke else 256, log)
     figures["seconds"] = round(time.perf_counter() - t_start, 1)
     return figures
 

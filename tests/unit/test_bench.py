@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,20 @@ def test_gpu_bench_code_runs_on_cpu_and_reports_every_part(dist_figures):
     assert c["bf16_vs_fp32"]["steps"] == 4 and 0 <= c["bf16_vs_fp32"]["max_rel_gap_smoothed"] < 0.5
     assert c["nvjpeg_vs_pil"]["max_abs_diff"] == 0  # decode_jpeg on the CPU is libjpeg, as PIL
     assert len(gpu.rows(f)) == 2
+
+
+def test_gpu_e2e_times_the_profiled_arm_or_zero1_compiled_at_the_first_models_batch():
+    from benchmarks import gpu
+
+    b16 = common.BenchSpec("vit_b16", 224, 0, "bf16", steps=10, windows=3, warmup=3)
+    profiled = (replace(b16, batch=256), gpu.Arm("zero1", True, grad_ckpt=True, batch_scale=2), 1000.0)
+    s = gpu.e2e_setting(profiled, b16, smoke=False, first_model_batch=lambda: pytest.fail("no batch search"))
+    assert (s.variant, s.res, s.batch, s.compile, s.grad_ckpt) == ("vit_b16", 224, 512, True, True)
+    alone = gpu.e2e_setting(None, b16, smoke=False, first_model_batch=lambda: 384)  # --parts e2e
+    assert (alone.batch, alone.compile, alone.grad_ckpt) == (384, True, False)
+    assert not gpu.e2e_setting(None, b16, smoke=True, first_model_batch=lambda: 8).compile
+    with pytest.raises(ValueError, match="--parts: nvjpeg is not among training,e2e,correctness"):
+        gpu.run(smoke=True, parts=["e2e", "nvjpeg"])
 
 
 def _launch_bench():
