@@ -68,6 +68,13 @@ print(p.check(3, save_due=True), p.check(4, save_due=rank == 1), p.check(6, save
 # all-reduce can make that peer abort ("terminate called without an active exception", seen once in CI).
 dist.barrier()
 dist.destroy_process_group()
+# Even so, about 1 exit in 100 of this script aborted the same way inside the interpreter's own exit,
+# in no Python frame (2026-11-27: 3 of about 320 pairs of ranks, 2 to 4 such loops side by side on
+# 2 cores; once in a fresh-clone CI run). Leaving with os._exit (no interpreter teardown): 0 of 240,
+# 2 loops side by side. What this test checks is printed above; the teardown is not its subject.
+sys.stdout.flush()
+import os
+os._exit(0)
 """
 
 
