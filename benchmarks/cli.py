@@ -200,8 +200,9 @@ def run_gpu(args: argparse.Namespace, print_table: PrintTable) -> dict[str, Any]
     figures = gpu.run(smoke=args.smoke, models=models, overrides=args.overrides, peak=peak_flops(args),
                       workers=args.e2e_workers, correctness_steps=args.correctness_steps, tmp=args.tmp,
                       budget_s=args.budget_s, parts=parts)
-    print_table("training step, bf16, SDPA attention, one device; arms one after another", gpu.HEADER,
-                gpu.rows(figures))
+    if figures["training"]:
+        print_table("training step, bf16, SDPA attention, one device; arms one after another", gpu.HEADER,
+                    gpu.rows(figures))
     for decode, f in figures["e2e"].items():
         print(f"end to end, decode on {decode}: {f['e2e_vs_synthetic']:.3f} of synthetic, data wait "
               f"{100 * f['loader']['data_wait']:.1f}%, ~{f['cores_to_keep_up']} CPU cores to keep up")

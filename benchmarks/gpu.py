@@ -287,8 +287,9 @@ def nvjpeg_vs_pil(n: int = 64, size: int = 256, log: Any = print) -> dict[str, A
 def e2e_setting(best_zero1: tuple[BenchSpec, Arm, float] | None, first: BenchSpec, smoke: bool,
                 first_model_batch: Callable[[], int]) -> BenchSpec:
     """The step the end-to-end part times: the profiled (fastest ZeRO-1) arm's batch, compile and
-    checkpointing; without one (no training part), ZeRO-1 compiled (eager on the CPU, where Inductor's
-    build takes minutes) at the first model's largest micro batch."""
+    checkpointing; without one (no training part, or every ZeRO-1 arm failed or was skipped), ZeRO-1
+    compiled (eager on the CPU, where Inductor's build takes minutes) at the first model's largest micro
+    batch."""
     if best_zero1 is None:
         spec, arm = replace(first, batch=first_model_batch()), Arm("zero1", not smoke)
     else:
