@@ -12,8 +12,9 @@
 #
 # DeepSpeed ships only a source archive; it is built here into a pure-Python wheel (DS_BUILD_OPS=0:
 # its C++/CUDA ops are JIT-built where they run), with .venv's torch (`make venv` first). MLflow is left
-# out (about 40 packages): run with `tracking.enabled=false` there and upload the run later with
-# `python launch/sync_mlflow.py RUN_DIR` (docs/tracking.md). About 5 MB in all.
+# out (with what it needs, 87 packages in .venv, torch among them): run with `tracking.enabled=false`
+# there and upload the run later with `python launch/sync_mlflow.py RUN_DIR` (docs/tracking.md).
+# About 5 MB in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYVER=${1:-3.12}
