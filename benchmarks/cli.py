@@ -192,8 +192,10 @@ def run_gpu(args: argparse.Namespace, print_table: PrintTable) -> dict[str, Any]
     if args.smoke:
         torch.set_num_threads(1)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    if not parts or set(parts) - set(gpu.PARTS):
-        raise SystemExit(f"error: bench gpu --parts {args.parts!r}: expected some of {','.join(gpu.PARTS)}")
+    try:
+        gpu.check_parts(parts)  # before anything slow: one line, not a traceback
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     models = None
     if args.models:
         models = [(m.split("@")[0], int(m.split("@")[1])) for m in args.models.split(",")]

@@ -68,6 +68,14 @@ class Arm:
 # What `--parts` chooses among; all by default. Each part alone is one shorter run and its own CSV row.
 PARTS = ("training", "e2e", "correctness")
 
+
+def check_parts(parts: Sequence[str]) -> None:
+    """ValueError naming what is not a part (or that none was given)."""
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        what = f"{','.join(unknown)} is not" if unknown else "none given; expected some"
+        raise ValueError(f"bench gpu --parts: {what} among {','.join(PARTS)}")
+
 ARMS = [Arm("plain", False), Arm("plain", True), Arm("zero1", False), Arm("zero1", True),
         Arm("zero1", True, grad_ckpt=True, batch_scale=2)]
 
@@ -311,9 +319,7 @@ def run(smoke: bool = False, models: list[tuple[str, int]] | None = None, arms: 
     would start later is recorded as skipped), so the whole command stays under 8 minutes."""
     from benchmarks.engine import init_single_process
 
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown or not parts:
-        raise ValueError(f"bench gpu --parts: {','.join(unknown) or 'nothing'} is not among {','.join(PARTS)}")
+    check_parts(parts)
     t_start = time.perf_counter()
     overrides = list(overrides or [])
     init_single_process()

@@ -14,7 +14,6 @@
 # its C++/CUDA ops are JIT-built where they run), with .venv's torch (`make venv` first). MLflow is left
 # out (with what it needs, 87 packages in .venv, torch among them): run with `tracking.enabled=false`
 # there and upload the run later with `python launch/sync_mlflow.py RUN_DIR` (docs/tracking.md).
-# About 5 MB in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYVER=${1:-3.12}
@@ -22,10 +21,11 @@ DEST=${2:-.whl}
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || { echo "offline_wheels.sh: $PY not found: run 'make venv' first (DeepSpeed's build imports torch)" >&2; exit 2; }
 
-# Taken as there: torch and what it needs, numpy, pyyaml, pillow, safetensors, timm, and of DeepSpeed's
-# needs packaging, psutil, tqdm, einops, msgpack, ninja, py-cpuinfo (tests/unit/test_bench.py checks
-# that these two lists cover what DeepSpeed and webdataset require). Carried: the rest, and
-# typing_extensions, since pydantic needs a newer one than an image may hold.
+# Taken as there (a CUDA PyTorch image holds them): torch and what it needs, and of DeepSpeed's and
+# webdataset's needs the common ones. Carried: the rest, and typing_extensions, since pydantic needs a
+# newer one than an image may hold. tests/unit/test_bench.py checks that the two lists cover what
+# DeepSpeed and webdataset require.
+PRESENT=(torch numpy pyyaml pillow safetensors timm packaging psutil tqdm einops msgpack ninja py-cpuinfo)
 PACKAGES=(deepspeed hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions
           webdataset braceexpand)
 pin() {  # the version constraints.txt pins for package $1 (pip's names: '-' and '_' alike, any case)
@@ -51,3 +51,4 @@ trap 'rm -rf "$src"' EXIT
 DS_BUILD_OPS=0 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$DEST" "$src"/deepspeed-*.tar.gz
 ls -1 "$DEST"/*.whl
 echo "$(find "$DEST" -name '*.whl' | wc -l) wheels in $DEST ($(du -sh "$DEST" | cut -f1)), for Python $PYVER on x86-64 Linux"
+echo "the GPU machine must already have: ${PRESENT[*]}"
