@@ -34,6 +34,7 @@ from benchmarks.common import bench_device, interleaved, median, spread, synchro
 from pipeline.config import load_config
 from pipeline.model.vit import VisionTransformer, model_flops, model_kwargs_from_config
 from pipeline.objectives import OBJECTIVES
+from pipeline.train.metrics import device_peak_flops
 from pipeline.train.optim import build_optimizer, param_groups
 
 
@@ -171,6 +172,9 @@ def bench_dino(args: Any) -> dict[str, Any]:
                          "measured_gflops_per_image": round(measured[name] / 1e9, 2),
                          "measured_vs_predicted": round(measured[name] / predicted[name], 3),
                          "spread": round(spread(t.wall[name]), 3)}
+    peak = device_peak_flops(None)  # the GPU's datasheet bf16 peak; None on CPU
+    for name in contenders:  # MFU from the prediction (the trainer's numerator), as the trainer logs it
+        figures[name]["mfu"] = round(predicted[name] * figures[name]["img_s"] / peak, 4) if peak else None
     figures["dino_vs_supervised"] = round(median(t.wall["dino"]) / median(t.wall["supervised"]), 3)
     # The CPU-time ratio: steadier than the wall clock's on a shared machine (docs/performance.md).
     figures["dino_vs_supervised_cpu"] = round(median(t.cpu["dino"]) / median(t.cpu["supervised"]), 3)

@@ -21,6 +21,7 @@ from benchmarks.common import bench_device, interleaved, median, spread, synchro
 from pipeline.config import TrainConfig
 from pipeline.model.mae import build_mae, mae_flops, mae_kwargs
 from pipeline.model.vit import build_vit, model_flops, variant_kwargs
+from pipeline.train.metrics import device_peak_flops
 from pipeline.train.optim import build_optimizer, param_groups
 
 
@@ -82,6 +83,9 @@ def bench_mae(args: Any) -> dict[str, Any]:
         step_s = median(t.wall[name])
         figures[name] = {"step_ms": round(1e3 * step_s, 1), "img_s": round(batch / step_s, 2),
                          "gflops_per_image": round(flops[name] / 1e9, 2), "spread": round(spread(t.wall[name]), 3)}
+    peak = device_peak_flops(None)  # the GPU's datasheet bf16 peak; None on CPU
+    for name in contenders:  # 3 x forward FLOPs per image (forward and backward), as the trainer's MFU
+        figures[name]["mfu"] = round(3 * flops[name] * figures[name]["img_s"] / peak, 4) if peak else None
     figures["mae_vs_supervised"] = round(median(t.wall["mae"]) / median(t.wall["supervised"]), 3)
     figures["flop_ratio"] = round(flops["mae"] / flops["supervised"], 3)
     figures["seconds"] = round(time.perf_counter() - t_start, 1)

@@ -68,6 +68,33 @@ def append_result(bench: str, figures: dict[str, Any], path: Path = RESULTS_CSV)
     print(f"appended to {path}")
 
 
+def merge_results(sources: list[Path], path: Path = RESULTS_CSV) -> int:
+    """Append the rows of other copies of the CSV (one that came back from a GPU machine, say) that `path`
+    lacks; a row is the same row when every column matches. Returns how many were appended."""
+    def read(p: Path) -> list[dict[str, str]]:
+        with open(p, newline="") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames != CSV_COLUMNS:
+                raise ValueError(f"{p}: columns {reader.fieldnames}, expected {CSV_COLUMNS}")
+            return list(reader)
+
+    have = {tuple(r[c] for c in CSV_COLUMNS) for r in read(path)} if path.exists() else set()
+    new = not path.exists() or path.stat().st_size == 0
+    added = 0
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        if new:
+            writer.writeheader()
+        for source in sources:
+            for row in read(source):
+                key = tuple(row[c] for c in CSV_COLUMNS)
+                if key not in have:
+                    writer.writerow(row)
+                    have.add(key)
+                    added += 1
+    return added
+
+
 def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
     cells = [header] + [[f"{c:.1f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]

@@ -11,6 +11,7 @@
     python launch/bench.py dino            # a DINOv2 step against a supervised one on the same backbone
     python launch/bench.py all             # every benchmark (gpu only where there is a GPU), then render
     python launch/bench.py render          # docs/benchmarks.md from results/benchmarks.csv
+    python launch/bench.py merge FILE.csv  # the rows of a copy from another machine, then render
 
 This file is the entry point; the benchmarks live in benchmarks/, outside the installed package.
 The CSV has the columns date, hardware, torch, deepspeed, command, bench, figures (a JSON
@@ -29,7 +30,7 @@ from typing import Any, NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.render import DOCS_PAGE, render_page  # noqa: E402
-from benchmarks.results import RESULTS_CSV, ROOT, append_result, print_table  # noqa: E402
+from benchmarks.results import RESULTS_CSV, ROOT, append_result, merge_results, print_table  # noqa: E402
 
 # ----------------------------------------------------------------------------- the benchmarks
 # Each lives in benchmarks/ and is imported only when it runs: name -> (module, function, flags
@@ -89,12 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
     for name, bench in BENCHES.items():
         _function(name, bench.add_args)(sp)
     sub.add_parser("render", help=f"write {DOCS_PAGE.relative_to(ROOT)} from {RESULTS_CSV.relative_to(ROOT)}")
+    mp = sub.add_parser("merge", help=f"append the rows of other copies of the CSV (from a GPU machine, say) that "
+                        f"{RESULTS_CSV.relative_to(ROOT)} lacks, then `render`")
+    mp.add_argument("files", nargs="+", type=Path, metavar="FILE.csv")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.bench == "render":
+        return render_page()
+    if args.bench == "merge":
+        try:
+            added = merge_results(args.files)
+        except (OSError, ValueError) as e:
+            print(f"bench merge: {e}", file=sys.stderr)
+            return 2
+        print(f"merged {added} new row(s) into {RESULTS_CSV.relative_to(ROOT)}")
         return render_page()
     names = list(BENCHES) if args.bench == "all" else [args.bench]
     status = 0

@@ -258,12 +258,15 @@ def test_render_writes_the_newest_row_per_machine_and_the_committed_page_is_curr
         assert DOCS_PAGE.read_text() == render(list(csv.DictReader(f))), "run: python launch/bench.py render"
 
 
-def test_dino_bench_times_both_steps_and_its_flop_prediction_holds(capsys):
+def test_dino_bench_times_both_steps_and_its_flop_prediction_holds(capsys, monkeypatch):
     """`launch/bench.py dino` on a tiny backbone (a 4x4 grid, so that iBOT's blocks fit): both steps
     timed, and the FLOPs per image that the trainer's MFU uses (3 x DINOv2.flops_per_image with iBOT's
     expected masked patches, 3 x model_flops) within a few percent of what FlopCounterMode counts over a
     real step (this batch's seeded masks hold 9 patches where 9.6 are expected; KoLeo's products and the
     norms are not predicted). Without the iBOT term the prediction was 10% low at ViT-S/14."""
+    from benchmarks import dino
+
+    monkeypatch.setattr(dino, "device_peak_flops", lambda override=None: 1e12)  # as a GPU's peak would
     bench = _launch_bench()
     args = bench.build_parser().parse_args(["dino", "--dino-variant", "vit_ti16", "--dino-res", "64",
                                             "--dino-local-res", "32", "--dino-local-crops", "2",
@@ -276,7 +279,55 @@ def test_dino_bench_times_both_steps_and_its_flop_prediction_holds(capsys):
     assert f["ibot_masked_patches"] > 0 and f["ibot_masked_patches_expected"] > 0
     assert f["dino"]["measured_vs_predicted"] == pytest.approx(1.0, abs=0.03)
     assert f["flop_ratio_measured"] > 2
+    for name in ("dino", "supervised"):  # MFU from the prediction (the trainer's numerator) over the peak
+        assert f[name]["mfu"] == pytest.approx(f[name]["predicted_gflops_per_image"] * 1e9 * f[name]["img_s"] / 1e12,
+                                               rel=0.01)
     assert "DINOv2 step" in capsys.readouterr().out
+
+
+def test_merge_appends_only_the_rows_the_csv_lacks_and_refuses_another_format(tmp_path):
+    """`launch/bench.py merge`: the rows that came back from a GPU machine join the CSV once, in their order."""
+    import csv
+
+    from benchmarks.results import CSV_COLUMNS, merge_results
+
+    def write(path: Path, rows: list[list[str]], header: list[str] = CSV_COLUMNS) -> Path:
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(header)
+            w.writerows(rows)
+        return path
+
+    row = lambda day, bench: [f"2026-01-0{day}T00:00:00", "box", "2.0", "0.19", "python launch/bench.py x", bench,  # noqa: E731
+                              json.dumps({"a": {"b": 1}, "s": "x,y"})]
+    ours = write(tmp_path / "ours.csv", [row(1, "model")])
+    theirs = write(tmp_path / "theirs.csv", [row(1, "model"), row(2, "gpu"), row(3, "e2e")])
+    assert merge_results([theirs], ours) == 2
+    assert merge_results([theirs, theirs], ours) == 0  # once
+    with open(ours, newline="") as f:
+        got = list(csv.reader(f))
+    assert got[1:] == [row(1, "model"), row(2, "gpu"), row(3, "e2e")]
+    bad = write(tmp_path / "bad.csv", [["x"]], header=["when"])
+    with pytest.raises(ValueError, match="bad.csv: columns"):
+        merge_results([bad], ours)
+    fresh = tmp_path / "fresh.csv"  # a missing CSV gets the header first
+    assert merge_results([theirs], fresh) == 3 and fresh.read_text().splitlines()[0] == ",".join(CSV_COLUMNS)
+
+
+def test_gpu_bench_script_parts_are_commands_bench_py_accepts():
+    """launch/gpu_bench.sh runs on a lent GPU with no second chance: every part's arguments parse here."""
+    import re
+    import shlex
+
+    bench = _launch_bench()
+    script = (ROOT / "launch/gpu_bench.sh").read_text()
+    parts = re.findall(r"^\s*part (\S+) (\d+) (\d+) (.+)$", script, flags=re.M)
+    assert len(parts) >= 10, parts  # the smoke parts and the GPU ones
+    for name, _, _, args in parts:
+        try:
+            bench.build_parser().parse_args(shlex.split(args))
+        except SystemExit as e:
+            raise AssertionError(f"gpu_bench.sh part {name}: launch/bench.py {args} does not parse") from e
 
 
 def test_offline_wheels_cover_what_deepspeed_and_webdataset_need_beyond_a_torch_image():
