@@ -98,6 +98,51 @@ def test_model_decay_groups_layers_patch_embed_lr_and_prototype_groups():
     assert not any(p.requires_grad for p in sep.teacher.parameters())
 
 
+def _metas_rule(name: str, depth: int, decay_rate: float, patch_embed_mult: float) -> tuple[float, bool, bool]:
+    """Meta's dinov2/utils/param_groups.py, written out for one parameter under its name in our student
+    (`backbone.`, `dino_head.`, `ibot_head.`): (lr multiplier, decayed, last layer). In the backbone layer 0
+    is the embeddings and tokens, block i is layer i + 1, anything else depth + 1; the heads are not
+    layer-decayed. No weight decay on biases and on any name with "norm" or "gamma" (LayerScale) in it."""
+    layer = depth + 1
+    if name.startswith("backbone."):
+        if any(k in name for k in ("pos_embed", "patch_embed", "mask_token", "cls_token", "reg_token")):
+            layer = 0
+        elif ".blocks." in name:
+            layer = int(name.split(".blocks.")[1].split(".")[0]) + 1
+        lr = decay_rate ** (depth + 1 - layer)
+    else:
+        lr = 1.0
+    if "patch_embed" in name:
+        lr *= patch_embed_mult
+    decayed = not (name.endswith(".bias") or "norm" in name or "gamma" in name)
+    return lr, decayed, "last_layer" in name
+
+
+@pytest.mark.parametrize("extra", [[], ["model.reg_tokens=4", "model.init_values=1e-5", "model.mlp_layer=swiglu",
+                                        "dino.ibot_separate_head=true"]], ids=["plain", "registers-swiglu"])
+def test_param_groups_are_metas_rule_written_out(extra):
+    """The always-run twin of test_dino_official.py's comparison with Meta's function (which needs its
+    checkout): every student parameter's lr multiplier, weight decay and last-layer flag by the rule,
+    registers, LayerScale and SwiGLU included."""
+    obj = objective("model.depth=3", "train.layer_decay=0.9", "train.lr=1.0", *extra)
+    model = obj.build_all(obj.model_kwargs())
+    names = [n for n, _ in model.named_parameters()]
+    if extra:  # the parts this case is for are there: registers, LayerScale, SwiGLU (gate and value packed
+        # in fc1), the separate iBOT head
+        params = dict(model.named_parameters())
+        assert {"backbone.reg_token", "backbone.blocks.0.ls1.gamma", "ibot_head.last_layer.weight_v"} <= set(names)
+        assert params["backbone.blocks.2.mlp.fc1.weight"].shape[0] == 2 * params["backbone.blocks.2.mlp.fc2.weight"].shape[1]
+    groups = {n: g for g in param_groups(model, obj.cfg.train, depth=3) for p in g["params"]
+              for n, q in model.named_parameters() if q is p}
+    assert sorted(groups) == sorted(names)
+    for name in names:
+        lr, decayed, last = _metas_rule(name, 3, 0.9, obj.cfg.dino.patch_embed_lr_mult)
+        g = groups[name]
+        assert g["lr_scale"] == pytest.approx(lr), name
+        assert (g["weight_decay"] > 0) == decayed, name
+        assert (g.get("role") == "last_layer") == last, name
+
+
 def test_prototypes_do_not_move_while_frozen_and_do_after():
     """dino.freeze_last_layer_steps=2: the prototypes' groups run at lr 0 for steps 0 and 1 (AdamW with
     weight decay 0.04: neither the update nor the decay moves them), although their gradients are

@@ -121,3 +121,137 @@ def test_head_keys_and_normalised_prototypes():
         torch.testing.assert_close(head.last_layer.weight.norm(dim=1), torch.ones(30))
         head.last_layer.weight_g.fill_(2)
         assert head(torch.randn(3, 12)).abs().max() <= 2 + 1e-5  # unit bottleneck, prototypes of norm 2
+
+
+# ----------------------------------------------------------------------------- the official tests' cases,
+# by formula: test_dino_official.py compares these pieces with Meta's classes but needs a checkout that CI
+# lacks; each case it covers is also checked here, on tiny tensors, against the formula written out.
+
+
+def _sinkhorn_by_scaling(logits: torch.Tensor, temp: float, n_total: int, iterations: int = 3) -> torch.Tensor:
+    """SwAV's Sinkhorn-Knopp as a matrix scaling, written independently of the in-place form in dino.py:
+    P = exp(logits / temp) / sum(P), rows = samples, columns = prototypes. Each iteration first scales
+    every prototype (column) to a total mass of 1/K, then every sample (row) to 1/B; the assignment is
+    B times the result, so each sample's row sums to 1."""
+    p = torch.exp(logits.double() / temp)
+    p = p / p.sum()
+    b, k = n_total, p.shape[1]
+    u, v = torch.ones(k, dtype=torch.float64), torch.ones(p.shape[0], dtype=torch.float64)  # column, row scales
+    for _ in range(iterations):
+        u = 1.0 / (k * (p * v[:, None]).sum(0))
+        v = 1.0 / (b * (p * u[None, :]).sum(1))
+    return (b * p * u[None, :] * v[:, None]).float()
+
+
+def test_sinkhorn_knopp_targets_of_both_losses_are_three_scaling_iterations():
+    g = torch.Generator().manual_seed(1)
+    cls_t = torch.randn(6, 5, generator=g) * 0.5
+    got = DINOLoss(5).sinkhorn_knopp_teacher(cls_t, 0.05)
+    want = _sinkhorn_by_scaling(cls_t, 0.05, 6)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.sum(1), torch.ones(6))  # each sample's assignment sums to 1
+    # the prototypes' shares move toward B/K each (what the balancing is for), from the plain softmax's
+    plain = torch.softmax(cls_t / 0.05, dim=-1)
+    assert (got.sum(0) - 6 / 5).abs().max() < (plain.sum(0) - 6 / 5).abs().max()
+    # 2 iterations differ (the count is Meta's 3, not whatever converges)
+    assert not torch.allclose(got, _sinkhorn_by_scaling(cls_t, 0.05, 6, iterations=2), atol=1e-4)
+
+    # iBOT: the masked patches of all images are the samples, B their count (all-reduced over ranks)
+    patch_t = torch.randn(9, 5, generator=g) * 0.5
+    got = iBOTPatchLoss(5).sinkhorn_knopp_teacher(patch_t, 0.06, torch.tensor(9))
+    torch.testing.assert_close(got, _sinkhorn_by_scaling(patch_t, 0.06, 9), atol=1e-6, rtol=1e-5)
+
+
+def test_ibot_gathered_form_ignores_padding_and_weights_each_patch():
+    g = torch.Generator().manual_seed(2)
+    b, k = 3, 7  # 3 images of 5 patches
+    masks = torch.tensor([[1, 1, 0, 0, 0], [0, 1, 1, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)  # image 3: none
+    m = int(masks.sum())
+    s, t = torch.randn(m, k, generator=g) * 3, torch.softmax(torch.randn(m, k, generator=g), -1)
+    ce = (t * F.log_softmax(s / 0.1, dim=-1)).sum(-1)  # per masked patch, in mask order
+    loss = iBOTPatchLoss(k)
+    # default weights: 1 / (the image's masked patches), then the sum over patches / the number of images
+    want = -(ce[:2].sum() / 2 + ce[2:].sum() / 3) / b
+    torch.testing.assert_close(loss.forward_masked(s, t, masks), want)
+    # Meta pads the gathered tokens to a fixed length: rows past n_masked_patches change nothing
+    pad_s = torch.cat([s, torch.full((4, k), 1e3)])
+    pad_t = torch.cat([t, torch.full((4, k), 1.0)])
+    torch.testing.assert_close(loss.forward_masked(pad_s, pad_t, masks, n_masked_patches=m), want)
+    # masks_weight, given (Meta's collate computes it once per batch), replaces the per-image weights
+    w = torch.rand(m, generator=g)
+    torch.testing.assert_close(loss.forward_masked(pad_s, pad_t, masks, n_masked_patches=m, masks_weight=w),
+                               -(ce * w).sum() / b)
+
+
+def _head_by_formula(head: DINOHead, x: torch.Tensor, nlayers: int, use_bn: bool) -> torch.Tensor:
+    """Meta's DINOHead written out: nlayers Linears (GELU between, BatchNorm before each GELU with use_bn),
+    L2-normalised, then prototypes W = g * v / ||v|| row-wise, bias-free."""
+    linears = [m for m in head.mlp.modules() if isinstance(m, torch.nn.Linear)]
+    norms = [m for m in head.mlp.modules() if isinstance(m, torch.nn.BatchNorm1d)]
+    assert len(linears) == nlayers and len(norms) == (nlayers - 1 if use_bn else 0)
+    h = x
+    for i, lin in enumerate(linears):
+        h = F.linear(h, lin.weight, lin.bias)
+        if i < nlayers - 1:
+            if use_bn:
+                bn = norms[i]
+                mean, var = (h.mean(0), h.var(0, unbiased=False)) if head.training else (bn.running_mean, bn.running_var)
+                h = (h - mean) / torch.sqrt(var + bn.eps) * bn.weight + bn.bias
+            h = F.gelu(h)
+    z = h / h.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    g, v = head.last_layer.weight_g, head.last_layer.weight_v
+    return z @ (g * v / v.norm(dim=1, keepdim=True)).t()
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(nlayers=1), dict(nlayers=4, use_bn=True, mlp_bias=False)])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_head_output_and_gradients_are_the_formulas(kwargs, train):
+    torch.manual_seed(0)
+    head = DINOHead(12, 10, hidden_dim=16, bottleneck_dim=8, **kwargs).train(train)
+    with torch.no_grad():  # g away from 1 and BN statistics away from identity, so a misplaced one shows
+        head.last_layer.weight_g.normal_()
+        for m in head.modules():
+            if isinstance(m, torch.nn.BatchNorm1d):
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2)
+                m.weight.normal_()
+                m.bias.normal_()
+    x = torch.randn(6, 12)
+    out = head(x)
+    want = _head_by_formula(head, x, kwargs.get("nlayers", 3), kwargs.get("use_bn", False))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert all((lin.bias is None) == (kwargs.get("mlp_bias") is False)
+               for lin in head.mlp.modules() if isinstance(lin, torch.nn.Linear))
+    # gradients: g and v of the weight-normalised prototypes, and every MLP weight
+    params = dict(head.named_parameters())
+    grads = torch.autograd.grad(out.square().sum(), list(params.values()))
+    want_grads = torch.autograd.grad(want.square().sum(), list(params.values()))
+    for name, a, b in zip(params, grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=name)  # float32: grads up to ~100 here
+    # v's gradient is orthogonal to v in each row (its scale does not matter): the reparametrisation's own
+    gv = grads[list(params).index("last_layer.weight_v")]
+    assert (gv * head.last_layer.weight_v).sum(1).abs().max() < 1e-5
+
+
+def test_koleo_with_duplicate_points_is_the_eps_formula_and_finite():
+    torch.manual_seed(0)
+    x = torch.randn(8, 6)
+    x[3] = x[5] * 2  # the same direction: distance 0 after normalising
+    x[6] = x[1]  # and an exact copy
+    a = x.clone().requires_grad_()
+    loss = KoLeoLoss()(a)
+    loss.backward()
+    # by hand: nearest neighbour by largest cosine among the others; distance ||u_i - u_j + eps|| (torch's
+    # PairwiseDistance adds eps to the difference), then -mean(log(d + eps))
+    b = x.clone().requires_grad_()
+    u = b / b.norm(dim=1, keepdim=True).clamp_min(1e-8)
+    cos = (u @ u.t()).detach() - 3 * torch.eye(8)
+    nn_idx = cos.argmax(1)
+    d = ((u - u[nn_idx] + 1e-8) ** 2).sum(1).sqrt()
+    want = -torch.log(d + 1e-8).mean()
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-6)
+    want.backward()
+    assert nn_idx[3] == 5 and nn_idx[5] == 3 and nn_idx[6] == 1 and nn_idx[1] == 6
+    assert d[[1, 3, 5, 6]].max() < 1e-6  # the duplicates' terms are the eps floor: large but finite
+    assert torch.isfinite(a.grad).all()
+    torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)

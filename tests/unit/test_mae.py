@@ -139,6 +139,35 @@ def test_same_noise_same_mask_and_loss_noise_changes_them():
     assert torch.equal(a[2], (noise.argsort(1).argsort(1) >= 4).float())  # the 4 smallest kept
 
 
+def test_decoder_prediction_is_the_paper_written_out_patch_by_patch():
+    """The always-run twin of test_mae_official.py (which needs Meta's checkout): the prediction by hand.
+    Encoder on the class token and the kept patches (by the noise), then one decoder input per patch in
+    patch order: decoder_embed of the patch's encoding where it was kept, the shared mask token where it
+    was removed, plus the decoder's sin-cos table; the decoder blocks, its norm, decoder_pred, class token
+    dropped. Mask tokens are distinct from any kept token, so a restore in the wrong order shows."""
+    model = tiny(decoder_depth=2).eval()
+    with torch.no_grad():
+        model.mask_token.normal_()
+    imgs, noise = torch.randn(2, 3, 16, 16), torch.rand(2, 16)
+    with torch.no_grad():
+        _, pred, mask = model(imgs, noise=noise)
+        for n in range(2):
+            kept = noise[n].argsort()[:4].tolist()  # the 4 smallest noises, in ascending order
+            assert sorted(kept) == [i for i in range(16) if mask[n, i] == 0]
+            patches = model.patch_embed(imgs[n:n + 1])[0] + model.pos_embed[0, 1:]
+            tokens = torch.cat([model.cls_token[0] + model.pos_embed[0, :1], patches[kept]])
+            for block in model.blocks:
+                tokens = block(tokens[None])[0]
+            latent = model.decoder_embed(model.norm(tokens))
+            rows = [latent[0]] + [latent[1 + kept.index(i)] if i in kept else model.mask_token[0, 0]
+                                  for i in range(16)]
+            x = torch.stack(rows) + model.decoder_pos_embed[0]
+            for block in model.decoder_blocks:
+                x = block(x[None])[0]
+            want = model.decoder_pred(model.decoder_norm(x))[1:]
+            torch.testing.assert_close(pred[n], want, atol=1e-5, rtol=1e-5)
+
+
 def test_patchify_order_and_inverse():
     model = tiny()
     imgs = torch.randn(2, 3, 16, 16)
