@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,29 +92,42 @@ def test_the_lock_names_its_holder_and_goes_with_it(tmp_path, monkeypatch):
     assert lock_run_dir(tmp_path)["pid"]  # the kernel dropped the dead holder's lock
 
 
-@pytest.mark.parametrize("run_id,same", [("elastic-7", True), ("none", False)])
-def test_a_torchrun_restart_waits_for_its_previous_attempt_another_job_does_not(tmp_path, monkeypatch, run_id, same):
-    """A worker-group restart (same TORCHELASTIC_RUN_ID) waits for the old worker's lock to go; torchrun's
-    default id "none" is shared by unrelated jobs, so it is another job: refused at once."""
+@pytest.mark.parametrize("var,holder_id,my_id,same", [
+    ("TORCHELASTIC_RUN_ID", "elastic-7", "elastic-7", True),  # a worker-group restart
+    ("TORCHELASTIC_RUN_ID", "none", "none", False),  # torchrun's default id: shared by unrelated jobs
+    ("SLURM_JOB_ID", "4242", "4242", True),  # a requeue of the same Slurm job
+    ("SLURM_JOB_ID", "4242", "4243", False),  # another Slurm job
+], ids=["torchrun-restart", "torchrun-default-id", "slurm-requeue", "slurm-other-job"])
+def test_this_jobs_previous_attempt_is_waited_for_another_job_is_not(tmp_path, monkeypatch, var, holder_id, my_id,
+                                                                     same):
+    """A held lock whose holder carries our Slurm job id (a requeue) or our torchrun run id (a worker-group
+    restart) is our own previous attempt, still exiting: we wait for it to go. torchrun's default id "none"
+    and another Slurm job's id are another job: refused at once."""
     import threading
 
     import pipeline.train.lock as lock
 
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+    for v in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv(var, my_id)
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              env={"PYTHONPATH": str(ROOT), "TORCHELASTIC_RUN_ID": run_id})
+                              env={"PYTHONPATH": str(ROOT), var: holder_id})
     try:
         assert holder.stdout.readline().strip() == "locked"
         if not same:
-            with pytest.raises(RunDirLocked, match=rf"pid {holder.pid}, since"):
+            t0 = time.monotonic()
+            with pytest.raises(RunDirLocked, match=rf"pid {holder.pid}, "):
                 lock_run_dir(tmp_path)
+            assert time.monotonic() - t0 < lock.SAME_JOB_WAIT_S / 10  # at once: no wait (the wait is 120 s)
             return
-        # The old attempt exits 2 s into our wait (a torchrun agent stops its workers before restarting them).
-        threading.Timer(2.0, holder.kill).start()
+        # The old attempt exits 1 s into our wait (a torchrun agent stops its workers before restarting them;
+        # Slurm ends a requeued job's steps): we get the lock once it is gone, not before.
+        killed: list[float] = []
+        threading.Timer(1.0, lambda: (killed.append(time.monotonic()), holder.kill())).start()
         monkeypatch.setattr(lock, "SAME_JOB_WAIT_S", 30.0)
         got = lock_run_dir(tmp_path)
-        assert got["torchelastic_run_id"] == run_id and got["pid"] != holder.pid
+        assert killed and time.monotonic() >= killed[0]
+        assert got[var.lower()] == my_id and got["pid"] != holder.pid
     finally:
         holder.kill()
         holder.wait()
