@@ -11,11 +11,13 @@ returns one of FAULTS or None (pass through). The faults:
     reset         headers and half the body, then a TCP reset (SO_LINGER 0)
     cut           headers with the Content-Length, half the body, then a clean close
     cut_nolength  no Content-Length (a body delimited by the close), half the body, a clean close
-    stall         headers and half the body, then nothing for `stall_s`, then a close
+    stall         headers and half the body, then nothing for `stall_s`, then a close (stall_s=None: no
+                  close until the server is shut down, so only the client's read timeout can end it)
     stall_forever headers, then nothing until the server is shut down
     403, 404      that status with a short body
 
-`faults` lists (n, method, path, fault) of what was done, `log` (n, method, path, Range) every request.
+`faults` lists (n, method, path, fault) of what was done, `log` (n, method, path, Range) every request,
+`arrived[n]` the time.monotonic() at which request n came in.
 """
 
 from __future__ import annotations
@@ -74,13 +76,14 @@ class FaultServer(ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, folder: Path | None = None, upstream: str | None = None, plan: Plan | None = None,
-                 stall_s: float = 30.0):
+                 stall_s: float | None = 30.0):
         self.folder, self.upstream = folder, upstream
         self.plan: Plan = plan or (lambda n, method, path: None)
         self.stall_s = stall_s
         self.requests = 0
         self.faults: list[tuple[int, str, str, str]] = []
         self.log: list[tuple[int, str, str, str | None]] = []  # (n, method, path, Range header) of every request
+        self.arrived: dict[int, float] = {}  # n -> time.monotonic() of its arrival
         self.lock = threading.Lock()
         self.closing = threading.Event()
         super().__init__(("127.0.0.1", 0), _Handler)
@@ -135,6 +138,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.requests += 1
             n = self.server.requests
             self.server.log.append((n, method, self.path, self.headers.get("Range")))
+            self.server.arrived[n] = time.monotonic()
         fault = self.server.plan(n, method, self.path)
         if fault is not None:
             with self.server.lock:

@@ -10,6 +10,7 @@ import io
 import os
 import random
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,35 @@ def expected(path: Path) -> Expected:
     return Expected(len(data), hashlib.sha256(data).hexdigest())
 
 
+# How long a fetch whose first response stalls may take: the 1 s read timeout, the retry (0.01 s backoff) and
+# the rest of a 200 KB object on loopback. Measured on the 2-core machine beside test_data_s3.py's 2-rank
+# runs: 1.5 s for the whole test; without the timeout it never ends.
+STALL_LIMIT_S = 10.0
+
+
+def fetch_within(limit_s: float, server: FaultServer, *args) -> None:
+    """`fetch(*args)`, failing the test if it has not returned after `limit_s` (the server is then stopped,
+    which ends a stall, so the fetch's thread ends too)."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fetch(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    if thread.is_alive():
+        server.stop()
+        thread.join(30)
+        pytest.fail(f"the fetch was still waiting on a stalled response after {limit_s:.0f} s: the read timeout "
+                    f"(RetryPolicy.timeout_s) did not reach the client")
+    if errors:
+        raise errors[0]
+
+
 def first_request_fails(fault: str):
     def plan(n: int, method: str, path: str) -> str | None:
         return fault if n == 1 else None
@@ -52,9 +82,12 @@ def test_a_transient_fault_is_retried_from_the_missing_byte(folder: Path, tmp_pa
     if fault == "cut_nolength" and not known:
         pytest.skip("a body cut short with no Content-Length and no size in dataset.json cannot be told apart")
     src = folder / "obj1.tar"
-    with FaultServer(folder=folder, plan=first_request_fails(fault), stall_s=5) as server:
+    # The stall never ends on the server's side (stall_s=None): only the client's read timeout (timeout_s,
+    # 1 s) can cut it, so a timeout that does not reach the client fails here instead of passing late.
+    with FaultServer(folder=folder, plan=first_request_fails(fault), stall_s=None) as server:
         out = tmp_path / "copy"
-        fetch(f"{server.url}/obj1.tar", out, expected(src) if known else Expected(), FAST)
+        fetch_within(STALL_LIMIT_S, server, f"{server.url}/obj1.tar", out, expected(src) if known else Expected(),
+                     FAST)
         log = list(server.log)
     assert out.read_bytes() == src.read_bytes()
     err = capfd.readouterr().err
