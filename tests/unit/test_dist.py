@@ -152,6 +152,39 @@ def test_init_distributed_single_process_gloo(monkeypatch):
             torch_dist.destroy_process_group()
 
 
+def test_the_process_group_times_out_a_minute_after_the_watchdog(monkeypatch, tmp_path):
+    """The group a run joins (resume.start, the one place it is joined) has dist.timeout_s + 60 s as its
+    collectives' timeout: the watchdog (dist.timeout_s) names the stuck rank, step and phase before a
+    collective raises from inside gloo or NCCL."""
+    from datetime import timedelta
+
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("deepspeed")
+    import torch.distributed as torch_dist
+
+    from pipeline.config import load_config
+    from pipeline.train import lock, resume
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(var, raising=False)
+    if torch_dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run_dir = tmp_path / "run"
+    cfg = load_config(ROOT / "configs/pretrain/demo.yaml", [f"run.dir={run_dir}", "dist.timeout_s=42"])
+    try:
+        resume.start(cfg)
+        group = torch_dist.distributed_c10d._get_default_group()
+        assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=42 + 60)
+    finally:
+        if torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
+        fd = lock._held.pop(str(run_dir.resolve()), None)
+        if fd is not None:
+            os.close(fd)
+
+
 @pytest.mark.parametrize("environ, rank0", [
     ({}, True),                                                                  # alone
     ({"RANK": "0", "WORLD_SIZE": "2"}, True), ({"RANK": "1", "WORLD_SIZE": "2"}, False),  # torchrun / deepspeed
