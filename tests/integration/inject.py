@@ -6,6 +6,9 @@ the package). Used by test_hangs.py as the script the DeepSpeed launcher starts:
 FAULT (environment) says what happens on rank FAULT_RANK (default 1), at its first evaluation:
   signal-in-eval     SIGUSR1 to itself as the pass starts (a preemption arriving during evaluation)
   kill-eval-worker   SIGKILL to its eval DataLoader worker after the pass's first batch
+  kill-eval-workers  SIGKILL to its eval worker at every batch, the restarted ones too (more deaths than
+                     the pass's restart budget, pipeline.data.eval.WORKER_RESTARTS)
+With EXIT_CODES=FOLDER, each rank writes its exit code to FOLDER/rank<RANK> as it leaves.
 """
 
 import os
@@ -49,6 +52,15 @@ if __name__ == "__main__":
         if FAULT == "signal-in-eval":
             os.kill(os.getpid(), signal.SIGUSR1)
             print(f"inject: rank {FAULT_RANK} got SIGUSR1 as its evaluation started", file=sys.stderr, flush=True)
+        elif FAULT == "kill-eval-workers":
+            progress = s.eval_loader.progress
+
+            def kill_every_worker() -> None:
+                progress()
+                if any(p.name() == "eval-worker" for p in psutil.Process().children(recursive=True)):
+                    kill_eval_worker()
+
+            s.eval_loader.progress = kill_every_worker
         elif FAULT == "kill-eval-worker":
             progress, batches = s.eval_loader.progress, []
 
@@ -65,4 +77,9 @@ if __name__ == "__main__":
 
 
     trainer.evaluate = evaluate
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if os.environ.get("EXIT_CODES"):
+            Path(os.environ["EXIT_CODES"], f"rank{os.environ.get('RANK', '0')}").write_text(str(e.code))
+        raise

@@ -22,6 +22,7 @@ from tests.integration.runs import (
     DEEPSPEED,
     ROOT,
     TINY,
+    TORCHRUN,
     assert_same_weights,
     command,
     env,
@@ -42,10 +43,16 @@ def overrides(shards, run_dir, steps=6):
             "train.eval_every=1", "train.eval_batch_size=2"]
 
 
-def injected(fault: str, overrides_: list[str]) -> subprocess.CompletedProcess:
-    argv = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(ROOT / "tests/integration/inject.py"),
-            str(ROOT / "launch/pretrain.py"), "--config", CONFIG, *overrides_]
-    return subprocess.run(argv, cwd=ROOT, env={**env(), "FAULT": fault}, capture_output=True, text=True, timeout=600)
+def injected(fault: str, overrides_: list[str], extra_env: dict[str, str] | None = None, timeout: float = 600,
+             launcher: str = "deepspeed") -> subprocess.CompletedProcess:
+    """A 2-rank run of tests/integration/inject.py with FAULT=fault; DeepSpeed's launcher passes a rank's
+    exit 75 on (torchrun, one process less, ends 1 whatever the rank's code)."""
+    start = ([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port())] if launcher == "deepspeed" else
+             [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port())])
+    argv = [*start, str(ROOT / "tests/integration/inject.py"), str(ROOT / "launch/pretrain.py"), "--config", CONFIG,
+            *overrides_]
+    return subprocess.run(argv, cwd=ROOT, env={**env(), "FAULT": fault, **(extra_env or {})}, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def eval_rows(run_dir):
@@ -82,7 +89,31 @@ def test_signal_in_eval_resume_into_eval_and_a_killed_eval_worker_keep_the_ranks
     assert_same_weights(weights(tmp_path / "ref"), weights(run_dir))
 
 
-LIMIT_S = 10  # dist.timeout_s for this test: a step here takes well under a second
+def test_an_evaluation_that_cannot_finish_on_one_rank_ends_every_rank_with_exit_1_and_one_line(shards, tmp_path):
+    """Rank 1's eval workers die at every batch of its first evaluation, more often than the pass may
+    restart them: that rank pads the rest of its pass (its peer's forward passes are collective under
+    ZeRO-3), and after the pass every rank raises the failure together. Both ranks exit 1, rank 0 says
+    why in one line; no rank hangs (the watchdog's 76) or is left waiting."""
+    codes = tmp_path / "codes"
+    codes.mkdir()
+    # torchrun: each rank's own code is in `codes`. 240 s: the run took 56 s on the 2-core machine under
+    # heavy load (48 s of it starting); a hang would wait out the watchdog (dist.timeout_s, 300 s).
+    p = injected("kill-eval-workers", overrides(shards, tmp_path / "run"), {"EXIT_CODES": str(codes)}, timeout=240,
+                 launcher="torchrun")
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out[-3000:]
+    assert {f.name: f.read_text() for f in codes.iterdir()} == {"rank0": "1", "rank1": "1"}, out[-3000:]
+    assert p.stderr.count("inject: rank 1 killed its eval worker") == 3, out[-3000:]  # WORKER_RESTARTS + 1
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch(r"error: rank 1 \(eval\): .*DataLoader worker .* \(3 times in one pass\)",
+                                             errors[0]), errors
+    assert " hung: " not in out and "exiting with 76" not in out
+
+
+# dist.timeout_s for this test. It covers every gap between the watchdog's marks before the stop, the longest
+# being the first batch (it waits on the loader's fork server): measured with the marks timed, 2.8 to 5.5 s
+# on the 2-core machine at a load of 5 to 6.5 (other jobs beside this one), every later gap under 0.6 s.
+LIMIT_S = 10
 
 
 def test_a_stopped_rank_ends_the_job_with_one_line_naming_rank_step_phase_and_the_stacks(shards, tmp_path):
@@ -104,6 +135,8 @@ def test_a_stopped_rank_ends_the_job_with_one_line_naming_rank_step_phase_and_th
                 stopped_at = time.monotonic()
             if hung_at is None and any(" hung: " in line for line in new):
                 hung_at = time.monotonic()
+                assert victim is not None, ("the watchdog fired before rank 1 was stopped (a false trip: a "
+                                            "phase took longer than LIMIT_S):\n" + "".join(lines)[-3000:])
                 # Let rank 0 leave, then wake rank 1 so that the launcher's SIGTERM ends it (a stopped
                 # process waits out the launcher's 30 s before SIGKILL; that is the launcher's, not ours).
                 rank_proc(proc.pid, 0, 2).wait(timeout=60)
