@@ -27,21 +27,48 @@ CONFIG = "configs/pretrain/demo.yaml"
 TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
 CKPT_EVERY = 5
 
-# Each optimizer step takes at least STEP_S, so that a node has time to join before the run ends (a
-# tiny model steps in milliseconds; torchrun's rendezvous takes seconds). Test-only, by wrapping.
-SLOW_STEPS = """
-import runpy, sys, time
+# The events the tests wait for, held for by the rank rather than paced by sleeps (a run on 2 busy cores
+# can outrun any fixed per-step sleep). Test-only, by wrapping the trainer's backward_and_step:
+#  - the first worker started with HOLD_ONCE=path (node 1's) stops stepping after HOLD_AFTER micro batches
+#    on 2 ranks, once (the file marks it done): its peer then waits for it in the next collective, where
+#    the test finds the job when it kills or stops that worker. Without it the 80 steps could be over
+#    before the test reacts to "step 8".
+#  - a rank alone (world size 1) stops stepping after HOLD_AFTER micro batches until a signal is pending:
+#    the run cannot end before the lost node joins again and torchrun's SIGTERM comes (the restart).
+# A held rank touches its watchdog (dist.timeout_s is about ranks that cannot run; this one waits on the
+# test), and stops holding at the first signal, so a SIGTERM still checkpoints at the step boundary.
+HOLD_STEPS = """
+import os, runpy, sys, time
+from pathlib import Path
 sys.path.insert(0, sys.argv[2])  # this checkout's pipeline, before any installed one
+import torch.distributed as dist
+from pipeline import signals
 from pipeline.train import trainer
-real, step_s = trainer.backward_and_step, float(sys.argv[1])
-def slow(engine, loss):
-    time.sleep(step_s)
+real, after, calls, watchdogs = trainer.backward_and_step, int(sys.argv[1]), [0], []
+RealWatchdog = trainer.Watchdog
+def watchdog(*args, **kwargs):
+    watchdogs.append(RealWatchdog(*args, **kwargs))
+    return watchdogs[-1]
+def hold(why):
+    print(f"held: {why}, after {calls[0]} micro batches", file=sys.stderr, flush=True)
+    while signals.received() is None:
+        watchdogs[-1].touch()
+        time.sleep(0.05)
+def step(engine, loss):
+    calls[0] += 1
+    once = os.environ.get("HOLD_ONCE")
+    if calls[0] > after and signals.received() is None:
+        if dist.get_world_size() == 1:
+            hold("alone until a node joins")
+        elif once and not Path(once).exists():
+            Path(once).touch()
+            hold("once, for the test's kill or stop")
     return real(engine, loss)
-trainer.backward_and_step = slow
+trainer.backward_and_step, trainer.Watchdog = step, watchdog
 sys.argv = sys.argv[3:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
-STEP_S = 0.2
+HOLD_AFTER = 8  # micro batches: 8 steps on 2 ranks (the tests act at step 8), 4 on one (2 log lines)
 # Rendezvous timers shorter than torch's (last call 30 s, a dead node noticed after 3 heartbeats of 5 s), so
 # that a node loss costs the test less waiting (docs/testing.md has the times); they change only how long a
 # round waits.
@@ -69,7 +96,8 @@ class Agent:
     def __init__(self, wrapper: Path, port: int, over: list[str], extra_env: dict[str, str] | None = None):
         argv = [TORCHRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts", "3",
-                "--monitor-interval", "1", *RDZV_CONF, str(wrapper), str(STEP_S), str(ROOT), str(ROOT / "launch/pretrain.py"),
+                "--monitor-interval", "1", *RDZV_CONF, str(wrapper), str(HOLD_AFTER), str(ROOT),
+                str(ROOT / "launch/pretrain.py"),
                 "--config", CONFIG, *over]
         self.proc = subprocess.Popen(argv, cwd=ROOT, env={**env(), **AGENT_ENV, **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
@@ -133,9 +161,10 @@ def _steps(agents: list[Agent]) -> list[tuple[float, int]]:
 
 def _start_two(tmp_path: Path, over: list[str], extra_env: dict[str, str] | None = None
                ) -> tuple[Agent, Agent, Path, int]:
-    """Node 0's agent, then node 1's: (node0, node1, the step-slowing wrapper, the rendezvous port)."""
-    wrapper = tmp_path / "slow_steps.py"
-    wrapper.write_text(SLOW_STEPS)
+    """Node 0's agent, then node 1's (its first worker held once, HOLD_STEPS): (node0, node1, the wrapper,
+    the rendezvous port)."""
+    wrapper = tmp_path / "hold_steps.py"
+    wrapper.write_text(HOLD_STEPS)
     port = free_port()
     node0 = Agent(wrapper, port, over, extra_env)
     # The c10d rendezvous store lives in the agent that binds --rdzv-endpoint first; losing that agent ends
@@ -144,7 +173,7 @@ def _start_two(tmp_path: Path, over: list[str], extra_env: dict[str, str] | None
     while not _listening(port):
         assert time.monotonic() < deadline and node0.proc.poll() is None, node0.text()[-3000:]
         time.sleep(0.2)
-    return node0, Agent(wrapper, port, over, extra_env), wrapper, port
+    return node0, Agent(wrapper, port, over, {**(extra_env or {}), "HOLD_ONCE": str(tmp_path / "held")}), wrapper, port
 
 
 @pytest.fixture(scope="module")
