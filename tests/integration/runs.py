@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import math
 import os
 import signal
 import subprocess
@@ -131,15 +132,21 @@ def run_and_signal(entry: str, config: str, overrides: list[str], when: str, sig
 
 
 def rank_proc(launcher_pid: int, rank: int, ranks: int) -> psutil.Process:
-    """The training process of `rank` under the launcher (the DeepSpeed launcher passes --local_rank=N)."""
+    """The training process of `rank` under the launcher: DeepSpeed's launcher passes --local_rank=N in the
+    rank's argv; torchrun's workers are its own children with LOCAL_RANK=N in their environment (their
+    DataLoader workers and fork servers inherit it, hence only direct children)."""
     if ranks == 1:
         return psutil.Process(launcher_pid)
-    for child in psutil.Process(launcher_pid).children(recursive=True):
+    launcher = psutil.Process(launcher_pid)
+    for child in launcher.children(recursive=True):
         with contextlib.suppress(psutil.Error):
             if f"--local_rank={rank}" in child.cmdline():
                 return child
+    for child in launcher.children():
+        with contextlib.suppress(psutil.Error):
+            if child.environ().get("LOCAL_RANK") == str(rank):
+                return child
     raise AssertionError(f"no process for rank {rank} under {launcher_pid}")
-
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -154,3 +161,16 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs: max |diff| {(a[k] - b[k]).abs().max().item()}"
+
+
+# DINO's teacher-target entropy (train/dino_teacher_entropy) away from both collapses: near 0 (every image
+# given one prototype) and near log K (uniform targets: the centre has caught up with outputs that no longer
+# differ between images). Bounds from measurement: test_dino.py's 2-rank run (64 prototypes, teacher
+# temperature warming up over 4 steps) logs 0.82, 1.48, 2.06, 2.32, 2.75, 2.94 at steps 2-12, against
+# log 64 = 4.16; tests/unit/test_dino_objective.py shows collapsed targets failing this check.
+ENTROPY_FLOOR, ENTROPY_CEILING_GAP = 0.25, 0.5
+
+
+def assert_teacher_not_collapsed(entropy: float, prototypes: int) -> None:
+    assert ENTROPY_FLOOR < entropy < math.log(prototypes) - ENTROPY_CEILING_GAP, (
+        f"teacher entropy {entropy:.3f} of at most log {prototypes} = {math.log(prototypes):.3f}: collapsed")

@@ -16,7 +16,7 @@ from pipeline.config import load_config
 from pipeline.objectives.dino import DINOv2
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.finetune import find_source, source_state_dict
-from tests.integration.runs import TINY, metrics, run, run_and_signal, weights
+from tests.integration.runs import TINY, assert_teacher_not_collapsed, metrics, run, run_and_signal, weights
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/dino_demo.yaml"
@@ -85,11 +85,11 @@ def test_dino_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted
     assert not torch.equal(teacher["blocks.0.attn.qkv.weight"], student["backbone.blocks.0.attn.qkv.weight"])
     logged = [m["metrics"] for m in metrics(ref_dir) if "train/loss" in m["metrics"]]
     assert len(logged) == 6 and all(np.isfinite(m["train/loss"]) for m in logged)
-    # Each logged window's terms (2 ranks, averaged) sum to its loss; the entropy is one over 64 prototypes.
+    # Each logged window's terms (2 ranks, averaged) sum to its loss; the teacher's targets did not collapse.
     terms = ("dino_global_crops_loss", "dino_local_crops_loss", "ibot_loss", "koleo_loss")
     for m in logged:
         assert sum(m[f"train/{t}"] for t in terms) == pytest.approx(m["train/loss"], rel=1e-5), m
-        assert 0 < m["train/dino_teacher_entropy"] < np.log(64)
+        assert_teacher_not_collapsed(m["train/dino_teacher_entropy"], 64)
     final = [m["metrics"] for m in metrics(run_dir) if "eval/samples" in m["metrics"]][-1]
     assert "eval/knn_top1" in final  # the synthetic shards have labels (evaluation only)
     assert (run_dir / "pca" / "step00000012.png").is_file()

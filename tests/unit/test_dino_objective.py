@@ -3,6 +3,7 @@ says its decay groups, layers and roles (patch embedding lr, prototypes), the pr
 frozen (lr 0) and do after, a resume keeps the roles' lr multipliers, the schedules have DINOv2's
 end points, the centres move once per step from the teacher outputs, the PCA image, the config checks."""
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,6 +24,7 @@ from pipeline.objectives.dino import (
     pca_rgb,
 )
 from pipeline.train.optim import apply_hparams, build_optimizer, build_scheduler, param_groups
+from tests.integration.runs import assert_teacher_not_collapsed
 
 TINY = ["model.objective=dinov2", "model.variant=vit_ti16", "model.img_size=16", "model.patch_size=4",
         "model.embed_dim=32", "model.depth=2", "model.num_heads=2", "dino.local_crops_number=2",
@@ -263,6 +265,57 @@ def test_a_step_applies_the_schedules_and_moves_centres_and_teacher_once():
         fresh.load_state_dict({})
 
 
+def entropy(targets: torch.Tensor) -> float:
+    """Mean over rows of -sum p log p (0 log 0 = 0), in float64."""
+    p = targets.double()
+    return float(-(p * torch.where(p > 0, p.log(), 0.0)).sum(-1).mean())
+
+
+def teacher_outputs(obj: DINOv2, replace: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The teacher's class-token outputs (after its DINO head) of each micro batch, as the loss gets them;
+    with `replace`, the loss gets replace(output) instead."""
+    seen: list[torch.Tensor] = []
+    real = obj.teacher.teacher_forward
+
+    def forward(crops: torch.Tensor, masks: torch.Tensor | None):
+        cls, masked = real(crops, masks)
+        cls = replace(cls) if replace is not None else cls
+        seen.append(cls.detach().float().clone())
+        return cls, masked
+
+    obj.teacher.teacher_forward = forward
+    return seen
+
+
+@pytest.mark.parametrize("targets, collapsed", [("varied", False), ("one_prototype", True), ("uniform", True)])
+def test_teacher_entropy_is_its_formula_on_known_targets_and_a_collapse_fails_the_runs_check(targets, collapsed):
+    """Teacher outputs chosen so that the targets are known distributions p (output = temperature x log p,
+    the centre 0 at the start): the logged entropy is -sum p log p averaged over the rows. Targets that all
+    put their mass on one prototype, or uniform ones, fail the check the end-to-end run makes
+    (tests/integration/test_dino.py); varied ones pass it."""
+    obj = objective("dino.mask_probability=1.0")
+    model = obj.build_all(obj.model_kwargs())
+    engine = FakeEngine(model, [{"decay": True, "weight_decay": 0.04}])
+    view = obj.sample_view(obj.model_kwargs())
+    batch = tuple(torch.stack(part) for part in zip(*[view(image(i), i) for i in range(4)]))
+    rows, k = 8, 64  # 2 global crops x 4 images, dino.head_n_prototypes
+    torch.manual_seed(0)
+    p = {"varied": torch.distributions.Dirichlet(torch.full((k,), 0.1)).sample((rows,)).clamp_min(1e-12),
+         "one_prototype": torch.full((rows, k), 1e-9).index_fill_(1, torch.tensor([7]), 1.0),
+         "uniform": torch.full((rows, k), 1.0 / k)}[targets]
+    p = p / p.sum(-1, keepdim=True)
+    assert torch.equal(obj.dino_loss.center, torch.zeros_like(obj.dino_loss.center))
+    teacher_outputs(obj, lambda out: (obj.teacher_temp(obj.step) * p.log()).to(out.dtype))
+    obj.loss(engine, batch, torch.zeros(4), None)
+    logged = obj.train_metrics()["dino_teacher_entropy"].item()
+    assert logged == pytest.approx(entropy(p), rel=1e-4, abs=1e-6)
+    if collapsed:
+        with pytest.raises(AssertionError, match="collapsed"):
+            assert_teacher_not_collapsed(logged, k)
+    else:
+        assert_teacher_not_collapsed(logged, k)
+
+
 def test_train_metrics_are_each_terms_mean_over_the_window_and_the_teachers_entropy():
     obj = objective("dino.mask_probability=1.0", "dino.dino_loss_weight=0.5", "dino.ibot_loss_weight=2.0")
     model = obj.build_all(obj.model_kwargs())
@@ -270,6 +323,7 @@ def test_train_metrics_are_each_terms_mean_over_the_window_and_the_teachers_entr
     view = obj.sample_view(obj.model_kwargs())
     batches = [tuple(torch.stack(part) for part in zip(*[view(image(i), i) for i in range(j, j + 4)]))
                for j in (0, 4)]
+    seen = teacher_outputs(obj)
     assert obj.train_metrics() == {}
     totals = [obj.loss(engine, b, torch.zeros(4), None) for b in batches]
     m = obj.train_metrics()
@@ -278,7 +332,12 @@ def test_train_metrics_are_each_terms_mean_over_the_window_and_the_teachers_entr
     # The terms, weighted, sum to the window's mean of each micro batch's loss.
     terms = sum(v for k, v in m.items() if k != "dino_teacher_entropy")
     assert torch.allclose(terms, sum(totals) / 2, rtol=1e-5)
-    assert 0 < m["dino_teacher_entropy"] <= np.log(64) + 1e-4
+    # The entropy is the mean over micro batches and crops of -sum t log t of the teacher's DINO targets
+    # t = softmax((teacher output - centre) / teacher temperature), here recomputed from the teacher's
+    # outputs the loss used.
+    want = np.mean([entropy(torch.softmax((t - obj.dino_loss.center) / obj.teacher_temp(obj.step), -1))
+                    for t in seen])
+    assert len(seen) == 2 and m["dino_teacher_entropy"].item() == pytest.approx(want, rel=1e-5)
     assert obj.train_metrics() == {}  # forgotten once read
     # A micro batch whose loss is not finite (the trainer skips it) is not counted.
     model.backbone.cls_token.data.fill_(float("nan"))
