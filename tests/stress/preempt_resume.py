@@ -1,6 +1,6 @@
 """Stress: the preempt-then-resume scenario, N rounds on 2 ranks with evaluation on; counts hangs.
 
-    .venv/bin/python tests/stress/preempt_resume.py --rounds 20            # ~40 s a round on 2 cores
+    .venv/bin/python tests/stress/preempt_resume.py --rounds 20
     .venv/bin/python tests/stress/preempt_resume.py --rounds 5 --eval-every 2 --zero 3
 
 Each round is tests/integration/test_pretrain.py's preemption test: a 2-rank run gets SIGUSR1 on rank 1
@@ -9,19 +9,8 @@ must equal one uninterrupted reference run's. A run still going after --hang-s i
 its processes (py-spy, when installed) are written to the round's folder, the run is killed, and the
 round counts as hung. Not part of `make test` (it is a loop for finding races, minutes long).
 
-Measured on the 2-core, no-GPU CI machine (these figures live here and nowhere else):
-
-- with the fix (d5e0799: forkserver loader workers, eval that cannot diverge, the watchdog):
-  `--rounds 20 --eval-every 1 --zero 3 --hang-s 300` -> "20 rounds in 1415 s: 0 hung, 20 ok"
-  (the uninterrupted reference run ok too; run beside other test jobs on the same 2 cores).
-- before it (5100cc8, eval workers forked at every evaluation while rank threads run):
-  `--rounds 16 --eval-every 1 --zero 3` hung at once: the reference run and round 1's resume, rank 0 in
-  evaluate -> EvalLoader.__iter__ -> Queue.get waiting for a new eval worker, rank 1 in all_reduce;
-  `--rounds 12 --eval-every 1 --zero 3 --hang-s 300` hung in round 8's resume (1 of the first 9 rounds);
-  `--rounds 8 --eval-every 1 --zero 3 --hang-s 300` on a quiet machine: 0 of 8 (560 s);
-  `--rounds 12` (eval every 12 steps, ZeRO-1): 0 of 12 (478 s). The race needs an evaluation to fork
-  while another thread holds a lock, so it shows under load and with frequent evaluation; the issue's
-  own loop of the pytest test hung 1 time in 3.
+Runs go through DeepSpeed's launcher, as the preemption test's (`launch`). What the loop measured, before
+and after the fix of the evaluation hang: docs/testing.md (Stress).
 """
 
 from __future__ import annotations
@@ -55,6 +44,12 @@ CONFIG = "configs/pretrain/demo.yaml"
 def overrides(shards: Path, run_dir: Path, zero: int, eval_every: int) -> list[str]:
     return [*TINY, f"data.path={shards}", f"run.dir={run_dir}", f"deepspeed.zero_stage={zero}",
             "train.steps=24", "train.ckpt_every=8", f"train.eval_every={eval_every}", "train.keep_last=2"]
+
+
+def launch(over: list[str]) -> list[str]:
+    """The preemption test's command (`run_and_signal`): DeepSpeed's launcher, which passes the rank's exit
+    75 on (torchrun ends 1 whatever its rank's code) and starts each rank with --local_rank=N (rank_proc)."""
+    return command("pretrain.py", CONFIG, over, 2, launcher="deepspeed")
 
 
 def dump_stacks(pid: int, out: Path) -> None:
@@ -92,11 +87,15 @@ def run_once(argv: list[str], log: Path, hang_s: float, signal_at: str | None) -
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # list.extend: one line at a time
     reader.start()
     deadline, sent = time.monotonic() + hang_s, False
-    while proc.poll() is None and time.monotonic() < deadline:
-        if signal_at and not sent and any(signal_at in line for line in lines[-50:]):
-            rank_proc(proc.pid, 1, 2).send_signal(signal.SIGUSR1)
-            sent = True
-        time.sleep(0.2)
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if signal_at and not sent and any(signal_at in line for line in lines[-50:]):
+                rank_proc(proc.pid, 1, 2).send_signal(signal.SIGUSR1)
+                sent = True
+            time.sleep(0.2)
+    except BaseException:  # no run left behind (a rank not found, Ctrl-C): the whole session goes
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     hung = proc.poll() is None
     if hung:
         dump_stacks(proc.pid, log.with_suffix(".stacks"))
@@ -129,8 +128,8 @@ def main() -> int:
         make_synthetic_shards(shards)
     ref_dir = work / "ref"
     shutil.rmtree(ref_dir, ignore_errors=True)
-    ref = run_once(command("pretrain.py", CONFIG, overrides(shards, ref_dir, args.zero, args.eval_every), 2),
-                   work / "ref.log", args.hang_s, None)
+    ref = run_once(launch(overrides(shards, ref_dir, args.zero, args.eval_every)), work / "ref.log", args.hang_s,
+                   None)
     print(f"reference run: {ref}", flush=True)
     reference = weights(ref_dir) if ref == "ok" else None
     tally: dict[str, int] = {}
@@ -138,7 +137,7 @@ def main() -> int:
     for i in range(args.rounds):
         run_dir = work / f"round{i:02d}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        argv = command("pretrain.py", CONFIG, overrides(shards, run_dir, args.zero, args.eval_every), 2)
+        argv = launch(overrides(shards, run_dir, args.zero, args.eval_every))
         first = run_once(argv, work / f"round{i:02d}-preempt.log", args.hang_s, "step 4/24")
         second = run_once(argv, work / f"round{i:02d}-resume.log", args.hang_s, None) if first == "preempted" else "-"
         result = "hung" if "hung" in (first, second) else "ok" if (first, second) == ("preempted", "ok") \
