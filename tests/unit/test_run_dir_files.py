@@ -120,10 +120,10 @@ def test_this_jobs_previous_attempt_is_waited_for_another_job_is_not(tmp_path, m
                 lock_run_dir(tmp_path)
             assert time.monotonic() - t0 < lock.SAME_JOB_WAIT_S / 10  # at once: no wait (the wait is 120 s)
             return
-        # The old attempt exits 1 s into our wait (a torchrun agent stops its workers before restarting them;
-        # Slurm ends a requeued job's steps): we get the lock once it is gone, not before.
+        # The old attempt exits 0.5 s into our wait (a torchrun agent stops its workers before restarting them;
+        # Slurm ends a requeued job's steps), before our second try: we get the lock once it is gone, not before.
         killed: list[float] = []
-        threading.Timer(1.0, lambda: (killed.append(time.monotonic()), holder.kill())).start()
+        threading.Timer(0.5, lambda: (killed.append(time.monotonic()), holder.kill())).start()
         monkeypatch.setattr(lock, "SAME_JOB_WAIT_S", 30.0)
         got = lock_run_dir(tmp_path)
         assert killed and time.monotonic() >= killed[0]
