@@ -290,6 +290,7 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
     from pipeline.dist import PortInUse, import_deepspeed
     from pipeline.exit_codes import ExitCode
     from pipeline.model.weights import WeightsError
+    from pipeline.remote import StorageError
 
     import_deepspeed()  # before pipeline.train imports it: without its autotuner's MLflow import
     from pipeline.train import resume
@@ -321,7 +322,8 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
     except (ConfigError, RunDirLocked, PortInUse) as e:  # e.g. fine-tuning without --from
         _error(e, shared=not isinstance(e, PortInUse))
         return ExitCode.USAGE
-    except (DataError, BadDataError, WeightsError, TrainError, CheckpointError, FileNotFoundError) as e:
+    except (DataError, BadDataError, StorageError, WeightsError, TrainError, CheckpointError,
+            FileNotFoundError) as e:
         _error(e, shared=isinstance(e, (TrainError, CheckpointError, EvalFailed)))
         return ExitCode.ERROR
     finally:

@@ -18,8 +18,9 @@ Reading (the trainer):
     loader.py      the builders: build_train_loader (with the cache check), build_eval_loader
 """
 
+from .bad import BadDataError, DataError
 from .eval import EvalFailed, raise_if_any_failed
-from .info import BadDataError, DataError, DatasetInfo, SplitInfo, dataset_info_of, read_dataset_info
+from .info import DatasetInfo, SplitInfo, dataset_info_of, read_dataset_info
 from .loader import EvalLoader, TrainLoader, build_eval_loader, build_train_loader, merge_counters
 from .tario import BAD_KINDS
 

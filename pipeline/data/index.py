@@ -44,10 +44,10 @@ from typing import Any
 import numpy as np
 
 from pipeline import atomic
+from pipeline.remote import TRANSIENT_STATUS, Expected, RetryPolicy, StorageError, fetch
 
 from . import tario
 from .info import is_remote
-from .storage import TRANSIENT_STATUS, Expected, RetryPolicy, StorageError, fetch
 
 MAGIC = b"VITIDX01"
 INDEX_SUFFIX = ".idx"

@@ -21,10 +21,10 @@ import torch
 from pipeline.config import DataConfig
 from pipeline.derived import accumulation_steps, image_size
 
-from .bad import Counters, merge_counters
+from .bad import Counters, DataError, merge_counters
 from .eval import EvalLoader, EvalStream
 from .index import needs_copy
-from .info import DataError, DatasetInfo, check_shard_names, dataset_info_of
+from .info import DatasetInfo, check_shard_names, dataset_info_of
 from .nodes import node_place
 from .order import GlobalOrder
 from .stream import LOADER_STATE_VERSION, TrainLoader, TrainStream

@@ -33,14 +33,15 @@ from typing import Any
 import numpy as np
 
 from pipeline.atomic import atomic_path, fsync_dir
+from pipeline.remote import StorageError, fetch, s3
 
 from . import tario
+from .bad import DataError
 from .index import INDEX_SUFFIX, SampleMembers, encode_index, write_index
 from .info import (
     DATASET_JSON,
     FORMAT_NAME,
     FORMAT_VERSION,
-    DataError,
     is_remote,
     is_url,
     shard_scheme,
@@ -258,8 +259,6 @@ class _BucketOut:
         self.overwrite = overwrite
 
     def __enter__(self) -> _BucketOut:
-        from . import s3
-
         try:
             if not self.overwrite and s3.exists(f"{self.url}/{DATASET_JSON}"):
                 raise DataError(f"'{self.url}' already holds a {DATASET_JSON}; pass --overwrite to replace it")
@@ -273,8 +272,6 @@ class _BucketOut:
 
     def upload(self, path: Path) -> None:
         """Put a staged file under the prefix, then drop the local copy (and its local index)."""
-        from . import s3
-
         try:
             s3.upload(str(path), f"{self.url}/{path.name}")
         except s3.Permanent as e:
@@ -458,8 +455,6 @@ def _readable_copy(shard: str) -> Iterator[str]:
     if not is_url(shard):
         yield shard
         return
-    from .storage import StorageError, fetch
-
     fd, name = tempfile.mkstemp(prefix="vit-pipeline-index-", suffix=".tar")
     os.close(fd)
     try:

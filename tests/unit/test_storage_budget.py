@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.data.index import BUDGET_SUFFIX, cache_name, local_copy
-from pipeline.data.storage import RetryPolicy, StorageError
+from pipeline.remote.storage import RetryPolicy, StorageError
 
 BUDGET_S = 2.0  # the storage layer gives up when the next backoff would pass it: up to half earlier
 POLICY = RetryPolicy(attempts=1000, total_s=BUDGET_S, backoff_s=0.05, timeout_s=5.0)
