@@ -190,7 +190,7 @@ def train_config(spec: BenchSpec, **overrides: Any) -> TrainConfig:
 
 
 def loss_of(model: nn.Module, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # pipeline.train.trainer.loss_fn with hard targets and no smoothing, without importing the trainer
+    # pipeline.run.trainer.loss_fn with hard targets and no smoothing, without importing the trainer
     # (and through it MLflow) here.
     return F.cross_entropy(model(images).float(), targets)
 

@@ -272,7 +272,7 @@ def check_data(path: str, config: str) -> None:
 
 def check_variant(cfg: Config) -> None:
     """An unknown model.variant is a config error: say so before distributed init, with the valid ones."""
-    from pipeline.model.vit import VARIANTS
+    from pipeline.model.vit import VARIANTS  # here, not at the top: the command reads its config before torch
 
     if cfg.model.variant not in VARIANTS:
         _fail(f"model.variant='{cfg.model.variant}' is not a known variant; choose one of: {', '.join(VARIANTS)}")
@@ -293,11 +293,12 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
     from pipeline.remote import StorageError
 
     import_deepspeed()  # before pipeline.train imports it: without its autotuner's MLflow import
-    from pipeline.train import resume
+    from pipeline.run import resume
+    from pipeline.run.finetune import prepare_finetune
+    from pipeline.run.resume import TrainError
+    from pipeline.run.trainer import fit
     from pipeline.train.checkpoint import CheckpointError
     from pipeline.train.lock import RunDirLocked, remove_if_unused
-    from pipeline.train.resume import TrainError
-    from pipeline.train.trainer import fit
 
     together = False  # every rank leaves at the same point (set when fit returns normally)
     run_dir = Path(cfg.run.dir)
@@ -306,8 +307,6 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
         env, plan = resume.start(cfg)
         prepare = None
         if cfg.run.kind == "finetune":
-            from pipeline.train.finetune import prepare_finetune
-
             cfg, prepare = prepare_finetune(cfg, plan, cli_model_keys or set())
         if cfg.data.num_workers > 0:
             # The loaders' fork server imports the data modules (torch, torchvision, timm: about 4 s of CPU) in

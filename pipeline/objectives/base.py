@@ -1,6 +1,6 @@
 """The Objective interface: what differs between training recipes, behind one set of hooks.
 
-The trainer (pipeline/train/trainer.py) names no objective. It asks the objective, in this order:
+The trainer (pipeline/run/trainer.py) names no objective. It asks the objective, in this order:
 
     objective = build_objective(cfg, info)            # the class registered under model.objective
     kwargs = objective.model_kwargs()                 # checked against a checkpoint before anything is built
@@ -33,6 +33,7 @@ from torch import nn
 
 from pipeline.config import Config, DataConfig
 from pipeline.dist import DistEnv
+from pipeline.train.checkpoint import consolidate, full_fp32_state_dict
 
 
 @dataclass
@@ -128,8 +129,6 @@ class Objective:
     def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:
         """Collective. The fp32 weights the run exports (model.safetensors, what fine-tuning starts from):
         by default the trained model's; an objective whose product is another model (a teacher) gives that."""
-        from pipeline.train.checkpoint import full_fp32_state_dict  # the train package imports objectives
-
         return full_fp32_state_dict(engine)
 
     #: What `weights_from_checkpoint` gives, for the log of a fine-tune from a run stopped before its export.
@@ -140,8 +139,6 @@ class Objective:
         """What `exported_weights` would have given at checkpoint `tag` of `run_dir` (a run stopped before its
         export: preempted, crashed, still going), read from the files on disk without an engine, on any ZeRO
         stage and world size. `cfg`: that run's config.yaml. By default the trained model's weights."""
-        from pipeline.train.checkpoint import consolidate  # the train package imports objectives
-
         return consolidate(run_dir, tag)
 
     def state_dict(self) -> dict[str, Any]:

@@ -60,6 +60,7 @@ from pipeline.model.vit import (
 from pipeline.objectives.base import EvalResult, Objective
 from pipeline.objectives.mae import knn_top1, label_free
 from pipeline.train import ds_compat
+from pipeline.train.checkpoint import CheckpointError, checkpoint_dir, read_client_state
 from pipeline.train.ema import Ema
 
 __all__ = ["DINOHead", "DINOLoss", "iBOTPatchLoss", "KoLeoLoss", "DINOv2", "DINOv2Model", "MultiCropView"]
@@ -692,8 +693,6 @@ class DINOv2(Objective):
         """The teacher's backbone saved in checkpoint `tag`: the tensors `exported_weights` gives at that step.
         The checkpoint holds the teacher whole on every ZeRO stage (`state_dict` gathers it before the save),
         so no partitions are reassembled here; DeepSpeed's module in the tag is the student."""
-        from pipeline.train.checkpoint import CheckpointError, checkpoint_dir, read_client_state
-
         objective = read_client_state(run_dir, tag).get("objective") or {}
         if "teacher" not in objective:
             raise CheckpointError(f"{checkpoint_dir(run_dir) / tag}: its client state has no DINOv2 teacher "

@@ -31,7 +31,7 @@ import copy
 import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import deepspeed
 import torch
@@ -42,9 +42,6 @@ from pipeline.config import Config, TrainConfig
 from pipeline.dist import say
 from pipeline.train import ds_compat
 from pipeline.train.checkpoint import fp32_state_dict, persistent_buffers
-
-if TYPE_CHECKING:  # pipeline.objectives imports this module (the teacher's EMA)
-    from pipeline.objectives.base import EvalResult, Objective
 
 Arithmetic = Literal["lerp", "scale_add"]
 
@@ -136,6 +133,13 @@ class _EmaForward:
         return self
 
 
+class Evaluates(Protocol):
+    """What `ModelEma.evaluate` asks of an objective (pipeline.objectives.base.Objective): its evaluation of
+    an engine, whose result is a dataclass with `metrics`, `line` and `artifacts` (EvalResult)."""
+
+    def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Any, step: int) -> Any: ...
+
+
 class ModelEma:
     """`train.ema_decay`: the model EMA, a stateful part of the trainer (see the module doc). `model` is the
     module DeepSpeed trains (the engine's), `shadow` a float32 module of its structure (`build_model_ema`)."""
@@ -162,7 +166,7 @@ class ModelEma:
         self.ema.update(self.model, timm_decay(step, self.tc))
 
     @torch.no_grad()
-    def evaluate(self, objective: Objective, step: int) -> EvalResult:
+    def evaluate(self, objective: Evaluates, step: int) -> Any:
         """The objective's own evaluation of the shadow (collective), in its float32, without figures; the
         metrics under the model's names with `_ema` appended (eval/top1 -> eval/top1_ema)."""
         with ds_compat.gathered(self.shadow):

@@ -25,7 +25,7 @@ if __name__ == "__main__":
 
     import psutil
 
-    import pipeline.train.trainer as trainer
+    import pipeline.run.trainer as trainer
 
     args = sys.argv[1:]
     script = next(a for a in args if a.endswith(".py"))

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from pipeline.config import load_config
 from pipeline.objectives.dino import DINOv2
+from pipeline.run.finetune import find_source, source_state_dict
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.finetune import find_source, source_state_dict
 from tests.integration.runs import TINY, metrics, run, run_and_signal, weights
 
 pytestmark = pytest.mark.dist

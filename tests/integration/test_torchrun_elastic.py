@@ -32,7 +32,7 @@ CKPT_EVERY = 5
 SLOW_STEPS = """
 import runpy, sys, time
 sys.path.insert(0, sys.argv[2])  # this checkout's pipeline, before any installed one
-from pipeline.train import trainer
+from pipeline.run import trainer
 real, step_s = trainer.backward_and_step, float(sys.argv[1])
 def slow(engine, loss):
     time.sleep(step_s)

@@ -170,7 +170,7 @@ def test_probe_freezes_the_encoder_and_trains_a_batchnorm_linear_head(tmp_path, 
     from pipeline.config import save_config
     from pipeline.model.mae import build_mae
     from pipeline.model.vit import build_vit
-    from pipeline.train.finetune import Source, load_pretrained
+    from pipeline.run.finetune import Source, load_pretrained
 
     repo = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)

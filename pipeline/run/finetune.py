@@ -30,11 +30,13 @@ from torch import nn
 from pipeline.config import Config, ConfigError, FinetuneConfig, load_config
 from pipeline.derived import image_size
 from pipeline.dist import say
+from pipeline.model.mae import sincos_pos_embed_2d
 from pipeline.model.pos_embed import resize_pos_embed
 from pipeline.model.vit import VisionTransformer, _init_param
 from pipeline.model.weights import WeightsError, convert_dinov2_state_dict, is_dinov2_state_dict, load_weights
+from pipeline.objectives import objective_of_run
+from pipeline.run.resume import ResumePlan
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.resume import ResumePlan
 from pipeline.zero3 import real_shape
 
 ARCH_KEYS = ("variant", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "init_values",
@@ -71,8 +73,6 @@ def source_state_dict(src: Source) -> dict[str, torch.Tensor]:
         return load_weights(src.path / "model.safetensors")
     # A run stopped before its export: what it would have exported at its newest complete checkpoint, which
     # its objective reads (a DINOv2 run's teacher backbone, not DeepSpeed's module, the student).
-    from pipeline.objectives import objective_of_run  # DINOv2 imports the train package
-
     tag = ckpt.newest_complete_tag(src.path)
     objective = objective_of_run(src.config)
     _say(f"--from {src.path}: no model.safetensors (the run stopped before its export): "
@@ -197,8 +197,6 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size, prob
     if "pos_embed" not in state and src.config is not None and src.config.model.objective == "mae":
         # An MAE run's checkpoint (consolidated before export) holds parameters only; its position
         # embedding is the fixed sin-cos table of its grid.
-        from pipeline.model.mae import sincos_pos_embed_2d
-
         h, w = image_size(source_img_size or src.config.model.img_size)
         state["pos_embed"] = sincos_pos_embed_2d(model.embed_dim, (h // patch, w // patch))
     # The prefix rows of the position table: the class token's, unless the table covers the patches only

@@ -14,7 +14,7 @@ At the command, once (`start`, called by `pipeline.commands.run`; rank 0 decides
      state cannot be carried over.
   5. Choose how to load: same world size and ZeRO stage (or ZeRO-0 on both sides) loads the tag as
      written, bit-exact; another layout of ZeRO 1-3 goes through DeepSpeed's universal format.
-The plan is the one answer to "is this a restart?": the fine-tune (`pipeline.train.finetune`) loads no
+The plan is the one answer to "is this a restart?": the fine-tune (`pipeline.run.finetune`) loads no
 source weights when it is not None (the checkpoint has them; the source may have moved since), and the
 trainer resumes it.
 Once the model's shape is known, before DeepSpeed starts (`check_model_and_convert`):

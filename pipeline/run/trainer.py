@@ -2,8 +2,8 @@
 
 Used by launch/pretrain.py and launch/finetune.py alike; fine-tuning only adds a `prepare_model` hook
 that loads the source weights into the freshly built model. Whether to start or resume is decided once,
-at the command (`pipeline.train.resume.start`: process group, lock, plan), and handed to `fit`; what a
-resume restores in which order is `pipeline.train.resume`. Exit codes: `pipeline.exit_codes`.
+at the command (`pipeline.run.resume.start`: process group, lock, plan), and handed to `fit`; what a
+resume restores in which order is `pipeline.run.resume`. Exit codes: `pipeline.exit_codes`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from pipeline.derived import deepspeed_config, resolve_batch
 from pipeline.dist import DistEnv, after_exit, say
 from pipeline.exit_codes import ExitCode
 from pipeline.objectives import OBJECTIVES, EvalResult, Objective, build_objective
+from pipeline.run import resume
 from pipeline.tracking import start_metrics, start_tracking
 from pipeline.train import checkpoint as ckpt
-from pipeline.train import mirror, resume
+from pipeline.train import mirror
 from pipeline.train.ema import ModelEma, build_model_ema, float32_init
 from pipeline.train.metrics import ThroughputMeter, device_peak_flops
 from pipeline.train.optim import (
