@@ -21,7 +21,7 @@ Reading (the trainer):
 from .bad import BadDataError, DataError
 from .eval import EvalFailed, raise_if_any_failed
 from .info import DatasetInfo, SplitInfo, dataset_info_of, read_dataset_info
-from .loader import EvalLoader, TrainLoader, build_eval_loader, build_train_loader, merge_counters
+from .loader import EvalLoader, TrainLoader, build_eval_loader, build_train_loader, label_free, merge_counters
 from .tario import BAD_KINDS
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "build_eval_loader",
     "build_train_loader",
     "dataset_info_of",
+    "label_free",
     "merge_counters",
     "raise_if_any_failed",
     "read_dataset_info",

@@ -60,11 +60,11 @@ for _size, _shape in {
     VARIANTS[f"vit_{_size}14_reg4"] = dict(_DINOV2, **_shape, reg_tokens=4, no_embed_class=True)
 
 
-def _pair(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+def pair(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     return (x, x) if isinstance(x, int) else (int(x[0]), int(x[1]))
 
 
-def _init_param(param: nn.Parameter, init_fn: Callable[[torch.Tensor], object]) -> None:
+def init_param(param: nn.Parameter, init_fn: Callable[[torch.Tensor], object]) -> None:
     """Initialise a parameter in place, also when ZeRO-3 has already partitioned it.
 
     Inside `deepspeed.zero.Init` every module's parameters are partitioned as soon as its own
@@ -95,7 +95,7 @@ def _init_param(param: nn.Parameter, init_fn: Callable[[torch.Tensor], object]) 
         fill(param)
 
 
-def _trunc_normal(std: float) -> Callable[[torch.Tensor], object]:
+def trunc_normal(std: float) -> Callable[[torch.Tensor], object]:
     # timm's trunc_normal_ truncates at +-2 absolute (i.e. 100 std at 0.02): effectively a normal.
     return partial(nn.init.trunc_normal_, std=std, a=-2.0, b=2.0)
 
@@ -113,7 +113,7 @@ class PatchEmbed(nn.Module):
     def __init__(self, img_size: int | tuple[int, int] = 224, patch_size: int = 16, in_chans: int = 3,
                  embed_dim: int = 768, dynamic_img_size: bool = False):
         super().__init__()
-        self.img_size = _pair(img_size)
+        self.img_size = pair(img_size)
         self.dynamic_img_size = dynamic_img_size
         self.patch_size = (patch_size, patch_size)
         if self.img_size[0] % patch_size or self.img_size[1] % patch_size:
@@ -349,7 +349,7 @@ class VisionTransformer(nn.Module):
         the position embedding, the class token and timm's register tokens). Biases, norm weights and
         LayerScale gammas (ndim <= 1) are never decayed whatever this says; the optimizer adds them
         (`pipeline.train.optim.param_groups`). mask_token is decayed. DINOv2's student
-        (`pipeline.objectives.dino.DINOv2Model`) exempts none of these by name, as Meta's parameter groups."""
+        (`pipeline.model.dino.DINOv2Model`) exempts none of these by name, as Meta's parameter groups."""
         return {"pos_embed", "cls_token", "reg_token"}
 
     def group_matcher(self, coarse: bool = False) -> dict[str, str]:
@@ -366,22 +366,22 @@ class VisionTransformer(nn.Module):
         it is drawn the same way under zero.Init."""
         proj = self.patch_embed.proj
         bound = 1.0 / math.sqrt(proj.in_channels * proj.kernel_size[0] * proj.kernel_size[1])
-        _init_param(proj.weight, _uniform(bound))
-        _init_param(proj.bias, _uniform(bound))
-        _init_param(self.pos_embed, _trunc_normal(0.02))
-        _init_param(self.cls_token, _trunc_normal(0.02))
+        init_param(proj.weight, _uniform(bound))
+        init_param(proj.bias, _uniform(bound))
+        init_param(self.pos_embed, trunc_normal(0.02))
+        init_param(self.cls_token, trunc_normal(0.02))
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                _init_param(module.weight, _trunc_normal(0.02))
+                init_param(module.weight, trunc_normal(0.02))
                 if module.bias is not None:
-                    _init_param(module.bias, nn.init.zeros_)
+                    init_param(module.bias, nn.init.zeros_)
             elif isinstance(module, LayerScale):  # under zero.Init its constructor's fill is partitioned away
-                _init_param(module.gamma, partial(nn.init.constant_, val=module.init_values))
+                init_param(module.gamma, partial(nn.init.constant_, val=module.init_values))
         # Drawn after everything else so that a model without them consumes the same random numbers as before.
         if self.reg_token is not None:
-            _init_param(self.reg_token, partial(nn.init.normal_, std=1e-6))  # timm's and Meta's init
+            init_param(self.reg_token, partial(nn.init.normal_, std=1e-6))  # timm's and Meta's init
         if self.mask_token is not None:
-            _init_param(self.mask_token, nn.init.zeros_)  # Meta's init
+            init_param(self.mask_token, nn.init.zeros_)  # Meta's init
 
     def reset_classifier(self, num_classes: int) -> None:
         """Fine-tuning head (the paper, Sec. 3.2): a zero-initialised Linear(D, K) replaces the head and
@@ -396,8 +396,8 @@ class VisionTransformer(nn.Module):
         In place, so also on a model ZeRO-3 has already partitioned, where replacing the module (as
         `reset_classifier` does) is not possible: fine-tuning builds the model with its head and calls this."""
         if isinstance(self.head, nn.Linear):
-            _init_param(self.head.weight, nn.init.zeros_)
-            _init_param(self.head.bias, nn.init.zeros_)
+            init_param(self.head.weight, nn.init.zeros_)
+            init_param(self.head.bias, nn.init.zeros_)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
@@ -488,7 +488,7 @@ def model_kwargs_from_config(model_cfg, num_classes: int | None = None) -> dict:
         raise ValueError("model.num_classes is not set and no data set gave a class count")
     return variant_kwargs(
         model_cfg.variant,
-        img_size=_pair(model_cfg.img_size), num_classes=classes,
+        img_size=pair(model_cfg.img_size), num_classes=classes,
         patch_size=model_cfg.patch_size, embed_dim=model_cfg.embed_dim, depth=model_cfg.depth,
         num_heads=model_cfg.num_heads, mlp_ratio=model_cfg.mlp_ratio, qkv_bias=model_cfg.qkv_bias,
         drop_rate=model_cfg.drop_rate, attn_drop_rate=model_cfg.attn_drop_rate,
@@ -508,7 +508,7 @@ def model_flops(kwargs: dict, img_size: int | tuple[int, int] | None = None) -> 
     O(ND) and left out, as in timm's published GMACs (B/16@224: 17.58 G, ours 17.56 G).
     A training step costs 3x this (backward = 2x forward).
     """
-    h, w = _pair(img_size if img_size is not None else kwargs.get("img_size", 224))
+    h, w = pair(img_size if img_size is not None else kwargs.get("img_size", 224))
     p, d = kwargs.get("patch_size", 16), kwargs.get("embed_dim", 768)
     depth, ratio = kwargs.get("depth", 12), kwargs.get("mlp_ratio", 4.0)
     in_chans, classes = kwargs.get("in_chans", 3), kwargs.get("num_classes", 1000)

@@ -32,7 +32,7 @@ from pipeline.derived import image_size
 from pipeline.dist import say
 from pipeline.model.mae import sincos_pos_embed_2d
 from pipeline.model.pos_embed import resize_pos_embed
-from pipeline.model.vit import VisionTransformer, _init_param
+from pipeline.model.vit import VisionTransformer, init_param
 from pipeline.model.weights import WeightsError, convert_dinov2_state_dict, is_dinov2_state_dict, load_weights
 from pipeline.objectives import objective_of_run
 from pipeline.run.resume import ResumePlan
@@ -228,7 +228,7 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size, prob
 
     params = dict(model.named_parameters())
     for name in expected:
-        _init_param(params[name], _copier(state[name]))
+        init_param(params[name], _copier(state[name]))
     if probe:
         make_linear_probe(model)  # a head of its own (prepare_finetune refuses head_init=model with it)
         head = "linear probe head"

@@ -9,7 +9,7 @@ and the update runs on those slices alone, without communication; evaluating, sa
 
 Two users, each with its reference's arithmetic (the two round differently in the last bit):
 
-- the DINOv2 teacher (pipeline/objectives/dino.py), `Ema(teacher, "scale_add")`: Meta's
+- the DINOv2 teacher (pipeline/objectives/dino/objective.py), `Ema(teacher, "scale_add")`: Meta's
   teacher x m + student x (1 - m) (`_foreach_mul_` then `_foreach_add_` in dinov2's ssl_meta_arch.py),
   parameters only;
 - `ModelEma` (`train.ema_decay`), `Ema(shadow, "lerp")`: timm's ModelEmaV3 (timm/utils/model_ema.py):
