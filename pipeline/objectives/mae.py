@@ -27,7 +27,7 @@ from pipeline.data.order import MASK, MASK_EVAL
 from pipeline.dist import DistEnv
 from pipeline.eval import Features, extract, knn_loaders, knn_top1
 from pipeline.model.mae import MaskedAutoencoderViT, mae_flops, mae_kwargs
-from pipeline.objectives.base import EvalResult, Objective
+from pipeline.objectives.base import EvalResult, Objective, TrainView
 
 
 def mae_model_kwargs(cfg: Config) -> dict[str, Any]:
@@ -181,17 +181,16 @@ class MAE(Objective):
     def model_kwargs(self) -> dict[str, Any]:
         return mae_model_kwargs(self.cfg)
 
-    def train_data(self) -> DataConfig:
-        # Label-free shards train, and a labelled set's labels are not needed.
-        return label_free(self.cfg.data)
-
-    def per_batch(self, model_kwargs: dict[str, Any]) -> Callable[[range], np.ndarray]:
-        return train_noise_fn(self.cfg.train.seed, num_patches(model_kwargs))
+    def train_view(self, model_kwargs: dict[str, Any]) -> TrainView:
+        # Label-free shards train, and a labelled set's labels are not needed; each micro batch's mask noise
+        # is drawn in the loader workers.
+        return TrainView(label_free(self.cfg.data),
+                         per_batch=train_noise_fn(self.cfg.train.seed, num_patches(model_kwargs)))
 
     def build_eval(self, env: DistEnv, img_size: tuple[int, int], batch: int) -> list[Any]:
-        self.eval_loader, self.knn_loader = knn_loaders(self.cfg.data, self.info, env, img_size, batch,
+        self.val_loader, self.knn_loader = knn_loaders(self.cfg.data, self.info, env, img_size, batch,
                                                         self.cfg.mae.knn_k, self.cfg.mae.knn_train_samples)
-        return [x for x in (self.eval_loader, self.knn_loader) if x is not None]
+        return [x for x in (self.val_loader, self.knn_loader) if x is not None]
 
     def loss(self, engine: Any, images: torch.Tensor, targets: torch.Tensor,
              extras: torch.Tensor | None) -> torch.Tensor:
@@ -199,7 +198,7 @@ class MAE(Objective):
         return engine(images, mask_ratio=self.cfg.mae.mask_ratio, noise=extras.to(engine.device))[0].float()
 
     def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:
-        metrics, image = evaluate_mae(engine, self.eval_loader, self.knn_loader, self.cfg, dtype, run_dir, step)
+        metrics, image = evaluate_mae(engine, self.val_loader, self.knn_loader, self.cfg, dtype, run_dir, step)
         knn = f" | k-NN top-1 {100 * metrics['eval/knn_top1']:.2f}%" if "eval/knn_top1" in metrics else ""
         return EvalResult(metrics, f"eval step {step} | reconstruction loss {metrics['eval/recon_loss']:.4f}{knn}",
                           [(image, "reconstructions")] if image is not None else [])

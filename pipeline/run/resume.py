@@ -17,7 +17,7 @@ At the command, once (`start`, called by `pipeline.commands.run`; rank 0 decides
 The plan is the one answer to "is this a restart?": the fine-tune (`pipeline.run.finetune`) loads no
 source weights when it is not None (the checkpoint has them; the source may have moved since), and the
 trainer resumes it.
-Once the model's shape is known, before DeepSpeed starts (`check_model_and_convert`):
+Once the model's shape is known, before DeepSpeed starts (`before_build`):
   6. Refuse a checkpoint of another model (its shape keys), naming what differs.
   7. Another layout: rank 0 converts the tag to DeepSpeed's universal format, which every rank loads.
 Once the model is built, before the engine (`check_same_decay_groups`): refuse a checkpoint whose
@@ -155,15 +155,20 @@ def plan(cfg: Config, env: DistEnv) -> ResumePlan | None:
     return ResumePlan(tag, state, ckpt.universal_dir(run_dir), universal=True, fallbacks=[], layout_change=why)
 
 
-def check_model_and_convert(p: ResumePlan | None, cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> None:
+def before_build(p: ResumePlan | None, cfg: Config, env: DistEnv, model_kwargs: dict[str, Any],
+                 ds_config: dict[str, Any]) -> dict[str, Any]:
     """Steps 6-7, once the model's shape is known and before DeepSpeed starts: refuse a checkpoint of
-    another model, then (another layout) convert the tag to the universal format on rank 0."""
+    another model, then (another layout) convert the tag to the universal format on rank 0. Returns the
+    DeepSpeed config to build the engine with: `ds_config`, told to load the universal format when the
+    layout changed."""
     if p is None:
-        return
+        return ds_config
     run_dir = Path(cfg.run.dir)
     check_same_model(p.state, model_kwargs, ckpt.checkpoint_dir(run_dir) / p.tag)  # 6
-    if p.universal:  # 7: not before 6, a checkpoint of another model is not worth converting
-        _on_rank0(env, lambda: convert(run_dir, p.tag, p.state, p.layout_change))
+    if not p.universal:
+        return ds_config
+    _on_rank0(env, lambda: convert(run_dir, p.tag, p.state, p.layout_change))  # 7: after 6, not worth it before
+    return {**ds_config, "checkpoint": {"load_universal": True}}
 
 
 def find_complete(run_dir: Path) -> tuple[list[str], list[str]]:
@@ -254,7 +259,7 @@ def convert(run_dir: Path, tag: str, state: ckpt.TrainerState, why: str) -> None
 # ----------------------------------------------------------------------------- 8-11: into the engine
 
 
-def restore(p: ResumePlan | None, cfg: Config, env: DistEnv, engine, client_state: ClientState,
+def restore(p: ResumePlan | None, cfg: Config, engine: Any, client_state: ClientState,
             reapply_hparams: Callable[[], None]) -> int:
     """Load the planned checkpoint into the built engine (DeepSpeed's files) and the client state's parts
     (pipeline/train/state.py); return the step to continue from. `reapply_hparams` puts the config's lr,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
-from pipeline.config import DataConfig
+from pipeline.config import Config, DataConfig
 from pipeline.data import raise_if_any_failed
 from pipeline.eval import Features, extract, knn_top1
 from pipeline.train import ds_compat
@@ -23,29 +23,28 @@ def class_token(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     return F.normalize(model.backbone.forward_tokens(images).cls_token.float(), dim=-1)
 
 
-def evaluate_teacher(objective: Any, device: torch.device, dtype: torch.dtype, run_dir: Path | None,
-                     step: int) -> tuple[dict[str, float], Path | None]:
+def evaluate_teacher(teacher: nn.Module, val_loader: Any, knn_loader: Any, cfg: Config, device: torch.device,
+                     run_dir: Path | None, step: int) -> tuple[dict[str, float], Path | None]:
     """The teacher over the validation split: k-NN top-1 of its L2-normalised class token against the
     labelled train subset (where there are labels; `pipeline.eval.knn_top1`, DINO's weighted vote), and on rank 0
     the PCA image of the patch features of its first `dino.pca_images` validation images. Every rank runs
     the same number of forwards (the teacher is gathered once under ZeRO-3)."""
-    teacher, cfg = objective.teacher, objective.cfg
     teacher_dtype = next(teacher.parameters()).dtype
     val, shown = Features(), []
     samples = torch.zeros(1, dtype=torch.float64, device=device)
     with ds_compat.gathered(teacher):
-        for images, targets, valid in objective.eval_loader:
+        for images, targets, valid in val_loader:
             tokens = teacher.backbone.forward_tokens(images.to(device, teacher_dtype, non_blocking=True))
             val.add(F.normalize(tokens.cls_token.float(), dim=-1), targets, valid)
             samples += valid.sum()
             keep = [k for k in range(len(valid)) if bool(valid[k])][:cfg.dino.pca_images - len(shown)]
             shown += [(images[k].float().cpu(), tokens.patch_tokens[k].float().cpu()) for k in keep]
-        if objective.knn_loader is not None:
-            memory = extract(objective.knn_loader, lambda x: class_token(teacher, x), device, teacher_dtype)
+        if knn_loader is not None:
+            memory = extract(knn_loader, lambda x: class_token(teacher, x), device, teacher_dtype)
     metrics: dict[str, float] = {}
-    if objective.knn_loader is not None:
+    if knn_loader is not None:
         metrics.update(knn_top1(*val.tensors(), *memory.tensors(), cfg.dino.knn_k))
-    raise_if_any_failed(objective.eval_loader, objective.knn_loader)  # collective: one failed pass stops all
+    raise_if_any_failed(val_loader, knn_loader)  # collective: one failed pass stops all
     if dist.is_initialized():
         dist.all_reduce(samples)
     metrics["eval/samples"] = samples.item()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.config import Config, ConfigError, DataConfig
+from pipeline.config import Config, ConfigError
 from pipeline.data import label_free
 from pipeline.data.multicrop import MultiCropConfig
 from pipeline.dist import DistEnv
@@ -26,7 +26,7 @@ from pipeline.eval import knn_loaders
 from pipeline.model.dino import HEAD_KEYS, DINOv2Model, backbone_state
 from pipeline.model.dino_head import dino_head_flops
 from pipeline.model.vit import model_flops, model_kwargs_from_config
-from pipeline.objectives.base import EvalResult, Objective
+from pipeline.objectives.base import EvalResult, Objective, TrainView
 from pipeline.objectives.dino.evaluate import evaluate_teacher
 from pipeline.objectives.dino.loss import DINOLoss, KoLeoLoss, iBOTPatchLoss
 from pipeline.objectives.dino.view import MultiCropView
@@ -81,10 +81,10 @@ class DINOv2(Objective):
                                        student_temp=d.student_temp)
         self.koleo_loss = KoLeoLoss()
         self.step = 0  # optimizer steps done (the schedules' position)
-        self._begun = -1  # the step whose schedules were last applied to the optimizer
         self._sums: dict[str, torch.Tensor] = {}  # this step's teacher outputs for the centres: sum, count
         self._window: torch.Tensor | None = None  # train_metrics: per-term sums on the device since the last log
         self._window_names: list[str] = []  # what each entry of _window is (its last: the micro batch count)
+        self.val_loader: Any = None  # the evaluation's loaders (build_eval)
         self.knn_loader: Any = None
 
     # -- the models
@@ -109,10 +109,11 @@ class DINOv2(Objective):
         self.teacher_ema.update(model, 0.0)  # the teacher starts as the student
 
     # -- the data
-    def train_data(self) -> DataConfig:
-        return label_free(self.cfg.data)  # no labels read: DINOv2 trains on unlabelled shards
+    def train_view(self, model_kwargs: dict[str, Any]) -> TrainView:
+        # No labels read (DINOv2 trains on unlabelled shards); each sample's crops and masks in the workers.
+        return TrainView(label_free(self.cfg.data), sample=self.multicrop_view(model_kwargs))
 
-    def sample_view(self, model_kwargs: dict[str, Any]) -> MultiCropView:
+    def multicrop_view(self, model_kwargs: dict[str, Any]) -> MultiCropView:
         d, data = self.cfg.dino, self.cfg.data
         img, patch = model_kwargs["img_size"], model_kwargs["patch_size"]
         size = img if isinstance(img, int) else img[0]
@@ -124,9 +125,9 @@ class DINOv2(Objective):
         return MultiCropView(crops, (size // patch, size // patch), d.mask_probability, tuple(d.mask_ratio))
 
     def build_eval(self, env: DistEnv, img_size: tuple[int, int], batch: int) -> list[Any]:
-        self.eval_loader, self.knn_loader = knn_loaders(self.cfg.data, self.info, env, img_size, batch,
-                                                        self.cfg.dino.knn_k, self.cfg.dino.knn_train_samples)
-        return [x for x in (self.eval_loader, self.knn_loader) if x is not None]
+        self.val_loader, self.knn_loader = knn_loaders(self.cfg.data, self.info, env, img_size, batch,
+                                                       self.cfg.dino.knn_k, self.cfg.dino.knn_train_samples)
+        return [x for x in (self.val_loader, self.knn_loader) if x is not None]
 
     # -- the schedules
     def teacher_temp(self, step: int) -> float:
@@ -142,20 +143,18 @@ class DINOv2(Objective):
     def weight_decay(self, step: int) -> float:
         return _cosine(step, self.cfg.train.steps, self.cfg.train.weight_decay, self.cfg.dino.weight_decay_end)
 
-    def _begin_step(self, engine: Any) -> None:
-        """Once per optimizer step, at its first micro batch (also the first after a resume, whose restored
-        optimizer carries train.weight_decay): the step's weight decay into every decayed parameter group
-        (Meta's `apply_optim_scheduler`: wd x wd_multiplier, 0 or 1), lr 0 for the prototypes' groups
-        (role `last_layer`) during the first dino.freeze_last_layer_steps (Meta's last_layer_lr schedule:
-        gradients are computed, count in the clipping norm and fill AdamW's moments; with lr 0 neither the
-        step nor the decoupled decay moves the weights), the teacher and the loss centres on the engine's
-        device. The lr needs no restoring after the freeze: the trainer's schedule sets every group's lr
-        after each optimizer step, before the next step's first micro batch."""
-        if self._begun == self.step:
-            return
-        self._begun = self.step
-        wd = self.weight_decay(self.step)
-        frozen = self.step < self.cfg.dino.freeze_last_layer_steps
+    @torch.no_grad()
+    def before_step(self, engine: Any, step: int) -> None:
+        """Before each optimizer step (also the first after a resume, whose restored optimizer carries
+        train.weight_decay): the step's weight decay into every decayed parameter group (Meta's
+        `apply_optim_scheduler`: wd x wd_multiplier, 0 or 1), lr 0 for the prototypes' groups (role
+        `last_layer`) during the first dino.freeze_last_layer_steps (Meta's last_layer_lr schedule: gradients
+        are computed, count in the clipping norm and fill AdamW's moments; with lr 0 neither the step nor the
+        decoupled decay moves the weights), the teacher and the loss centres on the engine's device. The lr
+        needs no restoring after the freeze: the trainer's schedule sets every group's lr after each
+        optimizer step, before the next `before_step`."""
+        wd = self.weight_decay(step)
+        frozen = step < self.cfg.dino.freeze_last_layer_steps
         for group in engine.optimizer.param_groups:
             if group.get("decay", group.get("weight_decay", 0.0) > 0):
                 group["weight_decay"] = wd
@@ -173,7 +172,6 @@ class DINOv2(Objective):
 
     # -- a step
     def loss(self, engine: Any, images: Any, targets: torch.Tensor, extras: torch.Tensor | None) -> torch.Tensor:
-        self._begin_step(engine)
         d = self.cfg.dino
         global_crops, local_crops, masks = images
         b, n_local = global_crops.shape[0], local_crops.shape[1]
@@ -265,7 +263,8 @@ class DINOv2(Objective):
     # -- evaluation, cost, state
     @torch.no_grad()
     def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:
-        metrics, image = evaluate_teacher(self, engine.device, dtype, run_dir, step)
+        metrics, image = evaluate_teacher(self.teacher, self.val_loader, self.knn_loader, self.cfg, engine.device,
+                                          run_dir, step)
         knn = f" | k-NN top-1 {100 * metrics['eval/knn_top1']:.2f}%" if "eval/knn_top1" in metrics else ""
         return EvalResult(metrics, f"eval step {step} | teacher{knn or ': no labels, no k-NN'}",
                           [(image, "pca")] if image is not None else [])

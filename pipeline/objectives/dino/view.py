@@ -12,7 +12,7 @@ from pipeline.data.order import IBOT_MASK, seed_for
 
 
 class MultiCropView:
-    """The DINOv2 objective's view of a training sample (`Objective.sample_view`), in the loader workers:
+    """The DINOv2 objective's view of a training sample (`TrainView.sample`), in the loader workers:
     (global crops (2, 3, G, G), local crops (n, 3, L, L), iBOT masks (2, N) bool), every draw from the
     sample's augmentation seed (the crops by `MultiCrop`, each global crop's mask by `block_mask` seeded
     with (IBOT_MASK, seed, crop)), so the same on any layout. Picklable (it travels to the workers)."""
