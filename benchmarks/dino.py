@@ -31,9 +31,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from benchmarks.common import bench_device, interleaved, median, spread, synchronize
-from pipeline.config import load_config
 from pipeline.model.vit import VisionTransformer, model_flops, model_kwargs_from_config
-from pipeline.objectives import OBJECTIVES
+from pipeline.objectives import OBJECTIVES, load_config
 from pipeline.train.metrics import device_peak_flops
 from pipeline.train.optim import build_optimizer, param_groups
 

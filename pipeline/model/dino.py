@@ -25,6 +25,9 @@ class DINOv2Model(nn.Module):
     `patch_embed_lr_mult` (dino.patch_embed_lr_mult) is optimizer metadata the objective passes, not
     recorded with the model: it may change on resume, the parameter groups do not (see `param_roles`)."""
 
+    ARCH_KEYS = (*VisionTransformer.ARCH_KEYS, *HEAD_KEYS)
+    """The constructor arguments that decide the weights: the backbone's and the heads'."""
+
     def __init__(self, head_n_prototypes: int = 65536, head_hidden_dim: int = 2048, head_bottleneck_dim: int = 256,
                  head_nlayers: int = 3, ibot_separate_head: bool = False, ibot_head_n_prototypes: int = 65536,
                  ibot_head_bottleneck_dim: int = 256, patch_embed_lr_mult: float = 1.0, **vit_kwargs: Any) -> None:

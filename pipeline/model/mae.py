@@ -87,6 +87,10 @@ class MaskedAutoencoderViT(VisionTransformer):
     official names (so checkpoints load either way) but never trained, decayed or partitioned by ZeRO-3.
     """
 
+    ARCH_KEYS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
+                 "decoder_embed_dim", "decoder_depth", "decoder_num_heads")
+    """The constructor arguments that decide the weights (VisionTransformer.ARCH_KEYS': the encoder's, no head)."""
+
     def __init__(
         self,
         img_size: int | tuple[int, int] = 224,

@@ -18,6 +18,7 @@ files load through `pipeline.model.weights.convert_dinov2_state_dict` (docs/mode
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from functools import partial
@@ -271,6 +272,14 @@ class VisionTransformer(nn.Module):
     patch embeddings (iBOT; Meta's prepare_tokens_with_masks).
     """
 
+    ARCH_KEYS: tuple[str, ...] = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio",
+                                  "qkv_bias", "num_classes", "representation_size", "global_pool", "init_values",
+                                  "reg_tokens", "no_embed_class", "mlp_layer", "mask_token")
+    """The constructor arguments that decide the weights (their names and shapes): what a resume compares
+    with its checkpoint (`architecture`), what a fine-tune takes from its source (those a fine-tune does not
+    set itself: pipeline/run/finetune.py), what model.safetensors records. A model built on this one
+    declares its own (MAE's decoder, DINOv2's heads added)."""
+
     def __init__(
         self,
         img_size: int | tuple[int, int] = 224,
@@ -474,6 +483,17 @@ def variant_kwargs(name: str, **overrides) -> dict:
     kwargs: dict = dict(VARIANTS[name])
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     return kwargs
+
+
+def architecture(model_class: type[nn.Module], kwargs: dict) -> dict:
+    """The architecture of `model_class(**kwargs)`: each of its ARCH_KEYS with the value it is built with (a key
+    not in `kwargs` takes the constructor's default, or the ViT's for arguments passed through to it)."""
+    defaults = {}
+    for cls in (VisionTransformer, model_class):
+        for name, param in inspect.signature(cls.__init__).parameters.items():
+            if param.default is not inspect.Parameter.empty:
+                defaults[name] = param.default
+    return {k: kwargs.get(k, defaults.get(k)) for k in model_class.ARCH_KEYS}
 
 
 def build_vit(name: str, **overrides) -> VisionTransformer:

@@ -19,8 +19,8 @@ The trainer (pipeline/run/trainer.py) names no objective. It asks the objective,
 The trainer reads nothing else of an objective: what a hook needs later (its eval loaders, a teacher) the
 objective keeps for itself.
 
-A new objective is one file here, a config section and one line in `pipeline.objectives.OBJECTIVES`
-(docs/objectives.md walks through it).
+A new objective is its own files here (<name>.py with the subclass, <name>_config.py with its config
+section and its `Recipe`) and one line in `pipeline.objectives.RECIPES` (docs/objectives.md walks through it).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from torch import nn
 
 from pipeline.config import Config, DataConfig
 from pipeline.dist import DistEnv
+from pipeline.model.vit import architecture
 from pipeline.train.checkpoint import consolidate, full_fp32_state_dict
 
 
@@ -142,6 +143,12 @@ class Objective:
         """Collective. The fp32 weights the run exports (model.safetensors, what fine-tuning starts from):
         by default the trained model's; an objective whose product is another model (a teacher) gives that."""
         return full_fp32_state_dict(engine)
+
+    @classmethod
+    def exported_architecture(cls, model_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The architecture of what `exported_weights` gives (its model's ARCH_KEYS, as built), recorded in
+        model.safetensors' metadata: by default the trained model's."""
+        return architecture(cls.model_class, model_kwargs)
 
     #: What `weights_from_checkpoint` gives, for the log of a fine-tune from a run stopped before its export.
     checkpoint_weights: ClassVar[str] = "the trained model's weights (DeepSpeed's, consolidated to fp32)"

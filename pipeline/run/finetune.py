@@ -20,28 +20,43 @@ the new grid from `--res`. Position embeddings are resized with `resize_pos_embe
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from pipeline.config import Config, ConfigError, FinetuneConfig, load_config
+from pipeline.config import Config, ConfigError, ConfigFiles, FinetuneConfig, ModelConfig
 from pipeline.derived import image_size
 from pipeline.dist import say
 from pipeline.model.mae import sincos_pos_embed_2d
 from pipeline.model.pos_embed import resize_pos_embed
-from pipeline.model.vit import VisionTransformer, init_param
+from pipeline.model.vit import VARIANTS, VisionTransformer, architecture, init_param, variant_kwargs
 from pipeline.model.weights import WeightsError, convert_dinov2_state_dict, is_dinov2_state_dict, load_weights
-from pipeline.objectives import objective_of_run
+from pipeline.objectives import OBJECTIVES, config_files
+from pipeline.objectives.base import Objective
 from pipeline.run.resume import ResumePlan
 from pipeline.train import checkpoint as ckpt
 from pipeline.zero3 import real_shape
 
-ARCH_KEYS = ("variant", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "init_values",
-             "reg_tokens", "no_embed_class", "mlp_layer")
+# What a fine-tune sets itself of the model's architecture: the resolution (the position table is resized), the
+# classes (a new head), the pre-logits (dropped, as the paper) and the pooling (the recipe's).
+FINETUNE_DECIDES = ("img_size", "num_classes", "representation_size", "global_pool")
+# What it takes from its source: the rest of the model's architecture keys that the run config has (the
+# source's config.yaml, or what a Meta file's tensors say), and the variant that names them.
+ARCH_KEYS = ("variant", *(k for k in VisionTransformer.ARCH_KEYS
+                          if k in {f.name for f in dataclasses.fields(ModelConfig)} and k not in FINETUNE_DECIDES))
 HEAD_PREFIXES = ("head.", "pre_logits.")
+
+
+def objective_of_run(cfg: Config | None) -> type[Objective]:
+    """The objective class a run directory's config.yaml names (`cfg`, None when the run has none: a model
+    trained before runs recorded one, read as the plain model): which `weights_from_checkpoint` reads a run
+    stopped before its export (`launch/finetune.py --from RUN_DIR`, `launch/export_weights.py`)."""
+    return OBJECTIVES[cfg.model.objective] if cfg is not None else Objective
 
 
 @dataclass
@@ -50,7 +65,8 @@ class Source:
     config: Config | None  # the source run's config, when known
 
 
-def find_source(source: str) -> Source:
+def find_source(source: str, files: ConfigFiles | None = None) -> Source:
+    """The source `--from` names, and its run's config.yaml when it has one (read through `files`: once)."""
     path = Path(source).expanduser()
     if not path.exists():
         raise WeightsError(f"--from '{source}': no such run directory or weights file")
@@ -59,7 +75,7 @@ def find_source(source: str) -> Source:
         if problem:
             raise ConfigError(f"--from '{source}' is not a weights file: {problem}")
     folder = path if path.is_dir() else path.parent
-    config = load_config(folder / "config.yaml") if (folder / "config.yaml").is_file() else None
+    config = (files or config_files()).load(folder / "config.yaml") if (folder / "config.yaml").is_file() else None
     if path.is_dir() and not (path / "model.safetensors").is_file() and ckpt.newest_complete_tag(path) is None:
         raise WeightsError(f"--from '{source}': a directory without model.safetensors or a complete checkpoint "
                            f"in checkpoints/")
@@ -80,18 +96,20 @@ def source_state_dict(src: Source) -> dict[str, torch.Tensor]:
     return objective.weights_from_checkpoint(src.path, tag, src.config)
 
 
-def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[str] | frozenset[str] = frozenset()
-                     ) -> tuple[Config, Callable[[nn.Module], dict[str, str]] | None]:
+def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[str] | frozenset[str] = frozenset(),
+                     files: ConfigFiles | None = None) -> tuple[Config, Callable[[nn.Module], dict[str, str]] | None]:
     """The fine-tune config with the source's architecture, and the hook that loads the weights (None
     when `plan`, the run's start-or-resume plan from `resume.start`, resumes a checkpoint: it has the
     weights, and the source may have moved since). `cli_model_keys`: the model.* keys set on the command
-    line; one the source decides is refused unless it agrees."""
+    line; one the source decides is refused unless it agrees. `files`: the config files the command has read
+    (its run directory's config.yaml, the source's), each read once; by default read here."""
+    files = files or config_files()
     if not cfg.finetune.source:
         raise ConfigError("fine-tuning needs a source: --from RUN_DIR | FILE.safetensors | FILE.pth")
     model_cfg, source_img_size = cfg.model, cfg.finetune.source_img_size
     if plan is not None:  # a restart: the run's first start decided the model
         recorded = Path(cfg.run.dir) / "config.yaml"
-        arch_from = load_config(recorded) if recorded.is_file() else None
+        arch_from = files.load(recorded) if recorded.is_file() else None
         if arch_from is not None:
             _refuse_arch_overrides(cfg, arch_from, cli_model_keys, f"{recorded} (this run's first start)")
             model_cfg = dataclasses.replace(model_cfg, **{k: getattr(arch_from.model, k) for k in ARCH_KEYS})
@@ -99,7 +117,7 @@ def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[s
         model_cfg = dataclasses.replace(model_cfg, representation_size=None)
         return dataclasses.replace(cfg, model=model_cfg, finetune=dataclasses.replace(
             cfg.finetune, source_img_size=source_img_size)), None
-    src = find_source(cfg.finetune.source)
+    src = find_source(cfg.finetune.source, files)
     if src.config is not None:  # the source's recorded architecture decides: refuse a contrary override first,
         _refuse_arch_overrides(cfg, src.config, cli_model_keys, f"--from {cfg.finetune.source}")  # before any read
     # Read before anything is written: a source that is refused (code in a pickle, not a state dict) leaves no
@@ -143,12 +161,20 @@ def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[s
 
 
 def meta_arch_config(arch: dict) -> dict:
-    """ModelConfig fields for the architecture `convert_dinov2_state_dict` read from a Meta file: the DINOv2
-    variant of its width (for the name in config.yaml) with every architecture key explicit."""
-    names = {384: "s", 768: "b", 1024: "l", 1536: "g"}
-    size = names.get(arch["embed_dim"])
-    variant = f"vit_{size}14{'_reg4' if arch['reg_tokens'] == 4 else ''}" if size else "vit_b14"
-    return dict(variant=variant, **{k: arch[k] for k in ARCH_KEYS if k != "variant"})
+    """ModelConfig fields for the architecture `convert_dinov2_state_dict` read from a Meta file, every
+    architecture key explicit, and the variant of `VARIANTS` that has that architecture (for the name in
+    config.yaml); a file no variant matches (a width Meta did not release) is named after the variant of its
+    patch size and registers nearest in width, which its explicit keys override."""
+    keys = [k for k in ARCH_KEYS if k != "variant"]
+
+    def same(a: Any, b: Any) -> bool:  # mlp_ratio is a ratio of integers: ViT-g's 5.33333 vs the preset's 5.33334
+        return math.isclose(a, b, rel_tol=1e-4) if isinstance(a, float) and isinstance(b, float) else a == b
+
+    presets = {v: architecture(VisionTransformer, variant_kwargs(v)) for v in VARIANTS}
+    exact = [v for v, a in presets.items() if all(same(a[k], arch[k]) for k in keys)]
+    kin = [v for v, a in presets.items() if (a["patch_size"], a["reg_tokens"]) == (arch["patch_size"], arch["reg_tokens"])]
+    variant = exact[0] if exact else min(kin or presets, key=lambda v: abs(presets[v]["embed_dim"] - arch["embed_dim"]))
+    return dict(variant=variant, **{k: arch[k] for k in keys})
 
 
 def describe_arch(arch: dict) -> str:

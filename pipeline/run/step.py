@@ -16,7 +16,8 @@ from torch import nn
 
 from pipeline.config import Config
 from pipeline.dist import DistEnv, say
-from pipeline.objectives import OBJECTIVES, Objective
+from pipeline.objectives import OBJECTIVES
+from pipeline.objectives.base import Objective
 from pipeline.train.optim import build_optimizer, build_scheduler, param_groups
 
 

@@ -28,7 +28,8 @@ from pipeline.data import build_train_loader, dataset_info_of
 from pipeline.derived import deepspeed_config, resolve_batch
 from pipeline.dist import DistEnv, after_exit, say
 from pipeline.exit_codes import ExitCode
-from pipeline.objectives import EvalResult, build_objective
+from pipeline.objectives import build_objective
+from pipeline.objectives.base import EvalResult
 from pipeline.run import resume
 from pipeline.run.step import (
     NonFiniteGuard,
@@ -77,7 +78,8 @@ class Trainer:
         self.model_kwargs = kwargs = self.objective.model_kwargs()
         # The plan, before anything is built: a checkpoint of another model is refused before DeepSpeed
         # starts, another layout converted; the DeepSpeed config says how to load it.
-        ds_config = resume.before_build(plan, cfg, env, kwargs, deepspeed_config(cfg, env.world_size))
+        ds_config = resume.before_build(plan, cfg, env, self.objective.model_class, kwargs,
+                                        deepspeed_config(cfg, env.world_size))
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
@@ -297,7 +299,9 @@ class Trainer:
         """Export consolidated weights (collective), hand the artifacts to MLflow, end the run."""
         self.watchdog.beat("export", self.step)
         cfg, run_dir = self.cfg, self.run_dir
-        metadata = {"variant": cfg.model.variant, "step": str(self.step)}
+        # What the weights are: model.safetensors says its architecture (the exported model's ARCH_KEYS).
+        metadata = {"variant": cfg.model.variant, "step": str(self.step),
+                    **{k: str(v) for k, v in self.objective.exported_architecture(self.model_kwargs).items()}}
         if self.ema is not None:  # the EMA is the run's product; the checkpoints keep the raw weights
             say(f"export: model.safetensors holds the model EMA (train.ema_decay={cfg.train.ema_decay}); the "
                 f"raw weights stay in {ckpt.checkpoint_dir(run_dir)}")

@@ -10,11 +10,11 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError
 from pipeline.data.multicrop import MultiCropConfig
 from pipeline.model.dino_head import dino_head_flops as _head_flops
 from pipeline.model.vit import model_flops
-from pipeline.objectives import OBJECTIVES
+from pipeline.objectives import OBJECTIVES, load_config
 from pipeline.objectives.dino import (
     DINOv2,
     DINOv2Model,

@@ -196,8 +196,7 @@ def test_param_groups_match_metas_get_params_groups_with_decay(extra):
     decay (on or off) and last-layer flag as Meta's `dinov2/utils/param_groups.py` gives them: its
     function is run on each submodel of ours (backbone, dino_head, ibot_head, as `SSLMetaArch` calls it
     per submodel), under Meta's parameter names (`register_tokens` for our `reg_token`)."""
-    from pipeline.config import load_config
-    from pipeline.objectives import OBJECTIVES
+    from pipeline.objectives import OBJECTIVES, load_config
     from pipeline.train.optim import param_groups
 
     sys.path.insert(0, REPO)

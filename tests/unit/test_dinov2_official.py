@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import load_config
 from pipeline.model.vit import VisionTransformer, model_kwargs_from_config
 from pipeline.model.weights import convert_dinov2_state_dict, load_weights
+from pipeline.objectives import load_config
 from pipeline.run.finetune import prepare_finetune
 
 REPO = os.environ.get("DINOV2_OFFICIAL_REPO")

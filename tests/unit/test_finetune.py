@@ -6,10 +6,11 @@ import pytest
 import timm
 import torch
 
-from pipeline.config import ConfigError, load_config, save_config
+from pipeline.config import ConfigError, save_config
 from pipeline.model.pos_embed import resize_pos_embed
 from pipeline.model.vit import VisionTransformer, build_vit, model_kwargs_from_config
 from pipeline.model.weights import WeightsError, save_weights
+from pipeline.objectives import load_config
 from pipeline.run.finetune import prepare_finetune
 
 ARCH = ["model.variant=vit_ti16", "model.patch_size=4", "model.embed_dim=32", "model.depth=2", "model.num_heads=2"]

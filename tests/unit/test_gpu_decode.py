@@ -11,9 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.config import ConfigError, DataConfig, load_config
+from pipeline.config import ConfigError, DataConfig
 from pipeline.data import build_train_loader
 from pipeline.data.shards import ShardWriter, synthetic_source, write_dataset
+from pipeline.objectives import load_config
 
 IMG = 32
 

@@ -13,11 +13,12 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.config import ConfigError, DataConfig, load_config
+from pipeline.config import ConfigError, DataConfig
 from pipeline.data import build_train_loader, read_dataset_info
 from pipeline.data.shards import index_shards, synthetic_source, write_dataset
 from pipeline.data.sources import folder_source
 from pipeline.eval.knn import knn_top1
+from pipeline.objectives import load_config
 from pipeline.objectives.mae import eval_noise, mae_model_kwargs, train_noise, train_noise_fn
 
 

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from pipeline.config import load_config
 from pipeline.model.vit import VisionTransformer, model_kwargs_from_config
+from pipeline.objectives import load_config
 from pipeline.train.optim import apply_hparams, build_optimizer, build_scheduler, param_groups, peak_group_lr
 
 TINY = ["model.variant=vit_ti16", "model.img_size=16", "model.patch_size=4", "model.embed_dim=32", "model.depth=2",
@@ -18,7 +18,7 @@ TINY = ["model.variant=vit_ti16", "model.img_size=16", "model.patch_size=4", "mo
 # and prints the names of the decayed parameters. One subprocess per stage: zero.Init patches torch.
 DECAYED = """
 import json, sys
-from pipeline.config import load_config
+from pipeline.objectives import load_config
 from pipeline.derived import deepspeed_config
 from pipeline.model.vit import model_kwargs_from_config
 from pipeline.train.optim import no_weight_decay

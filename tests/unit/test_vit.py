@@ -232,7 +232,7 @@ def test_model_flops_counts_registers_and_swiglu(name):
 ZERO_BUILD = """
 import json, sys
 import deepspeed, torch
-from pipeline.config import load_config
+from pipeline.objectives import load_config
 from pipeline.derived import deepspeed_config
 from pipeline.dist import init_distributed
 from pipeline.model.vit import model_kwargs_from_config

@@ -8,6 +8,7 @@ loop.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -25,7 +26,7 @@ from pipeline.dist import DistEnv
 from pipeline.eval import knn_loaders
 from pipeline.model.dino import HEAD_KEYS, DINOv2Model, backbone_state
 from pipeline.model.dino_head import dino_head_flops
-from pipeline.model.vit import model_flops, model_kwargs_from_config
+from pipeline.model.vit import VisionTransformer, architecture, model_flops, model_kwargs_from_config
 from pipeline.objectives.base import EvalResult, Objective, TrainView
 from pipeline.objectives.dino.evaluate import evaluate_teacher
 from pipeline.objectives.dino.loss import DINOLoss, KoLeoLoss, iBOTPatchLoss
@@ -33,6 +34,10 @@ from pipeline.objectives.dino.view import MultiCropView
 from pipeline.train import ds_compat
 from pipeline.train.checkpoint import CheckpointError, checkpoint_dir, read_client_state
 from pipeline.train.ema import Ema
+
+
+def _plain(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _cosine(step: int, total: int, start: float, end: float) -> float:
@@ -117,11 +122,10 @@ class DINOv2(Objective):
         d, data = self.cfg.dino, self.cfg.data
         img, patch = model_kwargs["img_size"], model_kwargs["patch_size"]
         size = img if isinstance(img, int) else img[0]
-        crops = MultiCropConfig(global_crops_size=size, global_crops_scale=tuple(d.global_crops_scale),
-                                local_crops_number=d.local_crops_number, local_crops_size=d.local_crops_size,
-                                local_crops_scale=tuple(d.local_crops_scale), color_jitter_p=d.color_jitter_p,
-                                greyscale_p=d.greyscale_p, blur_p=tuple(d.blur_p), solarize_p=d.solarize_p,
-                                mean=tuple(data.mean), std=tuple(data.std))
+        # dino.*'s crop settings under MultiCropConfig's names; the global crop's size is the model's, the
+        # normalisation the data's.
+        shared = {f.name: _plain(getattr(d, f.name)) for f in dataclasses.fields(MultiCropConfig) if hasattr(d, f.name)}
+        crops = MultiCropConfig(**shared, global_crops_size=size, mean=tuple(data.mean), std=tuple(data.std))
         return MultiCropView(crops, (size // patch, size // patch), d.mask_probability, tuple(d.mask_ratio))
 
     def build_eval(self, env: DistEnv, img_size: tuple[int, int], batch: int) -> list[Any]:
@@ -296,6 +300,11 @@ class DINOv2(Objective):
     def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:
         """The teacher's backbone, in `VisionTransformer`'s (timm's) names: what fine-tuning starts from."""
         return backbone_state(self._teacher_state())
+
+    @classmethod
+    def exported_architecture(cls, model_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The backbone's: a `VisionTransformer` without a classifier, with the mask token."""
+        return architecture(VisionTransformer, {**model_kwargs, "num_classes": 0, "mask_token": True})
 
     checkpoint_weights = "the teacher's backbone"
 
