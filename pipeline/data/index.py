@@ -349,7 +349,7 @@ def local_copy(shard: str, cache_dir: str | None, limit: int, expected: Expected
             return str(final)
         tmp = folder / f"{name}.{os.getpid()}.tmp"
         record = folder / (name + BUDGET_SUFFIX)
-        until = _shared_deadline(record, shard, budget_key, policy) if budget_key and is_remote(shard) else None
+        until = _shared_deadline(record, budget_key, policy) if budget_key and is_remote(shard) else None
         try:
             _fetch(shard, tmp, expected or Expected(), policy, until)
             _evict(folder, limit - tmp.stat().st_size)
@@ -370,7 +370,7 @@ def local_copy(shard: str, cache_dir: str | None, limit: int, expected: Expected
 BUDGET_SUFFIX = ".budget"  # beside a cached copy while its fetch is under way or has failed
 
 
-def _shared_deadline(record: Path, shard: str, key: str, policy: RetryPolicy | None) -> float:
+def _shared_deadline(record: Path, key: str, policy: RetryPolicy | None) -> float:
     """The wall-clock end of `shard`'s retry budget for the callers sharing `key` (read under the shard's
     lock). Without it, the fetch-ahead process and the rank's reader, one after the other, would each spend
     data.retry_time_s on the same dead shard: twice the configured wait before the run stops. A record of

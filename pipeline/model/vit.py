@@ -361,7 +361,7 @@ class VisionTransformer(nn.Module):
         (`pipeline.model.dino.DINOv2Model`) exempts none of these by name, as Meta's parameter groups."""
         return {"pos_embed", "cls_token", "reg_token"}
 
-    def group_matcher(self, coarse: bool = False) -> dict[str, str]:
+    def group_matcher(self, coarse: bool = False) -> dict[str, str]:  # noqa: ARG002 - timm's signature
         """Which parameters make up the stem (layer 0) and block i (layer i + 1), as regular expressions
         over parameter names in timm's style; everything else (the final norm, the head) is the last
         layer. Layer-wise lr decay numbers layers by it (BEiT numbering). `coarse` is timm's argument,

@@ -154,7 +154,7 @@ class Objective:
     checkpoint_weights: ClassVar[str] = "the trained model's weights (DeepSpeed's, consolidated to fp32)"
 
     @classmethod
-    def weights_from_checkpoint(cls, run_dir: Path, tag: str, cfg: Config) -> dict[str, torch.Tensor]:
+    def weights_from_checkpoint(cls, run_dir: Path, tag: str, cfg: Config) -> dict[str, torch.Tensor]:  # noqa: ARG003 - the interface (DINOv2's reads cfg)
         """What `exported_weights` would have given at checkpoint `tag` of `run_dir` (a run stopped before its
         export: preempted, crashed, still going), read from the files on disk without an engine, on any ZeRO
         stage and world size. `cfg`: that run's config.yaml. By default the trained model's weights."""

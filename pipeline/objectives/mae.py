@@ -192,7 +192,7 @@ class MAE(Objective):
                                                         self.cfg.mae.knn_k, self.cfg.mae.knn_train_samples)
         return [x for x in (self.val_loader, self.knn_loader) if x is not None]
 
-    def loss(self, engine: Any, images: torch.Tensor, targets: torch.Tensor,
+    def loss(self, engine: Any, images: torch.Tensor, targets: torch.Tensor,  # noqa: ARG002 - the interface
              extras: torch.Tensor | None) -> torch.Tensor:
         # The mask of each sample is a function of its global position: the same on any layout.
         return engine(images, mask_ratio=self.cfg.mae.mask_ratio, noise=extras.to(engine.device))[0].float()

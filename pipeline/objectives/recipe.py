@@ -27,7 +27,7 @@ class Recipe:
     """The config section the recipe owns (mae, dino), or None."""
     config: type | None = None
     """That section's dataclass: every field a docstring (docs/configuration.md's reference follows)."""
-    checks: Callable[[Any], list[Check]] = lambda cfg: []
+    checks: Callable[[Any], list[Check]] = lambda _cfg: []
     """`validate`'s checks a run config needs for this recipe (its section's values, keys of other sections
     it cannot run with), given the whole config; each recipe's are checked whatever model.objective is, so
     its own conditions say when a check applies."""

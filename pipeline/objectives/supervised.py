@@ -47,11 +47,11 @@ class Supervised(Objective):
         return [self.val_loader]
 
     def loss(self, engine: Any, images: torch.Tensor, targets: torch.Tensor,
-             extras: torch.Tensor | None) -> torch.Tensor:
+             extras: torch.Tensor | None) -> torch.Tensor:  # noqa: ARG002 - the interface
         return loss_fn(engine(images).float(), targets, self.cfg.data.label_smoothing)
 
     @torch.no_grad()
-    def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:
+    def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:  # noqa: ARG002 - the interface (no figures)
         """Loss, top-1, top-5 over the whole validation split; padded samples are masked out."""
         engine.eval()
         device = engine.device

@@ -322,7 +322,7 @@ def persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
                 yield (f"{mod_name}.{name}" if mod_name else name), buf
 
 
-def fp32_state_dict(module: torch.nn.Module, master: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: None
+def fp32_state_dict(module: torch.nn.Module, master: Callable[[torch.Tensor], torch.Tensor | None] = lambda _p: None
                     ) -> dict[str, torch.Tensor]:
     """`module`'s weights as they are exported, fp32 on the CPU. `master(param)`: the parameter's fp32 master
     copy (DeepSpeed's, assembled from the partitions), or None to read the parameter itself (a module outside

@@ -129,7 +129,7 @@ class _EmaForward:
     def eval(self) -> _EmaForward:
         return self
 
-    def train(self, mode: bool = True) -> _EmaForward:
+    def train(self, mode: bool = True) -> _EmaForward:  # noqa: ARG002 - nn.Module.train's signature
         return self
 
 

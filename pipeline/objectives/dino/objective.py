@@ -175,7 +175,7 @@ class DINOv2(Objective):
         self._sums[name] = self._sums[name] + total if name in self._sums else total
 
     # -- a step
-    def loss(self, engine: Any, images: Any, targets: torch.Tensor, extras: torch.Tensor | None) -> torch.Tensor:
+    def loss(self, engine: Any, images: Any, targets: torch.Tensor, extras: torch.Tensor | None) -> torch.Tensor:  # noqa: ARG002 - the interface
         d = self.cfg.dino
         global_crops, local_crops, masks = images
         b, n_local = global_crops.shape[0], local_crops.shape[1]
@@ -266,7 +266,7 @@ class DINOv2(Objective):
 
     # -- evaluation, cost, state
     @torch.no_grad()
-    def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:
+    def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:  # noqa: ARG002 - the interface (the teacher's own dtype)
         metrics, image = evaluate_teacher(self.teacher, self.val_loader, self.knn_loader, self.cfg, engine.device,
                                           run_dir, step)
         knn = f" | k-NN top-1 {100 * metrics['eval/knn_top1']:.2f}%" if "eval/knn_top1" in metrics else ""
@@ -297,7 +297,7 @@ class DINOv2(Objective):
         local_fwd = d.local_crops_number * (model_flops(model_kwargs, d.local_crops_size) + head)
         return global_fwd + local_fwd + global_fwd / 3
 
-    def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:
+    def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:  # noqa: ARG002 - the interface (the teacher, not the engine)
         """The teacher's backbone, in `VisionTransformer`'s (timm's) names: what fine-tuning starts from."""
         return backbone_state(self._teacher_state())
 
