@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
-from pipeline.typed_yaml import ConfigError, describe, from_tree, parse_override, set_dotted
+from pipeline.typed_yaml import ConfigError, from_tree, parse_override, read_tree, set_dotted
 
 # ----------------------------------------------------------------------------- sections
 
@@ -310,15 +310,6 @@ class Config:
         return []
 
 
-def reference_markdown(schema: type[Config] = Config) -> str:
-    """The config reference table of docs/configuration.md (launch/config_reference.py --update writes it,
-    with the objectives' sections: pipeline.objectives.reference_markdown)."""
-    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
-    for key, default, doc in describe(schema):
-        lines.append(f"| `{key}` | `{default}` | {doc.replace('|', '/')} |")
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------- loading
 
 
@@ -330,18 +321,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path is None:
         return config_from_tree({}, overrides, "config", schema)
     return config_from_tree(read_tree(path), overrides, str(path), schema)
-
-
-def read_tree(path: str | Path) -> dict[str, Any]:
-    """A YAML config file as a plain tree (ConfigError when missing or not YAML)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file '{path}' does not exist")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
-    return tree
 
 
 def config_from_tree(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), where: str = "config",
@@ -455,17 +434,6 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'train': {'lr': 1}} -> {'train.lr': 1}: MLflow params."""
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
 
 
 def load_or_exit(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),

@@ -17,6 +17,7 @@ import re
 import textwrap
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
@@ -146,6 +147,18 @@ def from_tree(cls: type, data: dict[str, Any], where: str, prefix: str = "") -> 
         else:
             kwargs[name] = _coerce(data[name], tp, prefix + name, where)
     return cls(**kwargs)
+
+
+def read_tree(path: str | Path) -> dict[str, Any]:
+    """A YAML config file as a plain tree (ConfigError when missing or not YAML)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    return tree
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

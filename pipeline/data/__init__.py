@@ -3,6 +3,7 @@
 Writing (launch/make_shards.py):
     sources.py     what to write: an image folder, scikit-learn's digits, synthetic images
     shards.py      ShardWriter (shard + its index + digest), write_dataset, index_shards -> dataset.json
+    bucket.py      writing under an s3:// prefix, reading a remote shard once to index it
 Reading (the trainer):
     info.py        dataset.json / timm's _info.json, checked against the shards
     order.py       the global order: partitions, passes, which sample a position holds
@@ -10,7 +11,7 @@ Reading (the trainer):
     index.py       per-shard index files, random access to samples, the node's cache of remote shards
     fetch.py       fetch ahead: the rank's next shards into the cache, in the background
     tario.py       tar members -> image and label; streaming a shard from its start
-    bad.py         bad-data counters and the stop rule
+    bad.py         the data errors, bad-data counters and the stop rule
     stream.py      the train stream (TrainStream in workers, TrainLoader in the rank) and its state
     eval.py        the exactly-once eval pass
     transforms.py  timm's train/eval transforms, Mixup/CutMix, normalisation

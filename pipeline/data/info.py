@@ -182,7 +182,7 @@ def dataset_info_of(cfg: Any) -> DatasetInfo:
 
 
 def _read_remote_info(url: str, policy: RetryPolicy | None = None) -> DatasetInfo:
-    """dataset.json (or _info.json) under the URL prefix `url`, fetched with storage.py's retries. One GET
+    """dataset.json (or _info.json) under the URL prefix `url`, fetched with pipeline/remote's retries. One GET
     (two for timm's layout): no LIST of the bucket."""
     base = url.rstrip("/")
     if base.endswith(".json"):

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from pipeline.model.dino_head import DINOHead
-from pipeline.model.vit import VisionTransformer, init_param, trunc_normal
+from pipeline.model.layers import init_param, trunc_normal
+from pipeline.model.vit import VisionTransformer
 
 HEAD_KEYS = ("head_n_prototypes", "head_hidden_dim", "head_bottleneck_dim", "head_nlayers", "ibot_separate_head",
              "ibot_head_n_prototypes", "ibot_head_bottleneck_dim")

@@ -26,7 +26,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.model.vit import Block, VisionTransformer, init_param, pair, variant_kwargs
+from pipeline.model.layers import Block, init_param
+from pipeline.model.variants import pair, variant_kwargs
+from pipeline.model.vit import VisionTransformer
 
 # The paper's decoder (Sec. 3, "MAE decoder"; Table 1a/1b pick 8 blocks of width 512).
 DECODER_DEFAULTS: dict[str, int] = dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16)

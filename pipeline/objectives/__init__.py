@@ -18,6 +18,7 @@ from pipeline import config
 from pipeline.config import Config, ConfigFiles
 from pipeline.objectives import dino_config, mae_config, supervised_config
 from pipeline.objectives.recipe import Recipe, objectives_config
+from pipeline.typed_yaml import describe
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     supervised_config.RECIPE,
@@ -66,8 +67,12 @@ def config_files() -> ConfigFiles:
 
 
 def reference_markdown() -> str:
-    """docs/configuration.md's reference table: every key of a run config, the recipes' sections included."""
-    return config.reference_markdown(ObjectivesConfig)
+    """docs/configuration.md's reference table (launch/config_reference.py --update writes it): every key of a
+    run config, the recipes' sections included, its default and its docstring."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for key, default, doc in describe(ObjectivesConfig):
+        lines.append(f"| `{key}` | `{default}` | {doc.replace('|', '/')} |")
+    return "\n".join(lines)
 
 
 __all__ = ["OBJECTIVES", "RECIPES", "ObjectivesConfig", "Recipe", "build_objective", "config_files", "load_config",

@@ -32,9 +32,11 @@ from torch import nn
 from pipeline.config import Config, ConfigError, ConfigFiles, FinetuneConfig, ModelConfig
 from pipeline.derived import image_size
 from pipeline.dist import say
+from pipeline.model.layers import init_param
 from pipeline.model.mae import sincos_pos_embed_2d
 from pipeline.model.pos_embed import resize_pos_embed
-from pipeline.model.vit import VARIANTS, VisionTransformer, architecture, init_param, variant_kwargs
+from pipeline.model.variants import VARIANTS, variant_kwargs
+from pipeline.model.vit import VisionTransformer, architecture
 from pipeline.model.weights import WeightsError, convert_dinov2_state_dict, is_dinov2_state_dict, load_weights
 from pipeline.objectives import OBJECTIVES, config_files
 from pipeline.objectives.base import Objective
