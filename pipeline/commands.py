@@ -23,8 +23,10 @@ import time
 from pathlib import Path
 
 from pipeline.config import Config, ConfigError, ConfigFiles, FinetuneConfig, apply_overrides
-from pipeline.dist import is_rank0, say
+from pipeline.dist import PortInUse, import_deepspeed, is_rank0, say
+from pipeline.exit_codes import ExitCode
 from pipeline.objectives import RECIPES, config_files, load_or_exit
+from pipeline.remote import StorageError
 from pipeline.signals import install_signal_handlers, worker_context
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,8 +153,6 @@ def recorded_finetune_source(run_dir: Path | None, files: ConfigFiles | None = N
     cfg = _saved_config(run_dir, files) if run_dir is not None else {}
     if _run_kind(cfg) != "finetune" or not (run_dir / "checkpoints").is_dir():
         return None  # (no tag at all: not worth importing DeepSpeed for)
-    from pipeline.dist import import_deepspeed
-
     import_deepspeed()  # pipeline.train imports DeepSpeed: without its autotuner's MLflow import (see `run`)
     from pipeline.train.checkpoint import newest_complete_tag
 
@@ -295,12 +295,9 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None, files: 
     install_signal_handlers()  # before anything slow (the launch scripts already did; idempotent)
     check_variant(cfg)
     check_data(cfg.data.path, where)
-    # Imported after the config is read: a typo is reported at once, not after DeepSpeed's import.
+    # Imported after the config is read: a typo is reported at once, not after torch's and DeepSpeed's import.
     from pipeline.data import BadDataError, DataError, EvalFailed
-    from pipeline.dist import PortInUse, import_deepspeed
-    from pipeline.exit_codes import ExitCode
     from pipeline.model.weights import WeightsError
-    from pipeline.remote import StorageError
 
     import_deepspeed()  # before pipeline.train imports it: without its autotuner's MLflow import
     from pipeline.run import resume

@@ -43,7 +43,8 @@ def mae_checks(cfg: Config) -> list[Check]:
 
 
 def _objective() -> type:
-    from pipeline.objectives.mae import MAE  # when a run builds it: the config is read before torch
+    # When a run builds it: the config is read before torch.
+    from pipeline.objectives.mae import MAE
 
     return MAE
 

@@ -7,9 +7,8 @@ from pipeline.objectives.recipe import Recipe
 
 
 def _objective() -> type:
-    from pipeline.objectives.supervised import (
-        Supervised,  # when a run builds it: the config is read before torch
-    )
+    # When a run builds it: the config is read before torch.
+    from pipeline.objectives.supervised import Supervised
 
     return Supervised
 
