@@ -49,7 +49,7 @@ class LayoutError(WeightsError):
 class Recognised:
     layout: str  # the layout's name, for messages
     state: dict[str, torch.Tensor]  # the encoder in our VisionTransformer's names and layout (a head kept)
-    arch: dict  # what the file says: patch_size, embed_dim, depth, ...; all constructor arguments when complete
+    arch: dict  # what the file says: patch_size, embed_dim, depth; all constructor arguments when complete
     complete: bool = False  # the file decides the whole architecture, heads included (Meta's DINOv2)
     left_out: str = ""  # what the file holds that is not loaded ("the decoder ... and its mask_token")
 
@@ -121,10 +121,10 @@ def _need(state: dict[str, torch.Tensor], key: str, shape: tuple, shown: str) ->
 
 
 def _blocks(state: dict[str, torch.Tensor], prefix: str, dim: int, mlps: tuple = (_FC,), chunked: bool = False,
-            layer_scale: bool = True) -> tuple[dict, dict[str, str]]:
+            layer_scale: bool = True) -> tuple[int, dict[str, str]]:
     """The blocks under `prefix` ('blocks.', 'decoder_blocks.'), all with the same keys, numbered 0..depth-1:
-    ({depth, qkv_bias, layer_scale, mlp (its two names), hidden}, {file key: blocks.I.suffix}). `chunked`:
-    Meta's BlockChunk layout, prefix.CHUNK.I.suffix (I counts across the chunks)."""
+    (depth, {file key: blocks.I.suffix}). `chunked`: Meta's BlockChunk layout, prefix.CHUNK.I.suffix (I counts
+    across the chunks)."""
     pattern = re.compile(rf"^{re.escape(prefix)}(\d+)\.(?:(\d+)\.)?(.+)$")
     by_block: dict[int, set[str]] = {}
     names: dict[str, str] = {}
@@ -161,17 +161,10 @@ def _blocks(state: dict[str, torch.Tensor], prefix: str, dim: int, mlps: tuple =
             ([f"lacks {', '.join(missing[:3])}"] if missing else []) + ([f"has {', '.join(extra[:3])}"] if extra else [])))
     if len(first & _LAYER_SCALE) == 1:
         raise _NotThis(f"{prefix}0.* has one of ls1.gamma, ls2.gamma")
-    qkv = state[_key(names, "attn.qkv.weight")]
+    qkv = state[next(k for k, v in names.items() if v == "blocks.0.attn.qkv.weight")]
     if tuple(qkv.shape) != (3 * dim, dim):
         raise _NotThis(f"{prefix}0.attn.qkv.weight is {tuple(qkv.shape)}, not ({3 * dim}, {dim})")
-    hidden = state[_key(names, f"{mlp[1]}.weight")].shape[-1]
-    return dict(depth=depth, qkv_bias=_QKV_BIAS in first, layer_scale=bool(first & _LAYER_SCALE), mlp=mlp,
-                hidden=hidden, fc1_rows=state[_key(names, f"{mlp[0]}.weight")].shape[0]), names
-
-
-def _key(names: dict[str, str], suffix: str) -> str:
-    """The file's key of block 0's `suffix` (chunked or not)."""
-    return next(k for k, v in names.items() if v == f"blocks.0.{suffix}")
+    return depth, names
 
 
 def _stem(state: dict[str, torch.Tensor], pos_embed: bool = True) -> tuple[dict, set[str]]:
@@ -203,13 +196,10 @@ def _nothing_else(state: dict[str, torch.Tensor], accounted: set[str]) -> None:
         raise _NotThis(f"{len(extra)} keys not in it ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})")
 
 
-def _arch(stem: dict, blocks: dict, reg_tokens: int = 0) -> dict:
-    """What the file says of the architecture, in our constructor's names."""
-    dim = stem["embed_dim"]
-    swiglu = blocks["fc1_rows"] == 2 * blocks["hidden"]  # SwiGLU packs value and gate: fc1 is D -> 2H
-    return dict(patch_size=stem["patch_size"], in_chans=stem["in_chans"], embed_dim=dim, depth=blocks["depth"],
-                qkv_bias=blocks["qkv_bias"], layer_scale=blocks["layer_scale"], reg_tokens=reg_tokens,
-                mlp_layer="swiglu" if swiglu else "mlp", mlp_ratio=blocks["fc1_rows"] / dim)
+def _arch(stem: dict, depth: int) -> dict:
+    """What the file says of the architecture and `Recognised.mismatch` checks, in our constructor's names. The
+    rest (registers, LayerScale, the MLP, qkv bias) the load checks by name and shape."""
+    return dict(patch_size=stem["patch_size"], embed_dim=stem["embed_dim"], depth=depth)
 
 
 # ----------------------------------------------------------------------------- the layouts
@@ -221,7 +211,7 @@ def _meta_mae(state: dict[str, torch.Tensor], tables: bool = True, name: str = "
     pos_embed and decoder_pos_embed are there (an MAE run's checkpoint, consolidated, holds parameters only)."""
     stem, keys = _stem(state, pos_embed=tables)
     dim = stem["embed_dim"]
-    blocks, names = _blocks(state, "blocks.", dim, layer_scale=False)
+    depth, names = _blocks(state, "blocks.", dim, layer_scale=False)
     keys |= _norm(state, "norm", dim) | set(names)
     encoder = {k: state[k] for k in keys}
     dec = _need(state, "mask_token", (1, 1, None), "(1, 1, Dd), MAE's decoder's").shape[-1]
@@ -230,15 +220,15 @@ def _meta_mae(state: dict[str, torch.Tensor], tables: bool = True, name: str = "
     if tables or "decoder_pos_embed" in state:  # a row per token, as pos_embed
         rows = stem["pos_rows"]
         _need(state, "decoder_pos_embed", (1, rows, dec), f"(1, {rows or 'T'}, {dec})")
-    decoder, dec_names = _blocks(state, "decoder_blocks.", dec, layer_scale=False)
+    dec_depth, dec_names = _blocks(state, "decoder_blocks.", dec, layer_scale=False)
     patch_pixels = stem["patch_size"] ** 2 * stem["in_chans"]
     _need(state, "decoder_pred.weight", (patch_pixels, dec), f"({patch_pixels}, {dec}): P*P*C pixels per patch")
     _need(state, "decoder_pred.bias", (patch_pixels,), f"({patch_pixels},)")
     dropped = {"mask_token", "decoder_embed.weight", "decoder_embed.bias", "decoder_pos_embed", "decoder_pred.weight",
                "decoder_pred.bias", *dec_names} | _norm(state, "decoder_norm", dec)
     _nothing_else(state, keys | dropped)
-    return Recognised(name, encoder, _arch(stem, blocks),
-                      left_out=f"the decoder (depth {decoder['depth']}, width {dec}) and its mask_token")
+    return Recognised(name, encoder, _arch(stem, depth),
+                      left_out=f"the decoder (depth {dec_depth}, width {dec}) and its mask_token")
 
 
 def _meta_dinov2(state: dict[str, torch.Tensor]) -> Recognised:
@@ -246,12 +236,11 @@ def _meta_dinov2(state: dict[str, torch.Tensor]) -> Recognised:
     ({'teacher': ...}, unwrapped by load_weights: backbone.* beside dino_head.* and ibot_head.*)."""
     left_out = ["mask_token"]
     if "backbone.cls_token" in state:
-        others = sorted({k.split(".")[0] for k in state if not k.startswith("backbone.")} - {"dino_head", "ibot_head"})
-        if others:
-            raise _NotThis(f"backbone.* beside {', '.join(others)}.*, not a teacher's dino_head/ibot_head")
-        if any(not k.startswith("backbone.") for k in state):
-            left_out.append("the teacher's " + " and ".join(sorted({k.split(".")[0] for k in state
-                                                                    if not k.startswith("backbone.")})))
+        heads = sorted({k.split(".")[0] for k in state if not k.startswith("backbone.")})
+        if set(heads) - {"dino_head", "ibot_head"}:
+            raise _NotThis(f"backbone.* beside {', '.join(heads)}, not only a teacher's dino_head and ibot_head")
+        if heads:
+            left_out.append("the teacher's " + " and ".join(heads))
         state = {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}
     stem, keys = _stem(state)
     dim = stem["embed_dim"]
@@ -271,11 +260,10 @@ def _timm(state: dict[str, torch.Tensor], mask_token: bool = False, name: str = 
     iBOT's (1, D) too, as our DINOv2 runs' backbones have it."""
     stem, keys = _stem(state)
     dim = stem["embed_dim"]
-    reg_tokens = 0
     if "reg_token" in state:
-        reg_tokens = _need(state, "reg_token", (1, None, dim), f"(1, R, {dim})").shape[1]
+        _need(state, "reg_token", (1, None, dim), f"(1, R, {dim})")
         keys.add("reg_token")
-    blocks, names = _blocks(state, "blocks.", dim)
+    depth, names = _blocks(state, "blocks.", dim)
     keys |= set(names)
     norms = [n for n in ("norm", "fc_norm") if f"{n}.weight" in state]
     if not norms:
@@ -288,7 +276,7 @@ def _timm(state: dict[str, torch.Tensor], mask_token: bool = False, name: str = 
         left_out = "mask_token (iBOT's, used in pretraining only)"
     head = {k for k in state if k.startswith(("head.", "pre_logits."))}  # replaced by the fine-tune's
     _nothing_else(state, keys | head | ({"mask_token"} if mask_token else set()))
-    return Recognised(name, {k: state[k] for k in keys | head}, _arch(stem, blocks, reg_tokens), left_out=left_out)
+    return Recognised(name, {k: state[k] for k in keys | head}, _arch(stem, depth), left_out=left_out)
 
 
 def _ours(state: dict[str, torch.Tensor]) -> Recognised:
