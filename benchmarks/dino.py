@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from benchmarks.common import bench_device, interleaved, median, spread, synchronize
+from benchmarks.common import bench_device, interleaved, median, profile_step, spread, synchronize
 from pipeline.model.vit import VisionTransformer, model_flops, model_kwargs_from_config
 from pipeline.objectives import OBJECTIVES, load_config
 from pipeline.train.metrics import device_peak_flops
@@ -46,6 +46,8 @@ def add_dino_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dino-batch", type=int, default=None, help="images per step (default: 64 on a GPU, 2 on CPU)")
     p.add_argument("--dino-steps", type=int, default=None, help="steps per window (default: 10 on a GPU, 1 on CPU)")
     p.add_argument("--dino-windows", type=int, default=3)
+    p.add_argument("--dino-profile", action="store_true",
+                   help="then profile 3 DINOv2 steps: top kernels, idle fraction, host syncs per step")
     p.add_argument("--dino-threads", type=int, default=None,
                    help="torch CPU threads (default on CPU: 1, see docs/performance.md; a GPU run leaves torch's)")
 
@@ -181,6 +183,8 @@ def bench_dino(args: Any) -> dict[str, Any]:
     figures["dino_vs_supervised_cpu"] = round(median(t.cpu["dino"]) / median(t.cpu["supervised"]), 3)
     figures["flop_ratio_predicted"] = round(predicted["dino"] / predicted["supervised"], 3)
     figures["flop_ratio_measured"] = round(measured["dino"] / measured["supervised"], 3)
+    if getattr(args, "dino_profile", False):
+        figures["profile"] = profile_step(contenders["dino"], device, steps=3)
     figures["seconds"] = round(time.perf_counter() - t_start, 1)
     d, s = figures["dino"], figures["supervised"]
     print(f"DINOv2 step {d['step_ms']} ms, supervised {s['step_ms']} ms: ratio {figures['dino_vs_supervised']} "

@@ -20,14 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import ConfigError  # noqa: E402
+from pipeline.model.layouts import recognise  # noqa: E402
 from pipeline.model.vit import VisionTransformer  # noqa: E402
-from pipeline.model.weights import (  # noqa: E402
-    WeightsError,
-    convert_dinov2_state_dict,
-    is_dinov2_state_dict,
-    load_weights,
-    save_weights,
-)
+from pipeline.model.weights import WeightsError, load_weights, save_weights  # noqa: E402
 from pipeline.objectives import load_config  # noqa: E402
 from pipeline.run.finetune import objective_of_run  # noqa: E402
 from pipeline.train.checkpoint import (  # noqa: E402
@@ -70,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
 def export_dinov2(path: Path, out: Path) -> int:
     """Meta's DINOv2 backbone file -> timm-named safetensors, its architecture in the file's metadata."""
     try:
-        state = load_weights(path)
-        if not is_dinov2_state_dict(state):
-            raise WeightsError(f"'{path}' is a file but not one of Meta's DINOv2 backbones (cls_token, pos_embed and "
-                               f"mask_token or register_tokens); a run's checkpoint is exported from its run directory")
-        state, arch = convert_dinov2_state_dict(state, source=str(path))
+        found = recognise(load_weights(path), str(path))
+        if not found.complete:
+            raise WeightsError(f"'{path}' is in the layout of {found.layout}, not of Meta's DINOv2 backbones; a run's "
+                               f"checkpoint is exported from its run directory")
+        state, arch = found.state, found.arch
     except WeightsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

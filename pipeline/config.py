@@ -273,7 +273,7 @@ class RunConfig:
 @dataclass
 class FinetuneConfig:
     source: str | None = None
-    """Weights to start from (--from): a run directory, a .safetensors file, a timm-format .pth/.bin, or one of Meta's DINOv2 backbone .pth files (docs/model.md)."""
+    """Weights to start from (--from): a run directory, or a weights file (safetensors or torch.save, told by its bytes) in our layout, timm's, Meta's MAE pretraining checkpoint's or Meta's DINOv2 backbone's, told by its keys (docs/training.md, Fine-tuning)."""
     source_img_size: int | tuple[int, int] | None = None
     """Resolution the source was trained at (read from the source's config.yaml when it has one)."""
     probe: bool = False

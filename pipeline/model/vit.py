@@ -13,7 +13,7 @@ same model with four options, each a constructor argument and each an nn.Identit
 timm's `VisionTransformer`: LayerScale (`init_values`), register tokens (`reg_tokens`), a position table over
 the patches only (`no_embed_class`) and a SwiGLU MLP (`mlp_layer='swiglu'`, ViT-g); `dynamic_img_size`
 interpolates the position table for inputs of another size (DINO's 96 px local crops). Meta's released
-files load through `pipeline.model.weights.convert_dinov2_state_dict` (docs/model.md).
+files load through `pipeline.model.layouts.convert_dinov2_state_dict` (docs/model.md).
 """
 
 from __future__ import annotations

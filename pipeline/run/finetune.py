@@ -6,15 +6,17 @@
     it (`Objective.weights_from_checkpoint`: the model consolidated to fp32, a DINOv2 run's teacher
     backbone), its files read with `weights_only=True` and DeepSpeed's own few types
     (`ds_compat.no_code_from_pickles`);
-  - a .safetensors file (ours, or timm's, e.g. `vit_base_patch16_224`'s model.safetensors);
-  - a timm-format .pth/.bin state dict, read with `torch.load(weights_only=True)`: nothing executes code;
-  - one of Meta's DINOv2 backbone files (`dinov2_vitb14_pretrain.pth`, `dinov2_vitb14_reg4_pretrain.pth`):
-    its architecture (width, depth, patch size, LayerScale, registers, SwiGLU, grid) is read from the
-    tensors and its keys/layout converted to ours (`weights.convert_dinov2_state_dict`).
+  - a weights file, its format told by its bytes (`weights.weights_format`: safetensors, torch.save's zip,
+    a pickle; pickles read with `torch.load(weights_only=True)`: nothing executes code), its layout by its
+    keys (`layouts.recognise`): ours, timm's ViT (e.g. `vit_base_patch16_224`'s model.safetensors), Meta's
+    MAE pretraining checkpoint (the decoder left out), Meta's DINOv2 backbone (`dinov2_vitb14_pretrain.pth`:
+    its architecture read from the tensors, its keys converted to ours).
 
-The architecture (patch size, width, depth, heads) comes from the source's config.yaml when there is one;
-the source's grid from its img_size (`finetune.source_img_size` for a bare file with a non-square grid);
-the new grid from `--res`. Position embeddings are resized with `resize_pos_embed`, the class token kept.
+The architecture (patch size, width, depth, heads) comes from the source's config.yaml when there is one,
+from the file for Meta's DINOv2, else from the fine-tune's config, checked against the file's patch, width
+and depth; the source's grid from its img_size (`finetune.source_img_size` for a bare file with a
+non-square grid); the new grid from `--res`. Position embeddings are resized with `resize_pos_embed`, the
+class token kept.
 """
 
 from __future__ import annotations
@@ -33,11 +35,18 @@ from pipeline.config import Config, ConfigError, ConfigFiles, FinetuneConfig, Mo
 from pipeline.derived import image_size
 from pipeline.dist import say
 from pipeline.model.layers import init_param
+from pipeline.model.layouts import is_ours, recognise
 from pipeline.model.mae import sincos_pos_embed_2d
 from pipeline.model.pos_embed import resize_pos_embed
-from pipeline.model.variants import VARIANTS, variant_kwargs
+from pipeline.model.variants import VARIANTS, model_kwargs_from_config, variant_kwargs
 from pipeline.model.vit import VisionTransformer, architecture
-from pipeline.model.weights import WeightsError, convert_dinov2_state_dict, is_dinov2_state_dict, load_weights
+from pipeline.model.weights import (
+    NotWeightsFile,
+    WeightsError,
+    load_weights,
+    weights_format,
+    weights_metadata,
+)
 from pipeline.objectives import OBJECTIVES, config_files
 from pipeline.objectives.base import Objective
 from pipeline.run.resume import ResumePlan
@@ -73,9 +82,10 @@ def find_source(source: str, files: ConfigFiles | None = None) -> Source:
     if not path.exists():
         raise WeightsError(f"--from '{source}': no such run directory or weights file")
     if path.is_file():
-        problem = not_weights(path)
-        if problem:
-            raise ConfigError(f"--from '{source}' is not a weights file: {problem}")
+        try:
+            weights_format(path)
+        except NotWeightsFile as e:
+            raise ConfigError(f"--from '{source}' is not a weights file: {e}") from None
     folder = path if path.is_dir() else path.parent
     config = (files or config_files()).load(folder / "config.yaml") if (folder / "config.yaml").is_file() else None
     if path.is_dir() and not (path / "model.safetensors").is_file() and ckpt.newest_complete_tag(path) is None:
@@ -124,24 +134,30 @@ def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[s
         _refuse_arch_overrides(cfg, src.config, cli_model_keys, f"--from {cfg.finetune.source}")  # before any read
     # Read before anything is written: a source that is refused (code in a pickle, not a state dict) leaves no
     # run directory, and no config.yaml recording it as this run's source for the next start to insist on.
-    state = source_state_dict(src)
-    if src.config is None and is_dinov2_state_dict(state):
-        state, meta_arch = convert_dinov2_state_dict(state, source=str(src.path))
-        source_model = dataclasses.replace(model_cfg, **meta_arch_config(meta_arch))
+    # Whose weights, by their keys: ours (a run directory, or our export's metadata), else whichever of
+    # Meta's MAE, Meta's DINOv2 and timm's layouts they match (pipeline/model/layouts.py).
+    found = recognise(source_state_dict(src), f"--from {src.path}",
+                      ours=src.config is not None or (src.path.is_file() and is_ours(weights_metadata(src.path))))
+    state = found.state
+    if found.complete:  # Meta's DINOv2: the file says the whole architecture
+        source_model = dataclasses.replace(model_cfg, **meta_arch_config(found.arch))
         _refuse_arch_overrides(cfg, dataclasses.replace(cfg, model=source_model), cli_model_keys,
-                               f"--from {cfg.finetune.source} (Meta's DINOv2 backbone)")
+                               f"--from {cfg.finetune.source} ({found.layout})")
         model_cfg = dataclasses.replace(model_cfg, **{k: getattr(source_model, k) for k in ARCH_KEYS})
-        source_img_size = source_img_size or meta_arch["img_size"]
-        _say(f"--from {src.path}: Meta's DINOv2 backbone, {describe_arch(meta_arch)}")
-    elif "patch_embed.proj.weight" not in state:
-        raise WeightsError(f"--from {src.path}: neither a ViT state dict with timm's names (patch_embed.proj.weight, "
-                           f"cls_token, pos_embed, blocks.N.*) nor Meta's DINOv2 backbone (cls_token, pos_embed, "
-                           f"mask_token or register_tokens, patch_embed.proj.weight, blocks.N.*); it holds "
-                           f"{len(state)} tensors, the first: {', '.join(sorted(state)[:5]) or 'none'}")
-    if src.config is not None:
-        arch = {k: getattr(src.config.model, k) for k in ARCH_KEYS}
-        model_cfg = dataclasses.replace(model_cfg, **arch)
-        source_img_size = source_img_size or src.config.model.img_size
+        source_img_size = source_img_size or found.arch["img_size"]
+        _say(f"--from {src.path}: {found.layout}, {describe_arch(found.arch)}"
+             + (f"; left out: {found.left_out}" if found.left_out else ""))
+    else:  # the file says patch, width and depth, not the heads: the architecture is the config's, checked
+        if src.config is not None:
+            arch = {k: getattr(src.config.model, k) for k in ARCH_KEYS}
+            model_cfg = dataclasses.replace(model_cfg, **arch)
+            source_img_size = source_img_size or src.config.model.img_size
+        kwargs = model_kwargs_from_config(model_cfg, num_classes=1)
+        problem = found.mismatch(kwargs)
+        if problem:
+            raise ConfigError(f"--from {src.path} ({found.layout}): {problem}")
+        _say(f"--from {src.path}: {found.describe()}; {kwargs['num_heads']} heads (from "
+             f"{'its config.yaml' if src.config is not None else 'the config: the file does not say'})")
     # The paper replaces the pretraining head (and its tanh pre-logits) with one zero-initialised Linear.
     # An MAE source fine-tunes its encoder as a supervised ViT (its decoder is not loaded).
     model_cfg = dataclasses.replace(model_cfg, representation_size=None, objective="supervised")
@@ -192,26 +208,6 @@ def _refuse_arch_overrides(cfg: Config, source: Config, cli_model_keys, where: s
             raise ConfigError(f"model.{key}={getattr(cfg.model, key)} on the command line: a fine-tune takes its "
                               f"architecture from {where}, which has model.{key}={getattr(source.model, key)}; "
                               f"drop the override (or fine-tune from a bare weights file with a --config)")
-
-
-def not_weights(path: Path) -> str | None:
-    """None if `path` starts like a weights file (safetensors, a torch zip, a pickle); else what it is."""
-    with open(path, "rb") as f:
-        head = f.read(4096)
-    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":  # torch.save's zip; a legacy pickle
-        return None if path.suffix != ".safetensors" else "it is a torch/pickle file named .safetensors"
-    if len(head) >= 9 and head[8:9] == b"{":  # safetensors: 8-byte little-endian header size, then JSON
-        size = int.from_bytes(head[:8], "little")
-        if 2 <= size <= path.stat().st_size - 8:
-            return None
-    if not head:
-        return "it is empty"
-    try:
-        text = head.decode("utf-8")
-    except UnicodeDecodeError:
-        return f"it starts with bytes {head[:8].hex(' ')}, neither safetensors nor a torch/pickle file"
-    first = text.strip().splitlines()[0][:60] if text.strip() else ""
-    return f"it is a text file ({path.stat().st_size} bytes, first line: {first!r})"
 
 
 def load_pretrained(model: VisionTransformer, src: Source, source_img_size, probe: bool = False,

@@ -207,13 +207,13 @@ def test_mae_bench_times_both_steps_and_predicts_the_ratio(monkeypatch):
     from pipeline.model.mae import mae_flops, mae_kwargs
     from pipeline.model.vit import model_flops, variant_kwargs
 
-    monkeypatch.setattr(mae_bench, "device_peak_flops", lambda override=None: 1e12)  # as a GPU's peak would
+    monkeypatch.setattr(mae_bench, "device_peak_flops", lambda override=None: 1e9)  # MFU in (0.1, 10): 4 decimals
     figures = bench_mae(argparse.Namespace(mae_variant="vit_ti16", mae_res=32, mae_batch=2, mae_steps=1,
                                            mae_windows=1))
     flops = {"mae": mae_flops(mae_kwargs("vit_ti16", img_size=32)),
              "supervised": model_flops(variant_kwargs("vit_ti16", img_size=32, num_classes=1000))}
     for name, f in flops.items():  # MFU: 3 x forward FLOPs x images/s over the peak, as the trainer's
-        assert figures[name]["mfu"] == pytest.approx(3 * f * figures[name]["img_s"] / 1e12, rel=0.01)
+        assert figures[name]["mfu"] == pytest.approx(3 * f * figures[name]["img_s"] / 1e9, rel=0.01)
     assert figures["mae"]["step_ms"] > 0 and figures["supervised"]["step_ms"] > 0
     assert figures["mae_vs_supervised"] == pytest.approx(figures["mae"]["step_ms"] / figures["supervised"]["step_ms"],
                                                          rel=0.01)
