@@ -190,7 +190,7 @@ def train_config(spec: BenchSpec, **overrides: Any) -> TrainConfig:
 
 
 def loss_of(model: nn.Module, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # pipeline.train.trainer.loss_fn with hard targets and no smoothing, without importing the trainer
+    # pipeline.run.trainer.loss_fn with hard targets and no smoothing, without importing the trainer
     # (and through it MLflow) here.
     return F.cross_entropy(model(images).float(), targets)
 
@@ -242,6 +242,42 @@ class PlainStep:
         for p in self.params:
             p.grad = None
         return loss.detach()
+
+
+def profile_step(step: Callable[[], Any], device: torch.device, steps: int = 5, top: int = 12) -> dict[str, Any]:
+    """torch.profiler over `steps` calls of a warmed-up `step`: the top kernels by device time (CPU ops on
+    the CPU), the idle fraction (1 - kernel time / wall time), kernels and host synchronisations per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        wall = time.perf_counter() - t0
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    averages = prof.key_averages()
+    # Host waits: the runtime's synchronisations on a GPU (the one after the profiled steps included);
+    # on the CPU, the reads of a tensor's value (.item(), bool(tensor)), which are such waits on a GPU.
+    sync_names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize") if cuda \
+        else ("aten::_local_scalar_dense",)
+    syncs = sum(e.count for e in averages if e.key in sync_names)
+    events = [e for e in averages if getattr(e, attr, 0) > 0]
+    if cuda:  # kernels only: the device's own timeline
+        events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA] or events
+    busy_us = sum(getattr(e, attr) for e in events)
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    return {"steps": steps, "wall_ms_per_step": round(1e3 * wall / steps, 2),
+            "busy_fraction": round(busy_us / 1e6 / wall, 4) if cuda else None,
+            "idle_fraction": round(1 - busy_us / 1e6 / wall, 4) if cuda else None,
+            "kernels_per_step": round(sum(e.count for e in events) / steps, 1),
+            "host_syncs_per_step": round(syncs / steps, 1),
+            "top": [{"name": e.key[:90], "ms_per_step": round(getattr(e, attr) / 1e3 / steps, 3),
+                     "share": round(getattr(e, attr) / max(busy_us, 1), 4), "calls": e.count // steps}
+                    for e in events[:top]]}
 
 
 def table_cell(x: float | None, fmt: str = "{:.2f}") -> str:

@@ -3,9 +3,9 @@ whether `DINOv2.flops_per_image` predicts it.
 
 Both steps are the trainer's work in plain PyTorch (forward, loss, backward, AdamW with the trainer's
 parameter groups), on the same backbone weights, measured in turns (`benchmarks.common.interleaved`).
-The DINOv2 step is the objective's own code (`DINOv2.loss` then `after_step`: the teacher's forward on
-the 2 global crops, the student's on the global and local crops with iBOT masks drawn by the objective's
-`sample_view`, the heads, the losses, the centres and the teacher's EMA); the supervised one classifies
+The DINOv2 step is the objective's own code (`DINOv2.before_step`, `loss`, then `after_step`: the
+teacher's forward on the 2 global crops, the student's on the global and local crops with iBOT masks drawn
+by the objective's train view, the heads, the losses, the centres and the teacher's EMA); the supervised one classifies
 the global crop's size into 1000 classes. Crops, heads and prototypes are the recipe's
 (`configs/pretrain/dinov2_vit*14.yaml`: 2 x 224 + 8 x 98, 65,536 prototypes) unless the flags say else.
 
@@ -30,10 +30,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from benchmarks.common import bench_device, interleaved, median, spread, synchronize
-from pipeline.config import load_config
+from benchmarks.common import bench_device, interleaved, median, profile_step, spread, synchronize
 from pipeline.model.vit import VisionTransformer, model_flops, model_kwargs_from_config
-from pipeline.objectives import OBJECTIVES
+from pipeline.objectives import OBJECTIVES, load_config
 from pipeline.train.metrics import device_peak_flops
 from pipeline.train.optim import build_optimizer, param_groups
 
@@ -47,12 +46,14 @@ def add_dino_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dino-batch", type=int, default=None, help="images per step (default: 64 on a GPU, 2 on CPU)")
     p.add_argument("--dino-steps", type=int, default=None, help="steps per window (default: 10 on a GPU, 1 on CPU)")
     p.add_argument("--dino-windows", type=int, default=3)
+    p.add_argument("--dino-profile", action="store_true",
+                   help="then profile 3 DINOv2 steps: top kernels, idle fraction, host syncs per step")
     p.add_argument("--dino-threads", type=int, default=None,
                    help="torch CPU threads (default on CPU: 1, see docs/performance.md; a GPU run leaves torch's)")
 
 
 class _Engine:
-    """What `DINOv2.loss` and `after_step` use of a DeepSpeed engine: the module, its device, the
+    """What `DINOv2.before_step`, `loss` and `after_step` use of a DeepSpeed engine: the module, its device, the
     optimizer's groups (the step's weight decay and the frozen prototypes' lr are written there), forward."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -63,7 +64,8 @@ class _Engine:
 
 
 class DinoStep:
-    """The objective's micro batch loss, backward, AdamW step, then `after_step` (centres, teacher EMA)."""
+    """The objective's step as the trainer runs it: `before_step` (the schedules into the optimizer's groups),
+    the micro batch loss, backward, AdamW step, then `after_step` (centres, teacher EMA)."""
 
     def __init__(self, objective: Any, student: torch.nn.Module, images: tuple[torch.Tensor, ...],
                  device: torch.device) -> None:
@@ -74,6 +76,7 @@ class DinoStep:
         self.targets = torch.zeros(images[0].shape[0], device=device)
 
     def __call__(self) -> None:
+        self.objective.before_step(self.engine, self.objective.step)
         with torch.autocast("cuda", torch.bfloat16, enabled=self.cuda):
             loss = self.objective.loss(self.engine, self.images, self.targets, None)
         loss.backward()
@@ -136,7 +139,7 @@ def bench_dino(args: Any) -> dict[str, Any]:
     student = objective.build_all(kwargs)
     objective.teacher.to(device)
     # Each image's crops and iBOT masks as the loader workers make them (the objective's view, seeded).
-    view = objective.sample_view(kwargs)
+    view = objective.train_view(kwargs).sample
     rng = np.random.default_rng(0)
     samples = [view(Image.fromarray(rng.integers(0, 255, (res + 32, res + 32, 3), dtype=np.uint8)), i)
                for i in range(batch)]
@@ -180,6 +183,8 @@ def bench_dino(args: Any) -> dict[str, Any]:
     figures["dino_vs_supervised_cpu"] = round(median(t.cpu["dino"]) / median(t.cpu["supervised"]), 3)
     figures["flop_ratio_predicted"] = round(predicted["dino"] / predicted["supervised"], 3)
     figures["flop_ratio_measured"] = round(measured["dino"] / measured["supervised"], 3)
+    if getattr(args, "dino_profile", False):
+        figures["profile"] = profile_step(contenders["dino"], device, steps=3)
     figures["seconds"] = round(time.perf_counter() - t_start, 1)
     d, s = figures["dino"], figures["supervised"]
     print(f"DINOv2 step {d['step_ms']} ms, supervised {s['step_ms']} ms: ratio {figures['dino_vs_supervised']} "

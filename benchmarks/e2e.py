@@ -41,7 +41,7 @@ def write_shards(out: Path, images: int, size: int, classes: int, per_shard: int
     from pipeline.data.shards import synthetic_source, write_dataset
 
     write_dataset(synthetic_source(images, classes, size, val_fraction=0.0), out,
-                  max_samples_per_shard=per_shard, workers=min(8, os.cpu_count() or 1), progress=False, log=lambda msg: None)
+                  max_samples_per_shard=per_shard, workers=min(8, os.cpu_count() or 1), progress=False, log=lambda _msg: None)
     return out
 
 

@@ -2,9 +2,9 @@
 
 One process, world size 1 (gloo on CPU, NCCL on a GPU): what is measured is DeepSpeed's own work per
 step (flat buffers, gradient hooks, partitioning bookkeeping, its bf16 optimizer wrapper), not
-communication. Everything comes from the pipeline: the model from pipeline.train.trainer.build_model
+communication. Everything comes from the pipeline: the model from pipeline.run.step.build_model
 (ZeRO-3 builds it inside deepspeed.zero.Init), the DeepSpeed JSON from pipeline.derived.deepspeed_config,
-the optimizer from pipeline.train.optim, the step body from pipeline.train.trainer.fit. The plain loop
+the optimizer from pipeline.train.optim, the step body from pipeline.run.trainer.Trainer.optimizer_step. The plain loop
 (benchmarks.common.PlainStep) does the same work by hand: same model and weights, optimizer,
 clipping, schedule and dtype (bf16 with fp32 master weights, as DeepSpeed's bf16 mode).
 
@@ -62,10 +62,10 @@ def run_config(spec: BenchSpec, zero_stage: int, overrides: Sequence[str] = ()) 
 
 
 def build_engine(spec: BenchSpec, zero_stage: int, overrides: Sequence[str] = ()) -> Any:
-    """The engine pipeline.train.trainer.setup builds, by its own functions (no data, no tracking)."""
+    """The engine pipeline.run.trainer.Trainer builds, by its own functions (no data, no tracking)."""
     from pipeline.model.vit import model_kwargs_from_config
-    from pipeline.train.trainer import build_engine as trainer_build_engine
-    from pipeline.train.trainer import build_model
+    from pipeline.run.step import build_engine as trainer_build_engine
+    from pipeline.run.step import build_model
 
     cfg = run_config(spec, zero_stage, overrides)
     ds_config = deepspeed_config(cfg, world_size=1)
@@ -76,9 +76,9 @@ def build_engine(spec: BenchSpec, zero_stage: int, overrides: Sequence[str] = ()
 
 def trainer_step(engine: Any, images: torch.Tensor, targets: torch.Tensor, check_finite: bool,
                  loss_sum: torch.Tensor) -> None:
-    """The body of pipeline.train.trainer.fit's loop for one micro batch (data and logging left out)."""
+    """The body of pipeline.run.trainer.Trainer.optimizer_step for one micro batch (data and logging left out)."""
     from pipeline.objectives.supervised import loss_fn
-    from pipeline.train.trainer import all_finite, backward_and_step
+    from pipeline.run.step import all_finite, backward_and_step
 
     loss = loss_fn(engine(images).float(), targets, 0.0)
     if check_finite and not all_finite(loss):
@@ -98,7 +98,7 @@ def build_plain(spec: BenchSpec, images: torch.Tensor, targets: torch.Tensor,
                 overrides: Sequence[str] = ()) -> PlainStep:
     """The plain loop on the very model the trainer builds (same seed, so the same weights)."""
     from pipeline.model.vit import model_kwargs_from_config
-    from pipeline.train.trainer import build_model
+    from pipeline.run.step import build_model
 
     cfg = run_config(spec, 0, overrides)
     model = build_model(cfg, model_kwargs_from_config(cfg.model), deepspeed_config(cfg, 1))

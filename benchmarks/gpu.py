@@ -4,10 +4,12 @@
    the fine-tune shape), bf16, SDPA attention: the largest micro batch that fits (found with the plain
    loop, stepped down for an arm that runs out of memory), then the arms one after another, each built,
    warmed up (compiled), timed and freed: {plain PyTorch loop, DeepSpeed ZeRO-1} x {eager, compiled},
-   and ZeRO-1 compiled with gradient checkpointing at twice the batch. images/s and MFU
-   (3 x forward FLOPs per image / the device's peak from pipeline.train.metrics).
-2. Profile (torch.profiler) of a few steps of the fastest ZeRO-1 arm of the first model: the top
-   kernels by device time and the idle fraction (1 - kernel time / wall time).
+   ZeRO-1 compiled without DeepSpeed's bf16 overflow check, and ZeRO-1 compiled with gradient
+   checkpointing at twice the batch. images/s and MFU (3 x forward FLOPs per image / the device's peak
+   from pipeline.train.metrics).
+2. Profile (torch.profiler) of a few steps of the fastest ZeRO-1 arm and of the fastest plain arm of the
+   first model: the top kernels by device time, the idle fraction (1 - kernel time / wall time), kernels
+   and host synchronisations per step.
 3. End to end from JPEG shards on local disk (benchmarks.e2e, ZeRO-1): CPU decode with
    cores - 1 workers, and `data.decode_device: cuda` (nvjpeg), each against the same step on synthetic
    tensors already on the device; the CPU cores each needs to keep up with the synthetic step.
@@ -39,6 +41,7 @@ from benchmarks.common import (
     child_pids,
     cpu_seconds,
     median,
+    profile_step,
     synchronize,
     synthetic_batch,
     throughput,
@@ -59,11 +62,18 @@ class Arm:
     compile: bool
     grad_ckpt: bool = False
     batch_scale: int = 1  # gradient checkpointing frees activations: twice the batch
+    overrides: tuple[str, ...] = ()  # config overrides of this arm alone (after the command's --set)
+    label: str = ""  # what the overrides change, in the arm's name
 
     @property
     def name(self) -> str:
-        return f"{self.loop}{' compiled' if self.compile else ' eager'}{' ckpt' if self.grad_ckpt else ''}"
+        return (f"{self.loop}{' compiled' if self.compile else ' eager'}{' ckpt' if self.grad_ckpt else ''}"
+                f"{' ' + self.label if self.label else ''}")
 
+
+# DeepSpeed's bf16 overflow check: a finiteness test per gradient tensor and two host reads per step
+# (docs/performance.md, "GPU"); this arm measures what turning it off buys.
+NO_OVERFLOW_CHECK = "deepspeed.extra={bf16: {check_grad_overflow: false}}"
 
 # What `--parts` chooses among; all by default. Each part alone is one shorter run and its own CSV row.
 PARTS = ("training", "e2e", "correctness")
@@ -77,6 +87,7 @@ def check_parts(parts: Sequence[str]) -> None:
         raise ValueError(f"bench gpu --parts: {what} among {','.join(PARTS)}")
 
 ARMS = [Arm("plain", False), Arm("plain", True), Arm("zero1", False), Arm("zero1", True),
+        Arm("zero1", True, overrides=(NO_OVERFLOW_CHECK,), label="no-overflow-check"),
         Arm("zero1", True, grad_ckpt=True, batch_scale=2)]
 
 
@@ -96,6 +107,7 @@ def build_arm(spec: BenchSpec, arm: Arm, overrides: list[str]) -> Callable[[], A
 
     spec = replace(spec, compile=arm.compile, grad_ckpt=arm.grad_ckpt)
     images, targets = synthetic_batch(spec, bench_device())
+    overrides = [*overrides, *arm.overrides]
     if arm.loop == "plain":  # the run config carries grad_ckpt into the model, compile into the step
         return build_plain(spec, images, targets, overrides)
     return make_ds_step(build_engine(spec, 1, overrides), images, targets, check_finite=False)
@@ -169,39 +181,16 @@ def run_arm(spec: BenchSpec, arm: Arm, overrides: list[str], peak: float | None,
 
 
 def profile_arm(spec: BenchSpec, arm: Arm, overrides: list[str], steps: int = 5, top: int = 12) -> dict[str, Any]:
-    """Top kernels (device time; CPU ops on the CPU) and the idle fraction over `steps` profiled steps."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """benchmarks.common.profile_step of this arm, built, warmed up and freed."""
     s = replace(spec, compile=arm.compile, grad_ckpt=arm.grad_ckpt, batch=spec.batch * arm.batch_scale)
     step = build_arm(s, arm, overrides)
     try:
         for _ in range(max(spec.warmup, 1)):
             step()
-        device = bench_device()
-        synchronize(device)
-        cuda = device.type == "cuda"
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            synchronize(device)
-            wall = time.perf_counter() - t0
+        return {"arm": arm.name, "batch": s.batch, **profile_step(step, bench_device(), steps, top)}
     finally:
         del step
         _free()
-    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
-    if cuda:  # kernels only: the device's own timeline
-        events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA] or events
-    busy_us = sum(getattr(e, attr) for e in events)
-    events.sort(key=lambda e: getattr(e, attr), reverse=True)
-    return {"arm": arm.name, "batch": s.batch, "steps": steps, "wall_ms_per_step": round(1e3 * wall / steps, 2),
-            "busy_fraction": round(busy_us / 1e6 / wall, 4) if cuda else None,
-            "idle_fraction": round(1 - busy_us / 1e6 / wall, 4) if cuda else None,
-            "top": [{"name": e.key[:90], "ms_per_step": round(getattr(e, attr) / 1e3 / steps, 3),
-                     "share": round(getattr(e, attr) / max(busy_us, 1), 4), "calls": e.count // steps}
-                    for e in events[:top]]}
 
 
 def end_to_end(spec: BenchSpec, decode_device: str, workers: int, images: int, overrides: list[str],
@@ -332,8 +321,10 @@ def run(smoke: bool = False, models: list[tuple[str, int]] | None = None, arms: 
         candidates = BATCHES
     workers = workers if workers is not None else max(1, (os.cpu_count() or 2) - 1)
     figures: dict[str, Any] = {"device": bench_device().type, "peak_flops": peak, "overrides": overrides,
-                               "parts": list(parts), "training": {}, "profile": None, "e2e": {}, "correctness": {}}
+                               "parts": list(parts), "training": {}, "profile": None, "profile_plain": None, "e2e": {},
+                               "correctness": {}}
     best_zero1: tuple[BenchSpec, Arm, float] | None = None
+    best_plain: tuple[BenchSpec, Arm, float] | None = None
     for base in base_specs if "training" in parts else []:
         log(f"training step {base.variant}@{base.res}: largest micro batch ...")
         batch = largest_batch(base, overrides, candidates, log)
@@ -347,16 +338,26 @@ def run(smoke: bool = False, models: list[tuple[str, int]] | None = None, arms: 
                 continue
             rows[arm.name] = run_arm(spec, arm, overrides, peak, log)
             r = rows[arm.name]
-            if base is base_specs[0] and arm.loop == "zero1" and "img_s" in r and \
-                    (best_zero1 is None or r["img_s"] > best_zero1[2]):
-                best_zero1 = (spec, arm, r["img_s"])
+            # The fastest arm of each loop at the trainer's own settings (no arm overrides) is profiled.
+            if base is base_specs[0] and not arm.overrides and "img_s" in r:
+                best = best_zero1 if arm.loop == "zero1" else best_plain
+                if best is None or r["img_s"] > best[2]:
+                    if arm.loop == "zero1":
+                        best_zero1 = (spec, arm, r["img_s"])
+                    else:
+                        best_plain = (spec, arm, r["img_s"])
         figures["training"][f"{base.variant}@{base.res}"] = {
             "batch": batch, "gflops_per_image": round(spec.flops_per_image() / 1e9, 2), "arms": rows}
-    if best_zero1 is not None:
-        spec, arm, _ = best_zero1
+    # "profile": the fastest ZeRO-1 arm; "profile_plain": the fastest plain loop, for DeepSpeed's overhead.
+    for key, best in (("profile", best_zero1), ("profile_plain", best_plain)):
+        if best is None:
+            continue
+        spec, arm, _ = best
         log(f"profile: {arm.name} {spec.variant}@{spec.res} ...")
-        figures["profile"] = profile_arm(spec, arm, overrides)
-        for k in figures["profile"]["top"][:6]:
+        figures[key] = p = profile_arm(spec, arm, overrides)
+        log(f"  {p['wall_ms_per_step']} ms/step, idle {p['idle_fraction']}, {p['kernels_per_step']} kernels and "
+            f"{p['host_syncs_per_step']} host syncs per step")
+        for k in p["top"][:6]:
             log(f"  {k['ms_per_step']:8.3f} ms/step {100 * k['share']:5.1f}%  {k['name']}")
     if "e2e" in parts:
         def first_model_batch() -> int:

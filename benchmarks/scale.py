@@ -44,8 +44,8 @@ class ScaleRow:
                    if self.shared_partitions else ""))
 
 
-def index_sizes(samples_per_shard: int, exts: tuple[str, ...] = ("cls", "jpg")) -> tuple[int, int]:
-    """(header bytes, record bytes) of the index of a shard of that many samples, as index.py writes it."""
+def index_sizes(exts: tuple[str, ...] = ("cls", "jpg")) -> tuple[int, int]:
+    """(header bytes, record bytes per sample) of a shard's index, as index.py writes it."""
     one = encode_index([SampleMembers("0", {e: (0, 1) for e in exts})], 1 << 40)
     record = 8 * (1 + 2 * len(exts))
     return len(one) - record, record
@@ -63,7 +63,7 @@ def project(shards: int, samples_per_shard: int, global_batch: int, node_counts:
     step = positions // global_batch
     distinct = float(np.mean([len(np.unique(shard[t * global_batch:(t + 1) * global_batch]))
                               for t in range(min(steps, batches_for_mixing))]))
-    header, record = index_sizes(samples_per_shard)
+    header, record = index_sizes()
     data_bytes = shards * samples_per_shard * sample_bytes
     rows: list[ScaleRow | str] = []
     for nodes in node_counts:

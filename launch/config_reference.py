@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import reference_markdown  # noqa: E402
+from pipeline.objectives import reference_markdown  # noqa: E402
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 

@@ -19,16 +19,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import ConfigError, load_config  # noqa: E402
-from pipeline.model.weights import (  # noqa: E402
-    WeightsError,
-    convert_dinov2_state_dict,
-    is_dinov2_state_dict,
-    load_weights,
-    save_weights,
+from pipeline.config import ConfigError  # noqa: E402
+from pipeline.model.layouts import recognise  # noqa: E402
+from pipeline.model.vit import VisionTransformer  # noqa: E402
+from pipeline.model.weights import WeightsError, load_weights, save_weights  # noqa: E402
+from pipeline.objectives import load_config  # noqa: E402
+from pipeline.run.finetune import objective_of_run  # noqa: E402
+from pipeline.train.checkpoint import (  # noqa: E402
+    CheckpointError,
+    TrainerState,
+    checkpoint_dir,
+    newest_complete_tag,
 )
-from pipeline.objectives import objective_of_run  # noqa: E402
-from pipeline.train.checkpoint import CheckpointError, checkpoint_dir, newest_complete_tag  # noqa: E402
 from pipeline.train.ds_compat import DeepSpeedFailed  # noqa: E402
 
 
@@ -48,11 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(recorded) if recorded.is_file() else None
         objective = objective_of_run(cfg)
         state = objective.weights_from_checkpoint(args.run_dir, tag, cfg)
+        # What the weights are, in the metadata (as the trainer's export): the model as the run built it.
+        built = TrainerState.read(checkpoint_dir(args.run_dir) / tag).model
+        arch = objective.exported_architecture(built) if cfg is not None else {}
     except (FileNotFoundError, ValueError, ConfigError, CheckpointError, DeepSpeedFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     out = args.out or args.run_dir / "model.safetensors"
-    save_weights(state, out, metadata={"step": tag.split("_")[-1]})
+    save_weights(state, out, metadata={"step": tag.split("_")[-1], **{k: str(v) for k, v in arch.items()}})
     print(f"wrote {out}: {len(state)} tensors ({objective.checkpoint_weights}) from {args.run_dir}/checkpoints/{tag}")
     return 0
 
@@ -60,15 +65,16 @@ def main(argv: list[str] | None = None) -> int:
 def export_dinov2(path: Path, out: Path) -> int:
     """Meta's DINOv2 backbone file -> timm-named safetensors, its architecture in the file's metadata."""
     try:
-        state = load_weights(path)
-        if not is_dinov2_state_dict(state):
-            raise WeightsError(f"'{path}' is a file but not one of Meta's DINOv2 backbones (cls_token, pos_embed and "
-                               f"mask_token or register_tokens); a run's checkpoint is exported from its run directory")
-        state, arch = convert_dinov2_state_dict(state, source=str(path))
+        found = recognise(load_weights(path), str(path))
+        if not found.complete:
+            raise WeightsError(f"'{path}' is in the layout of {found.layout}, not of Meta's DINOv2 backbones; a run's "
+                               f"checkpoint is exported from its run directory")
+        state, arch = found.state, found.arch
     except WeightsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    save_weights(state, out, metadata={k: str(v) for k, v in arch.items()})
+    keys = VisionTransformer.ARCH_KEYS  # the metadata a run's model.safetensors has (the Trainer's export)
+    save_weights(state, out, metadata={k: str(arch[k]) for k in keys if k in arch})
     print(f"wrote {out}: {len(state)} tensors from {path} ({', '.join(f'{k}={v}' for k, v in arch.items())})")
     return 0
 

@@ -64,7 +64,7 @@ part() {
 if [ -n "$SMOKE" ]; then
   part b16-training 0 0 gpu --smoke --parts training
   part b16-e2e 0 0 gpu --smoke --parts e2e
-  part dino-step 0 0 dino --dino-windows 1
+  part dino-step 0 0 dino --dino-windows 1 --dino-profile
   part mae-step 0 0 mae --mae-windows 1
   part correctness 0 0 gpu --smoke --parts correctness
 else
@@ -75,7 +75,7 @@ else
   part b16-e2e 120 240 gpu --models vit_b16@224 --parts e2e
   # (3) L/16@224. (4) DINOv2's multi-crop ViT-L/14 step, MAE's B/16 step. (5) B/16@384, bf16 vs fp32.
   part l16-training 150 300 gpu --models vit_l16@224 --parts training --budget-s 200
-  part dino-l14-step 90 180 dino --dino-variant vit_l14 --dino-batch 64
+  part dino-l14-step 90 180 dino --dino-variant vit_l14 --dino-batch 64 --dino-profile
   part mae-b16-step 60 120 mae
   part b16-384-training 150 300 gpu --models vit_b16@384 --parts training --budget-s 200
   part correctness 90 180 gpu --parts correctness

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.data.info import DataError  # noqa: E402
+from pipeline.data import DataError  # noqa: E402
 from pipeline.data.shards import (  # noqa: E402
     digits_source,
     folder_source,

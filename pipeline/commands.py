@@ -22,18 +22,18 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
-from pipeline.config import Config, ConfigError, FinetuneConfig, apply_overrides, load_or_exit
-from pipeline.dist import is_rank0, say
+from pipeline.config import Config, ConfigError, ConfigFiles, FinetuneConfig, apply_overrides
+from pipeline.dist import PortInUse, import_deepspeed, is_rank0, say
+from pipeline.exit_codes import ExitCode
+from pipeline.objectives import RECIPES, config_files, load_or_exit
+from pipeline.remote import StorageError
 from pipeline.signals import install_signal_handlers, worker_context
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PRETRAIN_CONFIG = "configs/pretrain/demo.yaml"
-FINETUNE_RECIPE = "configs/finetune/vit_b16_384.yaml"  # the paper's fine-tuning recipe (Appendix B.1.1)
-# An MAE-pretrained source gets MAE's recipe instead (avg pool + fc_norm, layer decay, RandAugment, mixup/cutmix):
-MAE_FINETUNE_RECIPES = {"vit_l16": "configs/finetune/mae_vit_l16.yaml"}  # by variant; others: the B/16 one
-MAE_FINETUNE_RECIPE = "configs/finetune/mae_vit_b16.yaml"
+# The paper's fine-tuning recipe (Appendix B.1.1); a source whose objective has a recipe of its own gets that
+# (its Recipe.finetune_recipe: MAE's).
+FINETUNE_RECIPE = "configs/finetune/vit_b16_384.yaml"
 PROBE_RECIPE = "configs/finetune/mae_linprobe.yaml"  # --probe: MAE's linear probing (SGD in place of LARS)
 RUNS = Path("runs")
 
@@ -107,13 +107,22 @@ def pretrain(argv: list[str]) -> int:
 # ----------------------------------------------------------------------------- fine-tuning
 
 
-def _saved_config(run_dir: Path) -> dict:
+def _saved_config(run_dir: Path, files: ConfigFiles | None = None) -> dict:
     """RUN_DIR/config.yaml as a plain tree ({} when missing or unreadable): what a run recorded at its start."""
     try:
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
+        cfg = (files or config_files()).tree(run_dir / "config.yaml")
+    except (OSError, ConfigError):
         return {}
     return cfg if isinstance(cfg, dict) else {}
+
+
+def _load(files: ConfigFiles, path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """A config file as the command reads it (once: `files`); a user error is one line and exit code 2."""
+    try:
+        return files.load(path, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _run_kind(cfg: dict) -> str | None:
@@ -132,7 +141,7 @@ def finished_pretrain_runs(runs: Path = RUNS) -> list[Path]:
     return sorted(found, key=lambda d: (d / "model.safetensors").stat().st_mtime, reverse=True)
 
 
-def recorded_finetune_source(run_dir: Path | None) -> str | None:
+def recorded_finetune_source(run_dir: Path | None, files: ConfigFiles | None = None) -> str | None:
     """The source a fine-tune run recorded at its first start (RUN_DIR/config.yaml's finetune.source), once
     the run has a complete checkpoint: a start that was refused or failed before its first save trained
     nothing from that source, and the next start (with a corrected --from) is a first start again.
@@ -141,11 +150,9 @@ def recorded_finetune_source(run_dir: Path | None) -> str | None:
     process group, the lock and the config. This runs before all three, to choose the config itself
     (which source, which recipe), and asks only whether a complete tag exists, by the same predicate
     (`checkpoint.newest_complete_tag`)."""
-    cfg = _saved_config(run_dir) if run_dir is not None else {}
+    cfg = _saved_config(run_dir, files) if run_dir is not None else {}
     if _run_kind(cfg) != "finetune" or not (run_dir / "checkpoints").is_dir():
         return None  # (no tag at all: not worth importing DeepSpeed for)
-    from pipeline.dist import import_deepspeed
-
     import_deepspeed()  # pipeline.train imports DeepSpeed: without its autotuner's MLflow import (see `run`)
     from pipeline.train.checkpoint import newest_complete_tag
 
@@ -174,34 +181,35 @@ def recipe_on_source(source_cfg: Config, recipe: Config, res_name: str, source_n
                                 drop_path_rate=recipe.model.drop_path_rate, img_size=recipe.model.img_size,
                                 global_pool=recipe.model.global_pool, objective="supervised")
     run = dataclasses.replace(source_cfg.run, dir=str(RUNS / f"{source_name}-ft{res_name}"))
-    data = source_cfg.data
-    if source_cfg.model.objective == "mae":
-        # MAE's recipe is also its augmentation: RandAugment, mixup/cutmix, smoothing (on the source's data).
-        data = dataclasses.replace(data, **{k: getattr(recipe.data, k) for k in (
-            "auto_augment", "mixup", "cutmix", "label_smoothing", "scale", "interpolation")})
+    # An objective's own fine-tune recipe may bring its augmentation (MAE's: RandAugment, mixup/cutmix,
+    # smoothing), on the source's data.
+    taken = RECIPES[source_cfg.model.objective].finetune_data
+    data = dataclasses.replace(source_cfg.data, **{k: getattr(recipe.data, k) for k in taken})
     return dataclasses.replace(source_cfg, model=model, data=data, train=recipe.train, run=run,
                                finetune=FinetuneConfig())
 
 
-def finetune_config(args: argparse.Namespace) -> tuple[Config, str]:
-    """(the run config, what to name in messages): --from, --config and --res resolved as the module says."""
+def finetune_config(args: argparse.Namespace, files: ConfigFiles | None = None) -> tuple[Config, str]:
+    """(the run config, what to name in messages): --from, --config and --res resolved as the module says.
+    Each config file is read once (`files`, which the fine-tune's preparation reads them from again)."""
+    files = files or config_files()
     # The run directory as the command would make it, to find a fine-tune already started there.
-    probe = load_or_exit(args.config, args.overrides) if args.config else None
+    probe = _load(files, args.config, args.overrides) if args.config else None
     run_dir = Path(probe.run.dir) if probe is not None else _run_dir_override(args.overrides)
-    recorded = recorded_finetune_source(run_dir)
+    recorded = recorded_finetune_source(run_dir, files)
     if recorded is not None:  # a restart: the source decided at the first start, its config the base
         if args.source and Path(args.source).expanduser().resolve() != Path(recorded).resolve():
             _fail(f"--from {args.source}: {run_dir} is a fine-tune of {recorded} (recorded in {run_dir}/config.yaml "
                   f"at its first start); drop --from to continue it, or use a new run.dir")
         _say(f"--from {recorded}: recorded in {run_dir}/config.yaml at this run's first start")
         args.source, where = recorded, args.config or str(run_dir / "config.yaml")
-        cfg = probe or load_or_exit(where, args.overrides)
+        cfg = probe or _load(files, where, args.overrides)
     else:
         args.source = args.source or newest_source()
         if args.config:
             cfg, where = probe, args.config
         else:
-            cfg, where = _recipe_config(args)
+            cfg, where = _recipe_config(args, files)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, kind="finetune"),
                               finetune=dataclasses.replace(cfg.finetune, source=args.source,
                                                            probe=cfg.finetune.probe or bool(getattr(args, "probe", False))))
@@ -222,19 +230,20 @@ def _run_dir_override(overrides: list[str]) -> Path | None:
     return found
 
 
-def _recipe_config(args: argparse.Namespace) -> tuple[Config, str]:
+def _recipe_config(args: argparse.Namespace, files: ConfigFiles) -> tuple[Config, str]:
     source = Path(args.source)
     source_cfg_path = source / "config.yaml" if source.is_dir() else source.parent / "config.yaml"
     if not source_cfg_path.is_file():
         _fail(f"--from {args.source} has no config.yaml beside it to take the architecture and data set from; "
               "pass --config configs/finetune/... as well")
-    source_cfg = load_or_exit(source_cfg_path)
+    source_cfg = _load(files, source_cfg_path)
     recipe_file = FINETUNE_RECIPE
+    own = RECIPES[source_cfg.model.objective].finetune_recipe  # the source objective's recipe, by variant
     if getattr(args, "probe", False):
         recipe_file = PROBE_RECIPE
-    elif source_cfg.model.objective == "mae":
-        recipe_file = MAE_FINETUNE_RECIPES.get(source_cfg.model.variant, MAE_FINETUNE_RECIPE)
-    recipe = load_or_exit(ROOT / recipe_file)
+    elif own is not None:
+        recipe_file = own(source_cfg.model.variant)
+    recipe = _load(files, ROOT / recipe_file)
     res_name = (args.res or str(recipe.model.img_size)).lower()
     base = recipe_on_source(source_cfg, recipe, res_name, source_cfg_path.parent.resolve().name)
     try:
@@ -248,11 +257,12 @@ def _recipe_config(args: argparse.Namespace) -> tuple[Config, str]:
 
 def finetune(argv: list[str]) -> int:
     args = parse_finetune_args(argv)
-    cfg, where = finetune_config(args)
+    files = config_files()  # every config file this command reads, read once
+    cfg, where = finetune_config(args, files)
     # model.* keys typed on the command line: a fine-tune refuses those its source decides (not ignored).
     cli_model_keys = {k.partition("=")[0].strip()[len("model."):] for k in args.overrides
                       if k.strip().startswith("model.")}
-    return run(cfg, where, cli_model_keys)
+    return run(cfg, where, cli_model_keys, files)
 
 
 # ----------------------------------------------------------------------------- checks and the run
@@ -272,31 +282,30 @@ def check_data(path: str, config: str) -> None:
 
 def check_variant(cfg: Config) -> None:
     """An unknown model.variant is a config error: say so before distributed init, with the valid ones."""
-    from pipeline.model.vit import VARIANTS
+    from pipeline.model.vit import VARIANTS  # here, not at the top: the command reads its config before torch
 
     if cfg.model.variant not in VARIANTS:
         _fail(f"model.variant='{cfg.model.variant}' is not a known variant; choose one of: {', '.join(VARIANTS)}")
 
 
-def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
+def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None, files: ConfigFiles | None = None) -> int:
     """Train `cfg` (a fine-tune when cfg.run.kind says so); a user error is one line and its exit code.
     Whether this start resumes is decided here, once (`resume.start`: process group, lock, plan), and the
     plan handed to the fine-tune's preparation and to the trainer."""
     install_signal_handlers()  # before anything slow (the launch scripts already did; idempotent)
     check_variant(cfg)
     check_data(cfg.data.path, where)
-    # Imported after the config is read: a typo is reported at once, not after DeepSpeed's import.
+    # Imported after the config is read: a typo is reported at once, not after torch's and DeepSpeed's import.
     from pipeline.data import BadDataError, DataError, EvalFailed
-    from pipeline.dist import PortInUse, import_deepspeed
-    from pipeline.exit_codes import ExitCode
     from pipeline.model.weights import WeightsError
 
     import_deepspeed()  # before pipeline.train imports it: without its autotuner's MLflow import
-    from pipeline.train import resume
+    from pipeline.run import resume
+    from pipeline.run.finetune import prepare_finetune
+    from pipeline.run.resume import TrainError
+    from pipeline.run.trainer import fit
     from pipeline.train.checkpoint import CheckpointError
     from pipeline.train.lock import RunDirLocked, remove_if_unused
-    from pipeline.train.resume import TrainError
-    from pipeline.train.trainer import fit
 
     together = False  # every rank leaves at the same point (set when fit returns normally)
     run_dir = Path(cfg.run.dir)
@@ -305,9 +314,7 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
         env, plan = resume.start(cfg)
         prepare = None
         if cfg.run.kind == "finetune":
-            from pipeline.train.finetune import prepare_finetune
-
-            cfg, prepare = prepare_finetune(cfg, plan, cli_model_keys or set())
+            cfg, prepare = prepare_finetune(cfg, plan, cli_model_keys or set(), files)
         if cfg.data.num_workers > 0:
             # The loaders' fork server imports the data modules (torch, torchvision, timm: about 4 s of CPU) in
             # its own process. Started here, it does so while this rank builds the model and the engine and
@@ -321,7 +328,8 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None) -> int:
     except (ConfigError, RunDirLocked, PortInUse) as e:  # e.g. fine-tuning without --from
         _error(e, shared=not isinstance(e, PortInUse))
         return ExitCode.USAGE
-    except (DataError, BadDataError, WeightsError, TrainError, CheckpointError, FileNotFoundError) as e:
+    except (DataError, BadDataError, StorageError, WeightsError, TrainError, CheckpointError,
+            FileNotFoundError) as e:
         _error(e, shared=isinstance(e, (TrainError, CheckpointError, EvalFailed)))
         return ExitCode.ERROR
     finally:

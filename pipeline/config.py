@@ -15,6 +15,7 @@ What can be derived is never written twice: the accumulation steps are
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 import sys
@@ -24,7 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
-from pipeline.typed_yaml import ConfigError, describe, from_tree, parse_override, set_dotted
+from pipeline.typed_yaml import ConfigError, from_tree, parse_override, read_tree, set_dotted
 
 # ----------------------------------------------------------------------------- sections
 
@@ -71,8 +72,8 @@ class ModelConfig:
     """Accept inputs of any size divisible by the patch size, interpolating the position table (DINO's local crops); None keeps the variant's (on for the DINOv2 variants)."""
     global_pool: Literal["token", "avg"] = "token"
     """What the head classifies: 'token' the class token after the final norm (the paper), 'avg' the mean of the patch tokens normalised by fc_norm (MAE's fine-tuning; timm's global_pool='avg')."""
-    objective: Literal["supervised", "mae", "dinov2"] = "supervised"
-    """What pretraining learns from: 'supervised' (labels, the classifier head), 'mae' (masked autoencoding of the images alone, labels unused; the `mae` section; docs/mae.md) or 'dinov2' (self-distillation from an EMA teacher across multi-crops, labels unused; the `dino` section; docs/dino.md)."""
+    objective: str = "supervised"
+    """What pretraining learns from: a recipe registered in pipeline/objectives/ (docs/objectives.md): 'supervised' (labels, the classifier head), 'mae' (masked autoencoding of the images alone, labels unused; the `mae` section; docs/mae.md) or 'dinov2' (self-distillation from an EMA teacher across multi-crops, labels unused; the `dino` section; docs/dino.md)."""
 
 
 @dataclass
@@ -260,99 +261,6 @@ class TrackingConfig:
 
 
 @dataclass
-class MaeConfig:
-    mask_ratio: float = 0.75
-    """Fraction of each image's patches removed before the encoder (paper: 0.75)."""
-    norm_pix_loss: bool = True
-    """Predict each patch's pixels normalised by that patch's mean and standard deviation (paper: on, +0.5% fine-tuned top-1 with ViT-L)."""
-    decoder_embed_dim: int = 512
-    """Width of the decoder (paper: 512)."""
-    decoder_depth: int = 8
-    """Blocks of the decoder (paper: 8)."""
-    decoder_num_heads: int = 16
-    """Attention heads of the decoder (paper: 16)."""
-    knn_k: int = 20
-    """Evaluation: neighbours voting in the k-NN top-1 on the encoder's features (0 disables the k-NN; only where the validation split has labels)."""
-    knn_train_samples: int = 10000
-    """Evaluation: labelled training samples (the first of the train split) that make the k-NN memory."""
-    recon_images: int = 8
-    """Evaluation: validation images shown masked, reconstructed and original in the MLflow image artifact (0: none)."""
-
-
-@dataclass
-class DinoConfig:
-    """DINOv2's recipe (Oquab et al. 2023; Meta's dinov2/configs/ssl_default_config.yaml). The global crops
-    are model.img_size; the teacher's starting weight decay is train.weight_decay."""
-
-    global_crops_scale: tuple[float, float] = (0.32, 1.0)
-    """Area range of the 2 global crops (teacher and student), as a fraction of the image."""
-    local_crops_number: int = 8
-    """Local crops per image (student only; 0: none)."""
-    local_crops_size: int = 98
-    """Side of a local crop in pixels, a multiple of the patch size (98 = 7 x 14; Meta's default 96 does not tile patch 14)."""
-    local_crops_scale: tuple[float, float] = (0.05, 0.32)
-    """Area range of a local crop."""
-    color_jitter_p: float = 0.8
-    """Probability of colour jitter on each crop (brightness 0.4, contrast 0.4, saturation 0.2, hue 0.1)."""
-    greyscale_p: float = 0.2
-    """Probability of greyscale on each crop."""
-    blur_p: tuple[float, float, float] = (0.0, 0.9, 0.5)
-    """Probability of Gaussian blur (kernel 9, sigma 0.1-2) on global crop 1, global crop 2 and each local crop: what Meta's code applies (pipeline/data/multicrop.py says why not what its names say)."""
-    solarize_p: float = 0.2
-    """Probability of solarisation (threshold 128) on the second global crop."""
-    head_n_prototypes: int = 65536
-    """Prototypes of the DINO head (its output width K)."""
-    head_hidden_dim: int = 2048
-    """Hidden width of the heads' MLP."""
-    head_bottleneck_dim: int = 256
-    """Bottleneck before the weight-normalised prototypes."""
-    head_nlayers: int = 3
-    """Linear layers of the heads' MLP."""
-    ibot_separate_head: bool = False
-    """Give iBOT its own head (Meta's ViT-L/g recipes); false: iBOT shares the DINO head."""
-    ibot_head_n_prototypes: int = 65536
-    """Prototypes of the separate iBOT head."""
-    ibot_head_bottleneck_dim: int = 256
-    """Bottleneck of the separate iBOT head (Meta's ViT-L/g: 256 where the DINO head has 384)."""
-    dino_loss_weight: float = 1.0
-    """Weight of the class-token (DINO) loss."""
-    ibot_loss_weight: float = 1.0
-    """Weight of the masked-patch (iBOT) loss (0: no masks, no iBOT)."""
-    koleo_loss_weight: float = 0.1
-    """Weight of the KoLeo regulariser on the student's global class tokens (0: off)."""
-    mask_probability: float = 0.5
-    """Probability that a global crop is masked for iBOT."""
-    mask_ratio: tuple[float, float] = (0.1, 0.5)
-    """Range of the fraction of patches masked in a masked crop (uniform, per image)."""
-    centering: Literal["centering", "sinkhorn_knopp"] = "centering"
-    """Teacher targets: softmax of the centred output (EMA centre, momentum 0.9), or Sinkhorn-Knopp (3 iterations)."""
-    student_temp: float = 0.1
-    """Temperature of the student's softmax."""
-    teacher_temp: float = 0.07
-    """Temperature of the teacher's softmax after the warm-up."""
-    warmup_teacher_temp: float = 0.04
-    """Temperature of the teacher's softmax at step 0, raised linearly to teacher_temp."""
-    teacher_temp_warmup_steps: int = 37500
-    """Steps of the teacher temperature warm-up (Meta: 30 epochs of 1250 iterations)."""
-    momentum_teacher: float = 0.992
-    """EMA momentum of the teacher at step 0, raised to final_momentum_teacher on a cosine over train.steps."""
-    final_momentum_teacher: float = 1.0
-    """EMA momentum of the teacher at the last step."""
-    weight_decay_end: float = 0.4
-    """Weight decay at the last step: a cosine from train.weight_decay (Meta: 0.04) to this."""
-    freeze_last_layer_steps: int = 1250
-    """Steps at the start during which the heads' prototypes (last_layer) have lr 0: their gradients are computed (and clipped with the rest) but the weights do not move (Meta's freeze_last_layer_epochs: 1 epoch of 1250 iterations)."""
-    patch_embed_lr_mult: float = 0.2
-    """Factor on the patch embedding's lr, on top of train.layer_decay's (Meta's optim.patch_embed_lr_mult)."""
-    knn_k: int = 20
-    """Evaluation: neighbours voting in the k-NN top-1 on the teacher's class token (0 disables; only where the validation split has labels)."""
-    knn_train_samples: int = 10000
-    """Evaluation: labelled training samples (the first of the train split) that make the k-NN memory."""
-    pca_images: int = 4
-    """Evaluation: validation images whose teacher patch features' first 3 principal components are drawn as RGB in the MLflow image artifact (0: none)."""
-
-
-@dataclass
 class RunConfig:
     dir: str = "runs/default"
     """Run directory: config.yaml, checkpoints/, metrics.jsonl, model.safetensors. An existing checkpoint here resumes."""
@@ -365,13 +273,16 @@ class RunConfig:
 @dataclass
 class FinetuneConfig:
     source: str | None = None
-    """Weights to start from (--from): a run directory, a .safetensors file, a timm-format .pth/.bin, or one of Meta's DINOv2 backbone .pth files (docs/model.md)."""
+    """Weights to start from (--from): a run directory, or a weights file (safetensors or torch.save, told by its bytes) in our layout, timm's, Meta's MAE pretraining checkpoint's or Meta's DINOv2 backbone's, told by its keys (docs/training.md, Fine-tuning)."""
     source_img_size: int | tuple[int, int] | None = None
     """Resolution the source was trained at (read from the source's config.yaml when it has one)."""
     probe: bool = False
     """Linear probing (--probe; MAE's other measure): the encoder frozen, a BatchNorm without affine (eps 1e-6) before the linear head (MAE's main_linprobe.py); ZeRO 0-2."""
     head_init: Literal["zero", "model"] = "zero"
     """The new classifier's start: 'zero' (the paper's, Sec. 3.2: weight and bias 0, every logit 0 at the first step) or 'model' (drawn as the ViT's own init draws it for a run from scratch with the same train.seed: trunc-normal 0.02, zero bias; the fine-tune then starts as that run does but for the pretrained weights). --probe has a head of its own."""
+
+
+Check = tuple[str, bool, str]  # (dotted key, does it hold, what was expected): one of `validate`'s checks
 
 
 @dataclass
@@ -392,42 +303,54 @@ class Config:
     """The run directory."""
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     """Fine-tuning source (ignored by pretraining)."""
-    mae: MaeConfig = field(default_factory=MaeConfig)
-    """Masked autoencoder pretraining (used when model.objective is 'mae')."""
-    dino: DinoConfig = field(default_factory=DinoConfig)
-    """DINOv2 self-distillation (used when model.objective is 'dinov2')."""
 
-
-def reference_markdown() -> str:
-    """The config reference table of docs/configuration.md (launch/config_reference.py --update writes it)."""
-    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
-    for key, default, doc in describe(Config):
-        lines.append(f"| `{key}` | `{default}` | {doc.replace('|', '/')} |")
-    return "\n".join(lines)
+    def section_checks(self) -> list[Check]:
+        """`validate`'s checks beyond the core sections': none here. A run config with the objectives'
+        sections (pipeline.objectives.ObjectivesConfig) adds each objective's."""
+        return []
 
 
 # ----------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config (or start from defaults), apply `key=value` overrides, validate strictly."""
-    tree: dict[str, Any] = {}
-    where = "config"
-    if path is not None:
-        path = Path(path)
-        where = str(path)
-        if not path.is_file():
-            raise ConfigError(f"config file '{path}' does not exist")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                schema: type[Config] = Config) -> Config:
+    """Read a YAML config (or start from defaults), apply `key=value` overrides, validate strictly. `schema`:
+    the core sections (Config), or a run config with the objectives' sections too (what
+    pipeline.objectives.load_config reads)."""
+    if path is None:
+        return config_from_tree({}, overrides, "config", schema)
+    return config_from_tree(read_tree(path), overrides, str(path), schema)
+
+
+def config_from_tree(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), where: str = "config",
+                     schema: type[Config] = Config) -> Config:
+    """`load_config` of a tree already read (it is not changed): overrides applied, typed, validated."""
+    tree = copy.deepcopy(tree)
     for text in overrides:
         key, value = parse_override(text)
         set_dotted(tree, key, value)
-    cfg = from_tree(Config, tree, where)
+    cfg = from_tree(schema, tree, where)
     validate(cfg, where)
     return cfg
+
+
+class ConfigFiles:
+    """The config files one command reads, each read once (a fine-tune's own --config, its run directory's
+    config.yaml on a restart, its source's config.yaml), by resolved path; configs are built from the trees."""
+
+    def __init__(self, schema: type[Config] = Config) -> None:
+        self.schema = schema
+        self._trees: dict[Path, dict[str, Any]] = {}
+
+    def tree(self, path: str | Path) -> dict[str, Any]:
+        key = Path(path).resolve()
+        if key not in self._trees:
+            self._trees[key] = read_tree(path)
+        return self._trees[key]
+
+    def load(self, path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+        return config_from_tree(self.tree(path), overrides, str(path), self.schema)
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...], where: str = "command line") -> Config:
@@ -437,7 +360,7 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...], where: 
     for text in overrides:
         key, value = parse_override(text)
         set_dotted(tree, key, value)
-    cfg = from_tree(Config, tree, where)
+    cfg = from_tree(type(cfg), tree, where)
     validate(cfg, where)
     return cfg
 
@@ -490,53 +413,12 @@ def validate(cfg: Config, where: str = "config") -> None:
          "'bilinear' or 'bicubic' when data.decode_device is 'cuda'"),
         ("model.drop_rate", 0 <= cfg.model.drop_rate < 1, "in [0, 1)"),
         ("model.drop_path_rate", 0 <= cfg.model.drop_path_rate < 1, "in [0, 1)"),
-        ("mae.mask_ratio", 0 <= cfg.mae.mask_ratio < 1, "in [0, 1)"),
-        ("mae.knn_k", cfg.mae.knn_k >= 0, ">= 0"),
-        ("mae.recon_images", cfg.mae.recon_images >= 0, ">= 0"),
-        ("data.mixup", cfg.model.objective != "mae" or (cfg.data.mixup == 0 and cfg.data.cutmix == 0),
-         "0 with model.objective 'mae' (as data.cutmix: mixing images has no meaning without labels)"),
-        ("model.representation_size", cfg.model.objective != "mae" or cfg.model.representation_size is None,
-         "null with model.objective 'mae' (the encoder has no classifier head)"),
-        *dino_checks(cfg),
+        *cfg.section_checks(),
     ]
     for key, ok, expected in checks:
         if not ok:
             value = operator.attrgetter(key)(cfg)
             raise ConfigError(f"{where}: key '{key}' must be {expected}, got {value!r}")
-
-
-def dino_checks(cfg: Config) -> list[tuple[str, bool, str]]:
-    """`validate`'s checks of a model.objective 'dinov2' run (none for another objective)."""
-    if cfg.model.objective != "dinov2":
-        return []
-    d = cfg.dino
-    return [
-        ("data.mixup", cfg.data.mixup == 0 and cfg.data.cutmix == 0,
-         "0 with model.objective 'dinov2' (as data.cutmix: the crops are the augmentation)"),
-        ("data.decode_device", cfg.data.decode_device == "cpu", "'cpu' with model.objective 'dinov2' (multi-crop "
-         "runs in the loader workers)"),
-        ("model.representation_size", cfg.model.representation_size is None,
-         "null with model.objective 'dinov2' (the backbone has no classifier head)"),
-        ("train.ema_decay", cfg.train.ema_decay is None,
-         "null with model.objective 'dinov2' (its teacher is the EMA of the student: dino.momentum_teacher)"),
-        ("dino.local_crops_number", d.local_crops_number >= 0, ">= 0"),
-        ("dino.local_crops_size", d.local_crops_size > 0, "> 0"),
-        ("dino.mask_probability", 0 <= d.mask_probability <= 1, "in [0, 1]"),
-        ("dino.color_jitter_p", 0 <= d.color_jitter_p <= 1, "in [0, 1]"),
-        ("dino.greyscale_p", 0 <= d.greyscale_p <= 1, "in [0, 1]"),
-        ("dino.blur_p", all(0 <= p <= 1 for p in d.blur_p), "3 probabilities in [0, 1]"),
-        ("dino.solarize_p", 0 <= d.solarize_p <= 1, "in [0, 1]"),
-        ("dino.mask_ratio", 0 <= d.mask_ratio[0] <= d.mask_ratio[1] < 1, "[low, high] with 0 <= low <= high < 1"),
-        ("dino.head_n_prototypes", d.head_n_prototypes > 0, "> 0"),
-        ("dino.head_nlayers", d.head_nlayers >= 1, ">= 1"),
-        ("dino.teacher_temp_warmup_steps", d.teacher_temp_warmup_steps >= 0, ">= 0"),
-        ("dino.momentum_teacher", 0 <= d.momentum_teacher <= d.final_momentum_teacher <= 1,
-         "in [0, dino.final_momentum_teacher] (and that at most 1)"),
-        ("dino.freeze_last_layer_steps", d.freeze_last_layer_steps >= 0, ">= 0"),
-        ("dino.patch_embed_lr_mult", d.patch_embed_lr_mult >= 0, ">= 0"),
-        ("dino.knn_k", d.knn_k >= 0, ">= 0"),
-        ("dino.pca_images", d.pca_images >= 0, ">= 0"),
-    ]
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -554,21 +436,11 @@ def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'train': {'lr': 1}} -> {'train.lr': 1}: MLflow params."""
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
-def load_or_exit(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_or_exit(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+                 schema: type[Config] = Config) -> Config:
     """`load_config` for launchers: a user error prints one line and exits with code 2."""
     try:
-        return load_config(path, overrides)
+        return load_config(path, overrides, schema)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,6 +1,5 @@
 """What a run config implies, never written twice: the batch split on a layout (accumulation steps),
-DeepSpeed's JSON config, the image size as (height, width). It reads `pipeline.config`'s sections
-(types only); `pipeline.config` never imports it, so there is no cycle.
+DeepSpeed's JSON config, the image size as (height, width), from `pipeline.config`'s sections.
 
     g, accum = resolve_batch(cfg.train, world_size)     # ConfigError naming the numbers if impossible
     ds_json = deepspeed_config(cfg, world_size)         # train_batch_size is the global batch
@@ -8,12 +7,10 @@ DeepSpeed's JSON config, the image size as (height, width). It reads `pipeline.c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pipeline.config import Config, TrainConfig
 from pipeline.typed_yaml import ConfigError
-
-if TYPE_CHECKING:  # the sections import this module: types only, no cycle at run time
-    from pipeline.config import Config, TrainConfig
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -54,13 +54,13 @@ _installed = False
 _reaping = False
 
 
-def _handle(signum: int, frame: Any) -> None:
+def _handle(signum: int, frame: Any) -> None:  # noqa: ARG001 - a signal handler's signature
     global _received
     if _received is None:
         _received = signum
 
 
-def block_in_worker(worker_id: int = 0) -> None:
+def block_in_worker(worker_id: int = 0) -> None:  # noqa: ARG001 - DataLoader's worker_init_fn signature
     """DataLoader `worker_init_fn`: leave SIGTERM/SIGUSR1 pending in the worker instead of dying of them
     (torch's worker handler exits on a SIGTERM its parent did not send, and the rank then fails with
     "DataLoader worker killed by signal"). The rank decides what a signal means; its workers end when it

@@ -99,7 +99,7 @@ class Supervisor:
         self.interrupts = 0
         self.kill_now = False
 
-    def _on_signal(self, signum: int, frame: object) -> None:
+    def _on_signal(self, signum: int, frame: object) -> None:  # noqa: ARG002 - a signal handler's signature
         if signum == signal.SIGINT:
             self.interrupts += 1
             self.kill_now = self.interrupts > 1

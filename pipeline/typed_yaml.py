@@ -14,8 +14,10 @@ import ast
 import dataclasses
 import inspect
 import re
+import textwrap
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
@@ -26,14 +28,22 @@ class ConfigError(ValueError):
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """Docstrings written as string literals right after each field (the torchtitan style)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
-            docs[node.target.id] = str(nxt.value.value)
+    """Docstrings written as string literals right after each field (the torchtitan style), of `cls` and of
+    the dataclasses it extends (a class made at run time, with dataclasses.make_dataclass, has no source:
+    its own fields are sections, documented field by field)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+                docs[node.target.id] = str(nxt.value.value)
     return docs
 
 
@@ -137,6 +147,18 @@ def from_tree(cls: type, data: dict[str, Any], where: str, prefix: str = "") -> 
         else:
             kwargs[name] = _coerce(data[name], tp, prefix + name, where)
     return cls(**kwargs)
+
+
+def read_tree(path: str | Path) -> dict[str, Any]:
+    """A YAML config file as a plain tree (ConfigError when missing or not YAML)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    return tree
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

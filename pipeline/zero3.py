@@ -4,7 +4,7 @@ DeepSpeed puts on a partitioned parameter (`ds_id`, `ds_shape`, `ds_tensor`).
 Under `deepspeed.zero.Init` each parameter is a 1-D placeholder holding this rank's slice; its real shape
 is DeepSpeed's `ds_shape` attribute. Reading it is DeepSpeed internals, which otherwise live in
 `pipeline/train/ds_compat.py` (whose import checks the DeepSpeed version); these three live here, below
-both model/ and train/, because the model reads them (`_init_param`, `num_params`) and model/ imports
+both model/ and train/, because the model reads them (`init_param`, `num_params`) and model/ imports
 neither train/ nor DeepSpeed when it is imported (a model builds and runs without DeepSpeed: timm
 equivalence tests, parameter counts on the meta device). Attribute names are those of the DeepSpeed
 versions `ds_compat.TESTED` accepts.

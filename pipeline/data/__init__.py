@@ -3,6 +3,7 @@
 Writing (launch/make_shards.py):
     sources.py     what to write: an image folder, scikit-learn's digits, synthetic images
     shards.py      ShardWriter (shard + its index + digest), write_dataset, index_shards -> dataset.json
+    bucket.py      writing under an s3:// prefix, reading a remote shard once to index it
 Reading (the trainer):
     info.py        dataset.json / timm's _info.json, checked against the shards
     order.py       the global order: partitions, passes, which sample a position holds
@@ -10,7 +11,7 @@ Reading (the trainer):
     index.py       per-shard index files, random access to samples, the node's cache of remote shards
     fetch.py       fetch ahead: the rank's next shards into the cache, in the background
     tario.py       tar members -> image and label; streaming a shard from its start
-    bad.py         bad-data counters and the stop rule
+    bad.py         the data errors, bad-data counters and the stop rule
     stream.py      the train stream (TrainStream in workers, TrainLoader in the rank) and its state
     eval.py        the exactly-once eval pass
     transforms.py  timm's train/eval transforms, Mixup/CutMix, normalisation
@@ -18,9 +19,10 @@ Reading (the trainer):
     loader.py      the builders: build_train_loader (with the cache check), build_eval_loader
 """
 
+from .bad import BadDataError, DataError
 from .eval import EvalFailed, raise_if_any_failed
-from .info import BadDataError, DataError, DatasetInfo, SplitInfo, dataset_info_of, read_dataset_info
-from .loader import EvalLoader, TrainLoader, build_eval_loader, build_train_loader, merge_counters
+from .info import DatasetInfo, SplitInfo, dataset_info_of, read_dataset_info
+from .loader import EvalLoader, TrainLoader, build_eval_loader, build_train_loader, label_free, merge_counters
 from .tario import BAD_KINDS
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "build_eval_loader",
     "build_train_loader",
     "dataset_info_of",
+    "label_free",
     "merge_counters",
     "raise_if_any_failed",
     "read_dataset_info",

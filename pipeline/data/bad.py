@@ -1,4 +1,9 @@
-"""Bad data: counting what could not be read, by kind, and the stop rule (`data.max_bad_fraction`).
+"""Bad data: the data errors, counting what could not be read, by kind, and the stop rule
+(`data.max_bad_fraction`).
+
+`DataError` is a user's mistake in the data set (a missing file, a dataset.json that disagrees with the
+shards); `BadDataError` a data set with too many samples that cannot be read. A remote object that cannot
+be had is neither: `pipeline.remote.StorageError` (a network fault is never bad data).
 
 `Counters` travel with each batch from the DataLoader workers (pickled), add up with `+` (per
 rank, then across ranks by the trainer), and go into the checkpoint as a plain dict
@@ -12,6 +17,14 @@ from typing import Any
 
 MIN_SAMPLES_FOR_BAD_CHECK = 100
 IO_FIELDS = ("bytes", "index_bytes", "sample_bytes")  # what this process read: not part of the run's state
+
+
+class DataError(ValueError):
+    """A user error in the data set (missing or inconsistent files); the message names the file."""
+
+
+class BadDataError(RuntimeError):
+    """Too many corrupt samples: more than `data.max_bad_fraction` of those read; names the worst shard."""
 
 
 @dataclass

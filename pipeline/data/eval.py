@@ -22,13 +22,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.config import DataConfig
+from pipeline.remote import RetryPolicy, StorageError
 from pipeline.signals import WorkerInit, reap_workers_at_exit, worker_context
 
 from . import tario
-from .bad import Counters, merge_counters
+from .bad import BadDataError, Counters, merge_counters
 from .index import Indexes
-from .info import BadDataError, SplitInfo
-from .storage import RetryPolicy, StorageError, expected_of
+from .info import SplitInfo, expected_of
 from .transforms import BatchNormalizer, as_is, empty_batch, eval_transform
 
 

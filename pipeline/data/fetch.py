@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.remote import Expected, RetryPolicy
 from pipeline.signals import exit_with, worker_context
 
 from .index import local_copy, needs_copy
 from .order import GlobalOrder
-from .storage import Expected, RetryPolicy
 
 WAKE_S = 0.2  # how often the fetcher looks at where the rank is
 CHUNK_STEPS = 8  # steps whose shards are computed at once

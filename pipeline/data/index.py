@@ -8,20 +8,19 @@ from scanning tar headers in every process:
 - a shard without one (written by others) gets it built once per machine, in `data.cache_dir`,
   by the first process that needs it (under a file lock; written to a temporary name, then
   renamed), and every other process on the machine reads that file;
-- a shard without random access (`pipe:` commands, http(s) and s3 URLs, `.tar.gz`) is first copied
-  whole into `data.cache_dir` (a URL with retries, checked against dataset.json: storage.py),
-  decompressed, and its index built next to the copy, under the same lock (`local_copy`).
+- a shard without random access (`pipe:` commands, http(s) and s3 URLs, `.tar.gz`) is first copied whole
+  into `data.cache_dir` (a URL with retries, checked against dataset.json: pipeline/remote/), decompressed,
+  and its index built next to the copy, under the same lock (`local_copy`).
 
 An index file: `MAGIC`, the header's length (8 bytes, little endian), the header (JSON: shard
 size, sample count, member extensions, why the archive ends early if it does), zero padding to
 8 bytes, then one record per sample of int64s: a flag (1 + the column of a member that occurs
 twice, or 0), then (data offset, size) per extension column, offset -1 where the sample has no
-such member. A process reads a shard's index whole once (the first time it reads from the shard:
-`check_index`, a damaged index is built again, never trusted) and then one record per sample, tens
-of bytes per sample of ~100 KB.
+such member. A process reads a shard's index whole once (the first time it reads from the shard: `check_index`, a
+damaged index is built again, never trusted) and then one record per sample, tens of bytes per ~100 KB.
 
-Reading a sample is one `os.pread` from its first member's data to its last member's end (the
-tar headers in between come along: 512 bytes per extra member).
+Reading a sample is one `os.pread` from its first member's data to its last member's end (the tar headers
+in between come along: 512 bytes per extra member).
 """
 
 from __future__ import annotations
@@ -44,10 +43,10 @@ from typing import Any
 import numpy as np
 
 from pipeline import atomic
+from pipeline.remote import TRANSIENT_STATUS, Expected, RetryPolicy, StorageError, fetch
 
 from . import tario
 from .info import is_remote
-from .storage import TRANSIENT_STATUS, Expected, RetryPolicy, StorageError, fetch
 
 MAGIC = b"VITIDX01"
 INDEX_SUFFIX = ".idx"
@@ -225,7 +224,7 @@ class Indexes:
             self.errors[shard] = e
             raise
         except StorageError:
-            raise  # a network fault is not a bad sample: the run stops, naming the URL (storage.py)
+            raise  # a network fault is not a bad sample: the run stops, naming the URL (pipeline/remote)
         except (OSError, ValueError) as e:  # ValueError: a scheme webdataset's gopen does not know
             self.errors[shard] = tario.ShardError(tario.UNREADABLE_SHARD, shard, f"{type(e).__name__}: {e}")
             raise self.errors[shard] from None
@@ -334,7 +333,7 @@ def local_copy(shard: str, cache_dir: str | None, limit: int, expected: Expected
                policy: RetryPolicy | None = None, budget_key: str | None = None) -> str:
     """Path of an uncompressed local copy of `shard` in the cache (with its index beside it), fetched
     if needed. A remote shard is fetched with retries and checked against `expected` (dataset.json's size
-    and digest) under a temporary name: only a verified copy is renamed into the cache (storage.py).
+    and digest) under a temporary name: only a verified copy is renamed into the cache (pipeline/remote).
     `budget_key`: callers that pass the same key (a rank's fetch-ahead process and its readers) share one
     retry budget (data.retry_time_s) per shard (see _shared_deadline)."""
     folder = Path(cache_dir or default_cache_dir())
@@ -349,7 +348,7 @@ def local_copy(shard: str, cache_dir: str | None, limit: int, expected: Expected
             return str(final)
         tmp = folder / f"{name}.{os.getpid()}.tmp"
         record = folder / (name + BUDGET_SUFFIX)
-        until = _shared_deadline(record, shard, budget_key, policy) if budget_key and is_remote(shard) else None
+        until = _shared_deadline(record, budget_key, policy) if budget_key and is_remote(shard) else None
         try:
             _fetch(shard, tmp, expected or Expected(), policy, until)
             _evict(folder, limit - tmp.stat().st_size)
@@ -370,7 +369,7 @@ def local_copy(shard: str, cache_dir: str | None, limit: int, expected: Expected
 BUDGET_SUFFIX = ".budget"  # beside a cached copy while its fetch is under way or has failed
 
 
-def _shared_deadline(record: Path, shard: str, key: str, policy: RetryPolicy | None) -> float:
+def _shared_deadline(record: Path, key: str, policy: RetryPolicy | None) -> float:
     """The wall-clock end of `shard`'s retry budget for the callers sharing `key` (read under the shard's
     lock). Without it, the fetch-ahead process and the rank's reader, one after the other, would each spend
     data.retry_time_s on the same dead shard: twice the configured wait before the run stops. A record of
@@ -422,7 +421,7 @@ def _fetch(shard: str, out: Path, expected: Expected, policy: RetryPolicy | None
                 raise OSError(f"command '{shard[5:]}' exited with status {p.returncode}"
                               + (f": {err[-1]}" if err else ""))
         elif is_remote(shard):
-            fetch(shard, raw, expected, policy, until)  # retried, resumed by range, verified (storage.py)
+            fetch(shard, raw, expected, policy, until)  # retried, resumed by range, verified (pipeline/remote)
         else:
             shutil.copyfile(shard, raw)
         with open(raw, "rb") as f:

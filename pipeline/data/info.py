@@ -14,25 +14,17 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline import atomic
+from pipeline.remote import Expected, RetryPolicy, StorageError, storage
 
-if TYPE_CHECKING:  # storage.py imports this module
-    from .storage import RetryPolicy
+from .bad import DataError
 
 DATASET_JSON = "dataset.json"
 TIMM_INFO_JSON = "_info.json"
 FORMAT_NAME = "vit-pipeline-shards"
 FORMAT_VERSION = 1
-
-
-class DataError(ValueError):
-    """A user error in the data set (missing or inconsistent files); the message names the file."""
-
-
-class BadDataError(RuntimeError):
-    """Too many corrupt samples: more than `data.max_bad_fraction` of those read; names the worst shard."""
 
 
 @dataclass
@@ -47,6 +39,15 @@ class SplitInfo:
     """Size of each shard file when dataset.json was written (None where unknown)."""
     shard_sha256: list[str | None] = field(default_factory=list)
     """Digest of each shard's bytes recorded by make_shards (None where unknown: remote shards indexed by others)."""
+
+
+def expected_of(split: Any) -> dict[str, Expected]:
+    """Shard -> what dataset.json says of it (size, sha256; what a remote copy is checked against), for a
+    SplitInfo or anything with its shards, shard_bytes and shard_sha256 lists (the train stream)."""
+    n = len(split.shards)
+    sizes = list(split.shard_bytes or []) + [None] * n
+    digests = list(split.shard_sha256 or []) + [None] * n
+    return {s: Expected(sizes[i], digests[i]) for i, s in enumerate(split.shards)}
 
 
 @dataclass
@@ -177,16 +178,12 @@ def read_dataset_info(path: str | os.PathLike[str], check_files: bool = True, po
 def dataset_info_of(cfg: Any) -> DatasetInfo:
     """The data set a run's DataConfig names, read with the run's own retry settings (data.retry_*,
     data.read_timeout_s), as its shards are."""
-    from .storage import RetryPolicy
-
     return read_dataset_info(cfg.path, policy=RetryPolicy.from_config(cfg))
 
 
 def _read_remote_info(url: str, policy: RetryPolicy | None = None) -> DatasetInfo:
-    """dataset.json (or _info.json) under the URL prefix `url`, fetched with storage.py's retries. One GET
+    """dataset.json (or _info.json) under the URL prefix `url`, fetched with pipeline/remote's retries. One GET
     (two for timm's layout): no LIST of the bucket."""
-    from .storage import StorageError, read_bytes
-
     base = url.rstrip("/")
     if base.endswith(".json"):
         folder, candidates = base.rsplit("/", 1)[0], [base]
@@ -194,7 +191,7 @@ def _read_remote_info(url: str, policy: RetryPolicy | None = None) -> DatasetInf
         folder, candidates = base, [f"{base}/{DATASET_JSON}", f"{base}/{TIMM_INFO_JSON}"]
     for candidate in candidates:
         try:
-            raw = read_bytes(candidate, policy)
+            raw = storage.read_bytes(candidate, policy)
         except StorageError as e:
             if e.status == 404 and candidate != candidates[-1]:
                 continue  # no dataset.json: perhaps timm's _info.json

@@ -12,6 +12,7 @@ slot when evaluating; past `data.max_bad_fraction` of the samples read (after 10
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -21,10 +22,10 @@ import torch
 from pipeline.config import DataConfig
 from pipeline.derived import accumulation_steps, image_size
 
-from .bad import Counters, merge_counters
+from .bad import Counters, DataError, merge_counters
 from .eval import EvalLoader, EvalStream
 from .index import needs_copy
-from .info import DataError, DatasetInfo, check_shard_names, dataset_info_of
+from .info import DatasetInfo, check_shard_names, dataset_info_of
 from .nodes import node_place
 from .order import GlobalOrder
 from .stream import LOADER_STATE_VERSION, TrainLoader, TrainStream
@@ -43,6 +44,12 @@ def _check_placement(batch_size: int, rank: int, world_size: int) -> None:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
+
+
+def label_free(data: DataConfig) -> DataConfig:
+    """The data config of a pass that reads no labels: label-free shards are valid, a labelled data set's
+    labels are unused, and a sample without one is not counted as bad (MAE's and DINOv2's training)."""
+    return dataclasses.replace(data, label_key="")
 
 
 def build_train_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_size: int, seed: int,

@@ -25,7 +25,7 @@ over 0.1-0.5 in strata; that depends on the batch's make-up, so here each image 
 (masked with probability 0.5, ratio uniform in 0.1-0.5): the same distribution per image, identical on
 any layout.
 
-The DINOv2 objective (pipeline/objectives/dino.py, `MultiCropView`) calls both in the train stream's
+The DINOv2 objective (pipeline/objectives/dino/view.py, `MultiCropView`) calls both in the train stream's
 workers, with each sample's augmentation seed.
 """
 

@@ -15,14 +15,10 @@ dataset.json describing shards that are not all there.
 
 from __future__ import annotations
 
-import contextlib
 import glob
-import hashlib
 import io
 import os
-import shutil
 import tarfile
-import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -33,14 +29,16 @@ from typing import Any
 import numpy as np
 
 from pipeline.atomic import atomic_path, fsync_dir
+from pipeline.remote import file_sha256
 
 from . import tario
+from .bad import DataError
+from .bucket import BucketOut, readable_copy
 from .index import INDEX_SUFFIX, SampleMembers, encode_index, write_index
 from .info import (
     DATASET_JSON,
     FORMAT_NAME,
     FORMAT_VERSION,
-    DataError,
     is_remote,
     is_url,
     shard_scheme,
@@ -68,11 +66,6 @@ class ShardRecord:
     bytes: int
     sha256: str
     """Digest of the shard's bytes: the data state's fingerprint covers it (a rewritten shard is refused on resume)."""
-
-
-def file_sha256(path: str | Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class ShardWriter:
@@ -239,53 +232,16 @@ def write_dataset(source: Source, out_dir: str | Path, max_samples_per_shard: in
     `out_dir` may be s3://bucket/prefix: each shard is uploaded as soon as it is complete (from a local
     staging folder that holds one shard at a time), dataset.json last."""
     if is_url(str(out_dir)):
-        with _BucketOut(str(out_dir), overwrite) as bucket:
+        with BucketOut(str(out_dir), overwrite) as bucket:
             return _write_dataset(source, bucket.staging, max_samples_per_shard, max_bytes_per_shard, seed,
                                   workers, True, progress, log, bucket)
     return _write_dataset(source, Path(out_dir), max_samples_per_shard, max_bytes_per_shard, seed, workers,
                           overwrite, progress, log, None)
 
 
-class _BucketOut:
-    """make_shards --out s3://bucket/prefix: a local staging folder, and uploads from it. A shard is visible
-    under its key only once whole (a PUT is atomic); dataset.json goes up last, so no dataset.json in the
-    bucket ever names a shard not yet there. Nothing LISTs or deletes in the bucket."""
-
-    def __init__(self, url: str, overwrite: bool):
-        if shard_scheme(url) != "s3":
-            raise DataError(f"--out {url}: only s3:// prefixes are written to (http(s) is read-only)")
-        self.url = url.rstrip("/")
-        self.overwrite = overwrite
-
-    def __enter__(self) -> _BucketOut:
-        from . import s3
-
-        try:
-            if not self.overwrite and s3.exists(f"{self.url}/{DATASET_JSON}"):
-                raise DataError(f"'{self.url}' already holds a {DATASET_JSON}; pass --overwrite to replace it")
-        except s3.Permanent as e:
-            raise DataError(f"cannot write to '{self.url}': {e}") from None
-        self.staging = Path(tempfile.mkdtemp(prefix="vit-pipeline-upload-"))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        shutil.rmtree(self.staging, ignore_errors=True)
-
-    def upload(self, path: Path) -> None:
-        """Put a staged file under the prefix, then drop the local copy (and its local index)."""
-        from . import s3
-
-        try:
-            s3.upload(str(path), f"{self.url}/{path.name}")
-        except s3.Permanent as e:
-            raise DataError(str(e)) from None
-        path.unlink()
-        Path(str(path) + INDEX_SUFFIX).unlink(missing_ok=True)  # readers index their cached copy
-
-
 def _write_dataset(source: Source, out: Path, max_samples_per_shard: int, max_bytes_per_shard: int | None,
                    seed: int, workers: int, overwrite: bool, progress: bool, log: Callable[[str], None],
-                   bucket: _BucketOut | None) -> WriteSummary:
+                   bucket: BucketOut | None) -> WriteSummary:
     from tqdm import tqdm
 
     shown = bucket.url if bucket is not None else out
@@ -411,7 +367,7 @@ def index_shards(splits: dict[str, str], out_dir: str | Path, label_key: str = "
         for split, shards in expanded.items():
             entries = []
             for shard in shards:
-                with _readable_copy(shard) as local:
+                with readable_copy(shard) as local:
                     n, labels, unlabelled = scan_shard(local, label_key)
                     entry: dict[str, Any] = {"name": _relative_to(shard, out), "num_samples": n}
                     if not local.startswith("pipe:"):  # a file (a URL's verified copy): its size and digest
@@ -440,7 +396,7 @@ def index_shards(splits: dict[str, str], out_dir: str | Path, label_key: str = "
     if isinstance(out, Path):
         write_json_atomic(out / DATASET_JSON, description)
     else:
-        with _BucketOut(out, overwrite=True) as bucket:
+        with BucketOut(out, overwrite=True) as bucket:
             write_json_atomic(bucket.staging / DATASET_JSON, description)
             bucket.upload(bucket.staging / DATASET_JSON)
     total_bytes = sum(e.get("bytes", 0) for sp in splits_json.values() for e in sp["shards"])
@@ -451,25 +407,6 @@ def index_shards(splits: dict[str, str], out_dir: str | Path, label_key: str = "
     return summary
 
 
-@contextlib.contextmanager
-def _readable_copy(shard: str) -> Iterator[str]:
-    """A local file holding the shard: itself, or for an http(s)/s3 URL a copy fetched once with retries
-    (storage.py) into a temporary file, removed after. `pipe:` names are streamed as before."""
-    if not is_url(shard):
-        yield shard
-        return
-    from .storage import StorageError, fetch
-
-    fd, name = tempfile.mkstemp(prefix="vit-pipeline-index-", suffix=".tar")
-    os.close(fd)
-    try:
-        try:
-            fetch(shard, Path(name))
-        except StorageError as e:
-            raise DataError(str(e)) from None
-        yield name
-    finally:
-        os.unlink(name)
 
 
 def _relative_to(shard: str, folder: Path | str) -> str:

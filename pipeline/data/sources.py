@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image
 
 from . import tario
-from .info import DataError
+from .bad import DataError
 
 FOLDER_IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm", ".tif", ".tiff", ".gif"}
 

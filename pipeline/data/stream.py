@@ -38,17 +38,17 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.config import DataConfig
+from pipeline.remote import RetryPolicy, StorageError
 from pipeline.signals import WorkerInit, reap_workers_at_exit, worker_context
 
 from . import tario
-from .bad import Counters
+from .bad import BadDataError, Counters, DataError
 from .buffers import RING, BatchRing, Releaser
 from .fetch import FetchAhead
 from .gpu_decode import CropDraw, GpuBatchDecoder, open_lazy, pack_batch, replace_bad
 from .index import Indexes, needs_copy
-from .info import BadDataError, DataError, SplitInfo
+from .info import SplitInfo, expected_of
 from .order import MIXUP, GlobalOrder, micro_batch_positions, seed_for
-from .storage import RetryPolicy, expected_of
 from .transforms import BatchNormalizer, as_is, build_mixup, empty_batch, seeded, train_transform
 
 LOADER_STATE_VERSION = 3  # 2: the shuffle-window order before partitions
@@ -107,7 +107,7 @@ class TrainStream(IterableDataset):
         for use, j in enumerate(count(self.start + k, nw)):
             try:
                 yield self.micro_batch(j, in_worker=info is not None, use=use)
-            except BadDataError as e:
+            except (BadDataError, StorageError) as e:  # a shard that cannot be fetched stops the run too
                 yield {"error": str(e), "j": j}
                 return
 

@@ -26,7 +26,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.model.vit import Block, VisionTransformer, _init_param, _pair, variant_kwargs
+from pipeline.model.layers import Block, init_param
+from pipeline.model.variants import pair, variant_kwargs
+from pipeline.model.vit import VisionTransformer
 
 # The paper's decoder (Sec. 3, "MAE decoder"; Table 1a/1b pick 8 blocks of width 512).
 DECODER_DEFAULTS: dict[str, int] = dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16)
@@ -42,7 +44,7 @@ def sincos_pos_embed_2d(dim: int, grid: tuple[int, int] | int, cls_token: bool =
     """
     if dim % 4:
         raise ValueError(f"a 2-D sin-cos position embedding needs a width divisible by 4, got {dim}")
-    h, w = _pair(grid)
+    h, w = pair(grid)
     omega = 1.0 / 10000 ** (np.arange(dim // 4, dtype=np.float64) / (dim / 4))
 
     def one_axis(pos: np.ndarray) -> np.ndarray:  # (M,) -> (M, dim/2)
@@ -86,6 +88,10 @@ class MaskedAutoencoderViT(VisionTransformer):
     The position tables are persistent buffers, not parameters: they are in the state dict under the
     official names (so checkpoints load either way) but never trained, decayed or partitioned by ZeRO-3.
     """
+
+    ARCH_KEYS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
+                 "decoder_embed_dim", "decoder_depth", "decoder_num_heads")
+    """The constructor arguments that decide the weights (VisionTransformer.ARCH_KEYS': the encoder's, no head)."""
 
     def __init__(
         self,
@@ -142,14 +148,14 @@ class MaskedAutoencoderViT(VisionTransformer):
         projection's bias keeps Conv2d's default U(+-1/sqrt(fan_in)), as there (VisionTransformer drew it)."""
         proj = self.patch_embed.proj
         fan_in = proj.in_channels * proj.kernel_size[0] * proj.kernel_size[1]
-        _init_param(proj.weight, _xavier_uniform(proj.out_channels, fan_in))
-        _init_param(self.cls_token, _normal(0.02))
-        _init_param(self.mask_token, _normal(0.02))
+        init_param(proj.weight, _xavier_uniform(proj.out_channels, fan_in))
+        init_param(self.cls_token, _normal(0.02))
+        init_param(self.mask_token, _normal(0.02))
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                _init_param(module.weight, _xavier_uniform(module.out_features, module.in_features))
+                init_param(module.weight, _xavier_uniform(module.out_features, module.in_features))
                 if module.bias is not None:
-                    _init_param(module.bias, nn.init.zeros_)
+                    init_param(module.bias, nn.init.zeros_)
 
     # ----------------------------------------------------------------------- pixels <-> patches
 
@@ -268,7 +274,7 @@ def mae_flops(kwargs: dict, mask_ratio: float = 0.75) -> float:
     and the kept patches, decoder_embed on those, the decoder's blocks on the class token and all
     patches, decoder_pred on all tokens. A training step costs 3x this.
     """
-    h, w = _pair(kwargs.get("img_size", 224))
+    h, w = pair(kwargs.get("img_size", 224))
     p, d = kwargs.get("patch_size", 16), kwargs.get("embed_dim", 768)
     depth, ratio = kwargs.get("depth", 12), kwargs.get("mlp_ratio", 4.0)
     c = kwargs.get("in_chans", 3)

@@ -13,236 +13,30 @@ same model with four options, each a constructor argument and each an nn.Identit
 timm's `VisionTransformer`: LayerScale (`init_values`), register tokens (`reg_tokens`), a position table over
 the patches only (`no_embed_class`) and a SwiGLU MLP (`mlp_layer='swiglu'`, ViT-g); `dynamic_img_size`
 interpolates the position table for inputs of another size (DINO's 96 px local crops). Meta's released
-files load through `pipeline.model.weights.convert_dinov2_state_dict` (docs/model.md).
+files load through `pipeline.model.layouts.convert_dinov2_state_dict` (docs/model.md).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipeline.model.layers import Block, LayerScale, PatchEmbed, init_param, trunc_normal, uniform
 from pipeline.model.pos_embed import resize_pos_embed
-from pipeline.zero3 import is_partitioned, real_numel
-
-# Table 1 of the paper (+ the Ti and S sizes of DeiT that timm also ships). Patch size is part of the name.
-VARIANTS: dict[str, dict[str, int | float | bool | str]] = {
-    "vit_ti16": dict(patch_size=16, embed_dim=192, depth=12, num_heads=3),
-    "vit_s16": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
-    "vit_b16": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
-    "vit_b32": dict(patch_size=32, embed_dim=768, depth=12, num_heads=12),
-    "vit_l16": dict(patch_size=16, embed_dim=1024, depth=24, num_heads=16),
-    "vit_l32": dict(patch_size=32, embed_dim=1024, depth=24, num_heads=16),
-    "vit_h14": dict(patch_size=14, embed_dim=1280, depth=32, num_heads=16),
-}
-
-# DINOv2's backbones (Meta's hubconf / timm's vit_*_patch14_dinov2): LayerScale at 1e-5 in every block and a
-# position table interpolated at forward time, so 224 px global and 96 px local crops share one model.
-_DINOV2 = dict(patch_size=14, init_values=1e-5, dynamic_img_size=True)
-# ViT-g: a SwiGLU MLP. timm's packed layout: fc1 is D -> 2H (value and gate halves), fc2 is H -> D, with
-# mlp_ratio giving 2H / D; H = 4096 for D = 1536, as Meta's SwiGLUFFNFused rounds (2/3 * 4D, to a multiple of 8).
-_GIANT = dict(embed_dim=1536, depth=40, num_heads=24, mlp_ratio=2.66667 * 2, mlp_layer="swiglu")
-for _size, _shape in {
-    "s": dict(embed_dim=384, depth=12, num_heads=6),
-    "b": dict(embed_dim=768, depth=12, num_heads=12),
-    "l": dict(embed_dim=1024, depth=24, num_heads=16),
-    "g": _GIANT,
-}.items():
-    VARIANTS[f"vit_{_size}14"] = dict(_DINOV2, **_shape)
-    # With registers, timm's layout: the position table covers the patches only (Meta's class-token row is
-    # folded into the class token on load); the registers carry no position.
-    VARIANTS[f"vit_{_size}14_reg4"] = dict(_DINOV2, **_shape, reg_tokens=4, no_embed_class=True)
-
-
-def _pair(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
-    return (x, x) if isinstance(x, int) else (int(x[0]), int(x[1]))
-
-
-def _init_param(param: nn.Parameter, init_fn: Callable[[torch.Tensor], object]) -> None:
-    """Initialise a parameter in place, also when ZeRO-3 has already partitioned it.
-
-    Inside `deepspeed.zero.Init` every module's parameters are partitioned as soon as its own
-    __init__ returns, so by the time the ViT initialises its Linear layers each rank holds only a
-    shard (often an empty tensor); writing to it would silently leave most weights
-    uninitialised. GatheredParameters materialises the full tensor, rank 0 initialises it, and
-    DeepSpeed broadcasts and re-partitions on exit. Rank 0 consumes the same random numbers in
-    the same order as a non-partitioned build, so a given seed gives the same model either way.
-    """
-    def fill(p: torch.Tensor) -> None:
-        if p.is_meta:  # shape-only model (parameter counts): nothing to fill
-            return
-        # Draw in float32 whatever the parameter's dtype (zero.Init may create bf16 parameters):
-        # the same seed then gives the same values, rounded once.
-        with torch.no_grad():
-            # zero.Init patches torch.empty to return bf16 even when float32 is asked for; .float() copies.
-            values = torch.empty(p.shape, dtype=torch.float32, device="cpu").float()
-            init_fn(values)
-            p.copy_(values)
-
-    if is_partitioned(param):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-            if torch.distributed.get_rank() == 0:
-                fill(param)
-    else:
-        fill(param)
-
-
-def _trunc_normal(std: float) -> Callable[[torch.Tensor], object]:
-    # timm's trunc_normal_ truncates at +-2 absolute (i.e. 100 std at 0.02): effectively a normal.
-    return partial(nn.init.trunc_normal_, std=std, a=-2.0, b=2.0)
-
-
-def _uniform(bound: float) -> Callable[[torch.Tensor], object]:
-    return partial(nn.init.uniform_, a=-bound, b=bound)
-
-
-class PatchEmbed(nn.Module):
-    """Eq. 1: cut the image into P x P patches and project each linearly to D.
-
-    A Conv2d whose kernel and stride are both P is exactly that per-patch linear projection.
-    """
-
-    def __init__(self, img_size: int | tuple[int, int] = 224, patch_size: int = 16, in_chans: int = 3,
-                 embed_dim: int = 768, dynamic_img_size: bool = False):
-        super().__init__()
-        self.img_size = _pair(img_size)
-        self.dynamic_img_size = dynamic_img_size
-        self.patch_size = (patch_size, patch_size)
-        if self.img_size[0] % patch_size or self.img_size[1] % patch_size:
-            raise ValueError(f"img_size {self.img_size} is not divisible by patch_size {patch_size}")
-        self.grid_size = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
-        self.num_patches = self.grid_size[0] * self.grid_size[1]
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dynamic_img_size:
-            p = self.patch_size[0]
-            if x.shape[-2] % p or x.shape[-1] % p:
-                # The convolution would silently drop the last partial row/column of pixels.
-                raise ValueError(f"input is {tuple(x.shape[-2:])}, not a multiple of the patch size {p}")
-        elif x.shape[-2:] != self.img_size:
-            raise ValueError(f"input is {tuple(x.shape[-2:])} but the model was built for {self.img_size}")
-        return self.proj(x).flatten(2).transpose(1, 2)  # (B, D, h, w) -> (B, N, D)
-
-
-class Attention(nn.Module):
-    """Multi-head self-attention (MSA); the softmax(QK^T / sqrt(d))V product runs in SDPA's fused kernels."""
-
-    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0):
-        super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.attn_drop = attn_drop
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, C = x.shape
-        # (B, N, 3D) -> 3 x (B, heads, N, head_dim): the layout SDPA wants, same split as timm.
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
-        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
-
-
-class Mlp(nn.Module):
-    """Linear(D, 4D) -> GELU -> Linear(4D, D), dropout after each dense layer as in the paper."""
-
-    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = nn.GELU()
-        self.drop1 = nn.Dropout(drop)
-        self.fc2 = nn.Linear(hidden_dim, dim)
-        self.drop2 = nn.Dropout(drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
-
-
-class SwiGLU(nn.Module):
-    """SwiGLU MLP (Shazeer, arXiv 2002.05202) in timm's packed layout (`SwiGLUPacked`): fc1 projects to
-    both halves at once, SiLU(first half) gates the second, fc2 projects back. Meta's SwiGLUFFNFused is the
-    same computation with fc1/fc2 named w12/w3; the names are converted on load."""
-
-    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0):
-        super().__init__()
-        if hidden_dim % 2:
-            raise ValueError(f"SwiGLU needs an even fc1 width (value and gate halves), got {hidden_dim}")
-        self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = nn.SiLU()
-        self.drop1 = nn.Dropout(drop)
-        self.fc2 = nn.Linear(hidden_dim // 2, dim)
-        self.drop2 = nn.Dropout(drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = self.fc1(x).chunk(2, dim=-1)
-        return self.drop2(self.fc2(self.drop1(self.act(x1) * x2)))
-
-
-MLP_LAYERS: dict[str, type[nn.Module]] = {"mlp": Mlp, "swiglu": SwiGLU}
-
-
-class LayerScale(nn.Module):
-    """Per-channel scale on a residual branch (CaiT, Touvron et al., arXiv 2103.17239): starting near zero
-    (DINOv2: 1e-5), every block begins close to the identity, which keeps deep models stable early on."""
-
-    def __init__(self, dim: int, init_values: float):
-        super().__init__()
-        self.init_values = init_values
-        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gamma
-
-
-class DropPath(nn.Module):
-    """Stochastic depth: drop the whole residual branch per sample (DeiT; the paper uses none)."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1.0 - self.p)
-        return x * keep / (1.0 - self.p)
-
-
-class Block(nn.Module):
-    """Eq. 2-3: a pre-norm transformer block."""
-
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
-                 drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0,
-                 init_values: float | None = None, mlp_layer: str = "mlp"):
-        super().__init__()
-        if mlp_layer not in MLP_LAYERS:
-            raise ValueError(f"mlp_layer must be one of {', '.join(MLP_LAYERS)}, got {mlp_layer!r}")
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
-        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = MLP_LAYERS[mlp_layer](dim, int(dim * mlp_ratio), drop=drop)
-        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return x
+from pipeline.model.variants import (  # noqa: F401 (VARIANTS, model_flops, model_kwargs_from_config: re-exported)
+    VARIANTS,
+    model_flops,
+    model_kwargs_from_config,
+    pair,
+    variant_kwargs,
+)
+from pipeline.zero3 import real_numel
 
 
 class TokenFeatures(NamedTuple):
@@ -270,6 +64,14 @@ class VisionTransformer(nn.Module):
     and Meta's for its register models); `mask_token` a learnable embedding that `masks` put in place of
     patch embeddings (iBOT; Meta's prepare_tokens_with_masks).
     """
+
+    ARCH_KEYS: tuple[str, ...] = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio",
+                                  "qkv_bias", "num_classes", "representation_size", "global_pool", "init_values",
+                                  "reg_tokens", "no_embed_class", "mlp_layer", "mask_token")
+    """The constructor arguments that decide the weights (their names and shapes): what a resume compares
+    with its checkpoint (`architecture`), what a fine-tune takes from its source (those a fine-tune does not
+    set itself: pipeline/run/finetune.py), what model.safetensors records. A model built on this one
+    declares its own (MAE's decoder, DINOv2's heads added)."""
 
     def __init__(
         self,
@@ -349,10 +151,10 @@ class VisionTransformer(nn.Module):
         the position embedding, the class token and timm's register tokens). Biases, norm weights and
         LayerScale gammas (ndim <= 1) are never decayed whatever this says; the optimizer adds them
         (`pipeline.train.optim.param_groups`). mask_token is decayed. DINOv2's student
-        (`pipeline.objectives.dino.DINOv2Model`) exempts none of these by name, as Meta's parameter groups."""
+        (`pipeline.model.dino.DINOv2Model`) exempts none of these by name, as Meta's parameter groups."""
         return {"pos_embed", "cls_token", "reg_token"}
 
-    def group_matcher(self, coarse: bool = False) -> dict[str, str]:
+    def group_matcher(self, coarse: bool = False) -> dict[str, str]:  # noqa: ARG002 - timm's signature
         """Which parameters make up the stem (layer 0) and block i (layer i + 1), as regular expressions
         over parameter names in timm's style; everything else (the final norm, the head) is the last
         layer. Layer-wise lr decay numbers layers by it (BEiT numbering). `coarse` is timm's argument,
@@ -366,22 +168,22 @@ class VisionTransformer(nn.Module):
         it is drawn the same way under zero.Init."""
         proj = self.patch_embed.proj
         bound = 1.0 / math.sqrt(proj.in_channels * proj.kernel_size[0] * proj.kernel_size[1])
-        _init_param(proj.weight, _uniform(bound))
-        _init_param(proj.bias, _uniform(bound))
-        _init_param(self.pos_embed, _trunc_normal(0.02))
-        _init_param(self.cls_token, _trunc_normal(0.02))
+        init_param(proj.weight, uniform(bound))
+        init_param(proj.bias, uniform(bound))
+        init_param(self.pos_embed, trunc_normal(0.02))
+        init_param(self.cls_token, trunc_normal(0.02))
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                _init_param(module.weight, _trunc_normal(0.02))
+                init_param(module.weight, trunc_normal(0.02))
                 if module.bias is not None:
-                    _init_param(module.bias, nn.init.zeros_)
+                    init_param(module.bias, nn.init.zeros_)
             elif isinstance(module, LayerScale):  # under zero.Init its constructor's fill is partitioned away
-                _init_param(module.gamma, partial(nn.init.constant_, val=module.init_values))
+                init_param(module.gamma, partial(nn.init.constant_, val=module.init_values))
         # Drawn after everything else so that a model without them consumes the same random numbers as before.
         if self.reg_token is not None:
-            _init_param(self.reg_token, partial(nn.init.normal_, std=1e-6))  # timm's and Meta's init
+            init_param(self.reg_token, partial(nn.init.normal_, std=1e-6))  # timm's and Meta's init
         if self.mask_token is not None:
-            _init_param(self.mask_token, nn.init.zeros_)  # Meta's init
+            init_param(self.mask_token, nn.init.zeros_)  # Meta's init
 
     def reset_classifier(self, num_classes: int) -> None:
         """Fine-tuning head (the paper, Sec. 3.2): a zero-initialised Linear(D, K) replaces the head and
@@ -396,8 +198,8 @@ class VisionTransformer(nn.Module):
         In place, so also on a model ZeRO-3 has already partitioned, where replacing the module (as
         `reset_classifier` does) is not possible: fine-tuning builds the model with its head and calls this."""
         if isinstance(self.head, nn.Linear):
-            _init_param(self.head.weight, nn.init.zeros_)
-            _init_param(self.head.bias, nn.init.zeros_)
+            init_param(self.head.weight, nn.init.zeros_)
+            init_param(self.head.bias, nn.init.zeros_)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
@@ -467,60 +269,20 @@ class VisionTransformer(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-def variant_kwargs(name: str, **overrides) -> dict:
-    """The constructor arguments of a named variant, with overrides applied (None values ignored)."""
-    if name not in VARIANTS:
-        raise KeyError(f"unknown ViT variant '{name}'; choose one of: {', '.join(VARIANTS)}")
-    kwargs: dict = dict(VARIANTS[name])
-    kwargs.update({k: v for k, v in overrides.items() if v is not None})
-    return kwargs
+def architecture(model_class: type[nn.Module], kwargs: dict) -> dict:
+    """The architecture of `model_class(**kwargs)`: each of its ARCH_KEYS with the value it is built with (a key
+    not in `kwargs` takes the constructor's default, or the ViT's for arguments passed through to it)."""
+    defaults = {}
+    for cls in (VisionTransformer, model_class):
+        for name, param in inspect.signature(cls.__init__).parameters.items():
+            if param.default is not inspect.Parameter.empty:
+                defaults[name] = param.default
+    return {k: kwargs.get(k, defaults.get(k)) for k in model_class.ARCH_KEYS}
 
 
 def build_vit(name: str, **overrides) -> VisionTransformer:
     """`build_vit("vit_b16", num_classes=10, img_size=384)`."""
     return VisionTransformer(**variant_kwargs(name, **overrides))
-
-
-def model_kwargs_from_config(model_cfg, num_classes: int | None = None) -> dict:
-    """Constructor arguments from a `pipeline.config.ModelConfig` (num_classes from the data if unset)."""
-    classes = model_cfg.num_classes if model_cfg.num_classes is not None else num_classes
-    if classes is None:
-        raise ValueError("model.num_classes is not set and no data set gave a class count")
-    return variant_kwargs(
-        model_cfg.variant,
-        img_size=_pair(model_cfg.img_size), num_classes=classes,
-        patch_size=model_cfg.patch_size, embed_dim=model_cfg.embed_dim, depth=model_cfg.depth,
-        num_heads=model_cfg.num_heads, mlp_ratio=model_cfg.mlp_ratio, qkv_bias=model_cfg.qkv_bias,
-        drop_rate=model_cfg.drop_rate, attn_drop_rate=model_cfg.attn_drop_rate,
-        drop_path_rate=model_cfg.drop_path_rate, representation_size=model_cfg.representation_size,
-        global_pool=model_cfg.global_pool,
-        # None keeps the variant's choice (the DINOv2 variants set these).
-        init_values=model_cfg.init_values, reg_tokens=model_cfg.reg_tokens, no_embed_class=model_cfg.no_embed_class,
-        mlp_layer=model_cfg.mlp_layer, dynamic_img_size=model_cfg.dynamic_img_size,
-    )
-
-
-def model_flops(kwargs: dict, img_size: int | tuple[int, int] | None = None) -> float:
-    """Forward FLOPs per image (multiply-adds x 2) from the model's shape alone.
-
-    Counts the matrix products: patch projection, per block QKV (3D^2 N), QK^T and AV (2 N^2 D),
-    output projection (D^2 N), MLP (2 r D^2 N), pre-logits and head. Norms, softmax and GELU are
-    O(ND) and left out, as in timm's published GMACs (B/16@224: 17.58 G, ours 17.56 G).
-    A training step costs 3x this (backward = 2x forward).
-    """
-    h, w = _pair(img_size if img_size is not None else kwargs.get("img_size", 224))
-    p, d = kwargs.get("patch_size", 16), kwargs.get("embed_dim", 768)
-    depth, ratio = kwargs.get("depth", 12), kwargs.get("mlp_ratio", 4.0)
-    in_chans, classes = kwargs.get("in_chans", 3), kwargs.get("num_classes", 1000)
-    rep = kwargs.get("representation_size") or 0
-    n_patches = (h // p) * (w // p)
-    n = n_patches + 1 + kwargs.get("reg_tokens", 0)
-    # MLP: fc1 D -> rD and fc2 rD -> D; SwiGLU's fc2 takes half of fc1's width (the gated half).
-    mlp = 1.5 * ratio if kwargs.get("mlp_layer", "mlp") == "swiglu" else 2 * ratio
-    macs = n_patches * in_chans * p * p * d
-    macs += depth * (n * d * d * (4 + mlp) + 2 * n * n * d)
-    macs += d * rep + (rep or d) * classes
-    return 2.0 * macs
 
 
 def num_params(model: nn.Module) -> int:

@@ -1,16 +1,20 @@
 """Reading and writing model weights safely: safetensors, or `torch.load(weights_only=True)`.
 
-Nothing here unpickles arbitrary objects: a checkpoint that carries code is refused. Parameter names
-are timm's, so a timm state dict (e.g. downloaded weights of `vit_base_patch16_224`) loads directly.
+Nothing here unpickles arbitrary objects: a checkpoint that carries code is refused. A file's format is
+recognised by what defines it, never by its name (`weights_format`); whose weights it holds, and how they
+become our model's, is `pipeline.model.layouts`. Parameter names are timm's, so a timm state dict (e.g.
+downloaded weights of `vit_base_patch16_224`) loads directly.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import pickle
-import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from pipeline.atomic import atomic_path
@@ -18,6 +22,11 @@ from pipeline.atomic import atomic_path
 
 class WeightsError(ValueError):
     """A weights file that cannot be used; the message names the file and what is wrong."""
+
+
+class NotWeightsFile(WeightsError):
+    """A file in none of the weights formats (text, empty, a pickle named .safetensors): the message says
+    what it is instead, without the file's name (the caller names it as the user did)."""
 
 
 def refused_global(e: pickle.UnpicklingError) -> str:
@@ -35,25 +44,109 @@ def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, metadata
         save_file({k: v.detach().contiguous().clone() for k, v in state_dict.items()}, str(tmp), metadata=metadata)
 
 
-def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """A state dict from .safetensors, or from .pth/.pt/.bin through the restricted unpickler.
+# --- File formats, each recognised by what defines it, the most specific first ---
 
-    Wrappers people save around weights ({'model': ...}, {'state_dict': ...}, {'module': ...}) and a
-    'module.' prefix (DDP) are unwrapped.
+SAFETENSORS_MAX_HEADER = 100_000_000  # safetensors' own limit on its JSON header
+PICKLE_PROTOCOLS = range(2, 6)  # torch.save writes protocol 2; pickle.dump 2-5 since Python 3.0
+
+
+def weights_format(path: str | Path) -> str:
+    """'safetensors', 'torch zip' or 'pickle', tested in that order, each by what defines it:
+
+    - safetensors: 8 bytes, a little-endian header length N; then N bytes of JSON, an object whose every
+      tensor has a dtype, a shape and data_offsets inside the rest of the file. The length's first byte
+      can be anything (2,688 is `80 0a 00 ...`, a pickle's opening byte), so this is tested first;
+    - torch zip (torch.save since 1.6): a zip archive's local-file signature `PK\\x03\\x04`;
+    - pickle (a legacy torch.save, or pickle.dump): the PROTO opcode `\\x80` and a protocol 2-5. Read as
+      the zip is, by the restricted unpickler: one that carries code is refused when it is loaded.
+
+    A file named .safetensors must be one (a pickle there is refused: the name promised no pickle).
+    Raises NotWeightsFile saying what the file is otherwise.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(4096)
+        header = _safetensors_header(f, head, size)
+    if isinstance(header, dict):
+        return "safetensors"
+    found = "torch zip" if head.startswith(b"PK\x03\x04") else (
+        "pickle" if head[:1] == b"\x80" and head[1:2] and head[1] in PICKLE_PROTOCOLS else None)
+    if found and path.suffix == ".safetensors":
+        raise NotWeightsFile(f"it is a {'torch.save zip' if found == 'torch zip' else 'pickle'} file named "
+                             f".safetensors, not a safetensors file")
+    if found:
+        return found
+    if isinstance(header, str):  # began as safetensors does, and is not one: say where it stops being one
+        raise NotWeightsFile(header)
+    if not head:
+        raise NotWeightsFile("it is empty")
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        raise NotWeightsFile(f"it starts with bytes {head[:8].hex(' ')}: not safetensors (a header length, then "
+                             f"JSON), a torch.save zip (PK\\x03\\x04) or a pickle (\\x80, protocol 2-5)") from None
+    first = text.strip().splitlines()[0][:60] if text.strip() else ""
+    raise NotWeightsFile(f"it is a text file ({size} bytes, first line: {first!r})")
+
+
+def _safetensors_header(f, head: bytes, size: int) -> dict | str | None:
+    """The JSON header of a safetensors file; a string saying why not when the file starts as one (a length
+    that fits the file, then '{'); None when it does not start as one."""
+    length = int.from_bytes(head[:8], "little")
+    if len(head) < 10 or head[8:9] != b"{" or not 2 <= length <= SAFETENSORS_MAX_HEADER:
+        return None
+    if length > size - 8:
+        return (f"it starts as a safetensors file with a {length}-byte header, but only {size - 8} bytes follow "
+                f"the length: truncated")
+    f.seek(8)
+    try:
+        header = json.loads(f.read(length).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"it starts as a safetensors file (a {length}-byte header) whose header is not JSON ({e})"
+    if not isinstance(header, dict):
+        return f"it starts as a safetensors file whose {length}-byte header is not a JSON object"
+    data = size - 8 - length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data and isinstance(entry.get("dtype"), str)
+                and isinstance(entry.get("shape"), list)):
+            return (f"it starts as a safetensors file whose tensor {name!r} is not a dtype, a shape and data_offsets "
+                    f"within its {data} bytes of data ({json.dumps(entry)[:80]}): truncated or not safetensors")
+    return header
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """A state dict from a safetensors file, or from a torch.save file through the restricted unpickler,
+    whatever the file is named (`weights_format` decides).
+
+    Wrappers people save around weights ({'model': ...}, {'state_dict': ...}, {'module': ...}, Meta's DINOv2
+    {'teacher': ...}) and a 'module.' prefix (DDP) are unwrapped. Besides tensors and plain data, the
+    restricted unpickler accepts one class: argparse.Namespace, the `args` that Meta's MAE main_pretrain.py
+    saves beside the model (rebuilt from its attributes' values, which must be plain data themselves).
     """
     path = Path(path)
     if not path.is_file():
         raise WeightsError(f"weights file '{path}' does not exist")
-    if path.suffix == ".safetensors":
+    try:
+        fmt = weights_format(path)
+    except NotWeightsFile as e:
+        raise WeightsError(f"'{path}' is not a weights file: {e}") from None
+    if fmt == "safetensors":
         return load_file(str(path))
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            # mmap (the zip format only): an optimizer's state saved beside the model is never read.
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=fmt == "torch zip")
     except pickle.UnpicklingError as e:
         raise WeightsError(f"'{path}' is not a plain tensor file and was not loaded: loading it would run code "
                            f"from the file ({refused_global(e)})") from None
     except Exception as e:  # noqa: BLE001 - a corrupt or foreign file: say which one
         raise WeightsError(f"'{path}' could not be read as a weights file: {e}") from None
-    for key in ("model", "state_dict", "module", "model_state"):
+    for key in ("model", "state_dict", "module", "model_state", "teacher"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -61,74 +154,9 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in obj.items()}
 
 
-# --- Meta's DINOv2 backbones (facebookresearch/dinov2, `dinov2_vitb14_pretrain.pth`, `..._reg4_pretrain.pth`) ---
-
-_META_CHUNKED = re.compile(r"^blocks\.\d+\.(\d+)\.")  # training checkpoints' BlockChunk layout: blocks.CHUNK.I.
-_META_BLOCK = re.compile(r"^blocks\.(\d+)\.")
-
-
-def is_dinov2_state_dict(state: dict[str, torch.Tensor]) -> bool:
-    """Whether a state dict is laid out as Meta's DinoVisionTransformer (its own key names, not timm's):
-    a mask_token (1, D) or register_tokens, or SwiGLUFFNFused's w12/w3 names, beside cls_token and pos_embed."""
-    if "cls_token" not in state or "pos_embed" not in state:
-        return False
-    return ("mask_token" in state or "register_tokens" in state
-            or any(k.endswith(".mlp.w12.weight") for k in state))
-
-
-def convert_dinov2_state_dict(state: dict[str, torch.Tensor], keep_mask_token: bool = False,
-                              source: str = "state dict") -> tuple[dict[str, torch.Tensor], dict]:
-    """Meta's DINOv2 backbone -> (our/timm state dict, our VisionTransformer's constructor arguments).
-
-    The architecture is read from the tensors: width from cls_token, patch size from the projection's
-    kernel, depth from the block indices, LayerScale from ls1.gamma, registers from register_tokens, the
-    MLP from w12 (SwiGLU) or fc1, the grid (hence img_size; 37x37 x 14 = 518 for the released files) from
-    pos_embed. The head count is not stored; Meta's models all have 64-wide heads (S 6, B 12, L 16, g 24).
-    Layout, as timm's _convert_dinov2: with registers, Meta adds pos_embed[0] to the class token and
-    inserts the registers after the positions, so the class token's row is folded into cls_token and the
-    table covers the patches only (no_embed_class); without, pos_embed keeps its class row. w12/w3 become
-    fc1/fc2 (SwiGLUPacked). mask_token (training only) is dropped unless `keep_mask_token`.
-    """
-    state = {_META_CHUNKED.sub(r"blocks.\1.", k): v for k, v in state.items()}
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        key = key.replace(".mlp.w12.", ".mlp.fc1.").replace(".mlp.w3.", ".mlp.fc2.")
-        out[key] = value
-    mask_token = out.pop("mask_token", None)
-    if keep_mask_token and mask_token is not None:
-        out["mask_token"] = mask_token.reshape(1, -1)
-    cls = out["cls_token"]
-    if cls.ndim != 3 or cls.shape[:2] != (1, 1):
-        raise WeightsError(f"{source}: cls_token has shape {tuple(cls.shape)}, expected (1, 1, D) as in Meta's DINOv2")
-    dim = cls.shape[-1]
-    proj = out.get("patch_embed.proj.weight")
-    if proj is None or proj.ndim != 4:
-        raise WeightsError(f"{source}: no patch_embed.proj.weight (D, C, P, P), as Meta's DINOv2 backbones have")
-    patch = proj.shape[-1]
-    blocks = sorted({int(m.group(1)) for k in out if (m := _META_BLOCK.match(k))})
-    if not blocks or blocks != list(range(len(blocks))):
-        raise WeightsError(f"{source}: blocks.N.* keys are missing or not numbered 0..depth-1")
-    pos = out["pos_embed"]
-    reg_tokens = 0
-    if "register_tokens" in out:
-        reg = out.pop("register_tokens")
-        reg_tokens = reg.shape[1]
-        out["reg_token"] = reg
-        out["cls_token"] = cls + pos[:, :1]
-        out["pos_embed"] = pos = pos[:, 1:]
-        grid_tokens = pos.shape[1]
-    else:
-        grid_tokens = pos.shape[1] - 1
-    side = int(round(grid_tokens ** 0.5))
-    if side * side != grid_tokens:
-        raise WeightsError(f"{source}: pos_embed has {grid_tokens} patch rows, not a square grid")
-    swiglu = "blocks.0.mlp.fc1.weight" in out and any(k.endswith(".mlp.w12.weight") for k in state)
-    hidden = out["blocks.0.mlp.fc1.weight"].shape[0]
-    kwargs = dict(
-        img_size=side * patch, patch_size=patch, in_chans=proj.shape[1], embed_dim=dim, depth=len(blocks),
-        num_heads=max(dim // 64, 1), mlp_ratio=hidden / dim, qkv_bias="blocks.0.attn.qkv.bias" in out,
-        # The value only seeds a fresh model: a loaded file overwrites every gamma.
-        init_values=1e-5 if "blocks.0.ls1.gamma" in out else None,
-        reg_tokens=reg_tokens, no_embed_class=reg_tokens > 0, mlp_layer="swiglu" if swiglu else "mlp",
-    )
-    return out, kwargs
+def weights_metadata(path: str | Path) -> dict[str, str]:
+    """A safetensors file's metadata (our exports name their variant and step there); {} for other formats."""
+    if weights_format(path) != "safetensors":
+        return {}
+    with safe_open(str(path), "pt") as f:
+        return dict(f.metadata() or {})

@@ -1,36 +1,79 @@
 """Training objectives: what differs between recipes (`base.Objective`), registered by model.objective.
 
-Adding one: a module here with an `Objective` subclass, its config section, and one line below
-(docs/objectives.md).
+This module is light (no torch, no DeepSpeed): it lists each recipe's declaration (`recipe.Recipe`: its
+name, its config section and checks), so that a command reads and checks its whole run config before
+torch is imported; a recipe's Objective class is imported when a run builds it (`OBJECTIVES[name]`).
+
+Adding one: its own files (<name>.py with the `Objective` subclass, <name>_config.py with its config
+section and `RECIPE`) and one line in RECIPES below (docs/objectives.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
-from pipeline.config import Config
-from pipeline.objectives.base import EvalResult, Objective
-from pipeline.objectives.dino import DINOv2
-from pipeline.objectives.mae import MAE
-from pipeline.objectives.supervised import Supervised
+from pipeline import config
+from pipeline.config import Config, ConfigFiles
+from pipeline.objectives import dino_config, mae_config, supervised_config
+from pipeline.objectives.recipe import Recipe, objectives_config
+from pipeline.typed_yaml import describe
 
-OBJECTIVES: dict[str, type[Objective]] = {
-    "supervised": Supervised,
-    "mae": MAE,
-    "dinov2": DINOv2,
-}
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    supervised_config.RECIPE,
+    mae_config.RECIPE,
+    dino_config.RECIPE,
+)}
 
-
-def objective_of_run(cfg: Config | None) -> type[Objective]:
-    """The objective class a run directory's config.yaml names (`cfg`, None when the run has none: a model
-    trained before runs recorded one, read as the plain model): which `weights_from_checkpoint` reads a run
-    stopped before its export (`launch/finetune.py --from RUN_DIR`, `launch/export_weights.py`)."""
-    return OBJECTIVES[cfg.model.objective] if cfg is not None else Objective
+ObjectivesConfig = objectives_config(RECIPES.values())
+"""The run config: the core sections (pipeline.config.Config) and every recipe's own."""
 
 
-def build_objective(cfg: Config, info: Any) -> Objective:
+class _Objectives(Mapping[str, type]):
+    """model.objective -> its Objective class, imported on first use."""
+
+    def __getitem__(self, name: str) -> type:
+        return RECIPES[name].objective()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(RECIPES)
+
+    def __len__(self) -> int:
+        return len(RECIPES)
+
+
+OBJECTIVES: Mapping[str, type] = _Objectives()
+
+
+def build_objective(cfg: Config, info: Any) -> Any:
     """The objective model.objective names, for this run config and data set."""
     return OBJECTIVES[cfg.model.objective](cfg, info)
 
 
-__all__ = ["OBJECTIVES", "EvalResult", "Objective", "build_objective", "objective_of_run"]
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """A run config (`pipeline.config.load_config` with every recipe's section): strict, one-line errors."""
+    return config.load_config(path, overrides, ObjectivesConfig)
+
+
+def load_or_exit(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """`load_config` for launchers: a user error prints one line and exits with code 2."""
+    return config.load_or_exit(path, overrides, ObjectivesConfig)
+
+
+def config_files() -> ConfigFiles:
+    """The config files one command reads, each once, as run configs (pipeline.config.ConfigFiles)."""
+    return ConfigFiles(ObjectivesConfig)
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md's reference table (launch/config_reference.py --update writes it): every key of a
+    run config, the recipes' sections included, its default and its docstring."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for key, default, doc in describe(ObjectivesConfig):
+        lines.append(f"| `{key}` | `{default}` | {doc.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+__all__ = ["OBJECTIVES", "RECIPES", "ObjectivesConfig", "Recipe", "build_objective", "config_files", "load_config",
+           "load_or_exit", "reference_markdown"]

@@ -1,22 +1,26 @@
 """The Objective interface: what differs between training recipes, behind one set of hooks.
 
-The trainer (pipeline/train/trainer.py) names no objective. It asks the objective, in this order:
+The trainer (pipeline/run/trainer.py) names no objective. It asks the objective, in this order:
 
     objective = build_objective(cfg, info)            # the class registered under model.objective
     kwargs = objective.model_kwargs()                 # checked against a checkpoint before anything is built
     model = objective.build_model(kwargs)             # under deepspeed.zero.Init with ZeRO-3
     objective.build_companions(model, kwargs, init)   # a teacher: float32, partitioned as the model
-    train_data, per_batch = objective.train_data(), objective.per_batch(kwargs)   # the loader's view
-    view = objective.sample_view(kwargs)              # each sample's tensors, in place of the train transform
-    objective.build_eval(env, img_size, eval_batch)   # its evaluation loaders
-    ... every micro batch:  loss = objective.loss(engine, images, targets, extras)
-    ... every optimizer step: objective.after_step(engine, step)   # a teacher's EMA, a schedule
+    view = objective.train_view(kwargs)               # the train loader's view: data, per-batch extras, samples
+    loaders = objective.build_eval(env, img_size, eval_batch)   # its evaluation loaders (progress for the watchdog)
+    ... every optimizer step:
+        objective.before_step(engine, step)           # schedules that write into the optimizer's groups
+        ... every micro batch: loss = objective.loss(engine, images, targets, extras)
+        objective.after_step(engine, step + 1)        # a teacher's EMA, the centres
     ... at eval steps:      result = objective.evaluate(engine, dtype, run_dir, step)
     objective.state_dict() / load_state_dict()        # its own state, saved with every checkpoint
     ... at the end:         objective.exported_weights(engine)   # what model.safetensors holds
 
-A new objective is one file here, a config section and one line in `pipeline.objectives.OBJECTIVES`
-(docs/objectives.md walks through it).
+The trainer reads nothing else of an objective: what a hook needs later (its eval loaders, a teacher) the
+objective keeps for itself.
+
+A new objective is its own files here (<name>.py with the subclass, <name>_config.py with its config
+section and its `Recipe`) and one line in `pipeline.objectives.RECIPES` (docs/objectives.md walks through it).
 """
 
 from __future__ import annotations
@@ -33,6 +37,25 @@ from torch import nn
 
 from pipeline.config import Config, DataConfig
 from pipeline.dist import DistEnv
+from pipeline.model.vit import architecture
+from pipeline.train.checkpoint import consolidate, full_fp32_state_dict
+
+
+@dataclass
+class TrainView:
+    """The train loader's view of the data, as one objective sees it (`Objective.train_view`)."""
+
+    data: DataConfig
+    """The data config the train loader reads (e.g. labels not read: `pipeline.data.label_free`)."""
+    per_batch: Callable[[range], np.ndarray] | None = None
+    """A picklable function of a micro batch's global sample positions, run in the loader workers; its result
+    reaches `loss` as `extras` (MAE's mask noise). None: no extras."""
+    sample: Callable[[Any, int], tuple[torch.Tensor, ...]] | None = None
+    """A picklable function (PIL image, the sample's augmentation seed) -> normalised float tensors (and
+    masks), run in the loader workers in place of the train transform; `loss` then gets the micro batch's
+    images as a tuple, each part stacked over the samples (DINOv2's global and local crops). Every random
+    draw must come from the seed, so that a sample's views are the same on any layout. None: the train
+    transform (one image per sample)."""
 
 
 @dataclass
@@ -53,7 +76,6 @@ class Objective:
 
     def __init__(self, cfg: Config, info: Any):
         self.cfg, self.info = cfg, info  # info: the data set's dataset.json (pipeline.data.DatasetInfo)
-        self.eval_loader: Any = None  # the validation pass; the trainer marks its batches as progress
 
     # -- the model(s)
     def model_kwargs(self) -> dict[str, Any]:
@@ -79,29 +101,21 @@ class Objective:
         return model
 
     # -- the data
-    def train_data(self) -> DataConfig:
-        """The train loader's view of the data config (e.g. labels not read)."""
-        return self.cfg.data
-
-    def per_batch(self, model_kwargs: dict[str, Any]) -> Callable[[range], np.ndarray] | None:
-        """A picklable function of a micro batch's global sample positions, run in the loader workers; its
-        result reaches `loss` as `extras` (MAE's mask noise). None: no extras."""
-        return None
-
-    def sample_view(self, model_kwargs: dict[str, Any]) -> Callable[[Any, int], tuple[torch.Tensor, ...]] | None:
-        """A picklable function (PIL image, the sample's augmentation seed) -> normalised float tensors (and
-        masks), run in the loader workers in place of the train transform; `loss` then gets the micro batch's
-        images as a tuple, each part stacked over the samples (DINOv2's global and local crops). Every
-        random draw must come from the seed, so that a sample's views are the same on any layout. None:
-        the train transform (one image per sample)."""
-        return None
+    def train_view(self, model_kwargs: dict[str, Any]) -> TrainView:  # noqa: ARG002 - a recipe's view may need them
+        """The train loader's view of the data (`TrainView`): by default data.* as written, labels read, the
+        train transform, no extras."""
+        return TrainView(self.cfg.data)
 
     def build_eval(self, env: DistEnv, img_size: tuple[int, int], batch: int) -> list[Any]:
-        """Build the evaluation loaders; return all of them (the trainer counts their batches as progress).
-        Sets `self.eval_loader`."""
+        """Build the evaluation loaders and keep what `evaluate` needs; return every loader (the trainer
+        counts their batches as progress for the watchdog)."""
         raise NotImplementedError
 
     # -- a step
+    def before_step(self, engine: Any, step: int) -> None:
+        """Before each optimizer step (`step`: the steps done), ahead of its first micro batch: a schedule
+        that writes into the optimizer's param groups (DINOv2's weight decay, its frozen prototypes' lr).
+        The trainer's lr schedule has set every group's lr after the previous step."""
     def loss(self, engine: Any, images: torch.Tensor, targets: torch.Tensor,
              extras: torch.Tensor | None) -> torch.Tensor:
         """The float32 scalar loss of one micro batch (forward only; the trainer runs backward)."""
@@ -128,20 +142,22 @@ class Objective:
     def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:
         """Collective. The fp32 weights the run exports (model.safetensors, what fine-tuning starts from):
         by default the trained model's; an objective whose product is another model (a teacher) gives that."""
-        from pipeline.train.checkpoint import full_fp32_state_dict  # the train package imports objectives
-
         return full_fp32_state_dict(engine)
+
+    @classmethod
+    def exported_architecture(cls, model_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The architecture of what `exported_weights` gives (its model's ARCH_KEYS, as built), recorded in
+        model.safetensors' metadata: by default the trained model's."""
+        return architecture(cls.model_class, model_kwargs)
 
     #: What `weights_from_checkpoint` gives, for the log of a fine-tune from a run stopped before its export.
     checkpoint_weights: ClassVar[str] = "the trained model's weights (DeepSpeed's, consolidated to fp32)"
 
     @classmethod
-    def weights_from_checkpoint(cls, run_dir: Path, tag: str, cfg: Config) -> dict[str, torch.Tensor]:
+    def weights_from_checkpoint(cls, run_dir: Path, tag: str, cfg: Config) -> dict[str, torch.Tensor]:  # noqa: ARG003 - the interface (DINOv2's reads cfg)
         """What `exported_weights` would have given at checkpoint `tag` of `run_dir` (a run stopped before its
         export: preempted, crashed, still going), read from the files on disk without an engine, on any ZeRO
         stage and world size. `cfg`: that run's config.yaml. By default the trained model's weights."""
-        from pipeline.train.checkpoint import consolidate  # the train package imports objectives
-
         return consolidate(run_dir, tag)
 
     def state_dict(self) -> dict[str, Any]:

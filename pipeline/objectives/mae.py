@@ -10,7 +10,6 @@ patches on 1 GPU or 64, with any micro batch, and after a resume. Validation mas
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -20,16 +19,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from PIL import Image
 
 from pipeline.config import Config, DataConfig
-from pipeline.data import build_eval_loader, raise_if_any_failed
+from pipeline.data import label_free, raise_if_any_failed
 from pipeline.data.order import MASK, MASK_EVAL
 from pipeline.dist import DistEnv
+from pipeline.eval import Features, extract, knn_loaders, knn_top1
 from pipeline.model.mae import MaskedAutoencoderViT, mae_flops, mae_kwargs
-from pipeline.objectives.base import EvalResult, Objective
-
-# k-NN vote (Wu et al. 2018, as DINO evaluates): neighbours weighted by exp(cosine similarity / T).
-KNN_TEMPERATURE = 0.07
+from pipeline.objectives.base import EvalResult, Objective, TrainView
 
 
 def mae_model_kwargs(cfg: Config) -> dict[str, Any]:
@@ -41,12 +39,6 @@ def mae_model_kwargs(cfg: Config) -> dict[str, Any]:
                       drop_path_rate=m.drop_path_rate, decoder_embed_dim=mae.decoder_embed_dim,
                       decoder_depth=mae.decoder_depth, decoder_num_heads=mae.decoder_num_heads,
                       norm_pix_loss=mae.norm_pix_loss)
-
-
-def label_free(data: DataConfig) -> DataConfig:
-    """The data config MAE trains with: labels are not read (label-free shards are valid; a labelled data
-    set's labels are unused, and a sample without one is not counted as bad)."""
-    return dataclasses.replace(data, label_key="")
 
 
 def mask_noise(namespace: int, seed: int, positions, num_patches: int) -> torch.Tensor:
@@ -104,7 +96,7 @@ def evaluate_mae(engine, eval_loader, knn_loader, cfg: Config, dtype: torch.dtyp
     device, n_patches = engine.device, model.patch_embed.num_patches
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # sum of per-image losses, images
     shown: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    val_feats, val_labels = [], []
+    val = Features()
     for images, targets, valid in eval_loader:
         ids = eval_loader.last_ids
         images = images.to(device, dtype, non_blocking=True)
@@ -119,16 +111,11 @@ def evaluate_mae(engine, eval_loader, knn_loader, cfg: Config, dtype: torch.dtyp
             if i < cfg.mae.recon_images and bool(valid[k]):
                 shown[i] = (images[k].float().cpu(), pred[k].float().cpu(), mask[k].cpu())
         if knn_loader is not None:
-            val_feats.append(_features(engine, images))
-            val_labels.append(torch.where(valid.to(device), targets.to(device), -1))
+            val.add(_features(engine, images), targets, valid)
     metrics: dict[str, float] = {}
     if knn_loader is not None:
-        mem_feats, mem_labels = [], []
-        for images, targets, valid in knn_loader:
-            mem_feats.append(_features(engine, images.to(device, dtype, non_blocking=True)))
-            mem_labels.append(torch.where(valid.to(device), targets.to(device), -1))
-        metrics.update(knn_top1(torch.cat(val_feats), torch.cat(val_labels), torch.cat(mem_feats),
-                                torch.cat(mem_labels), cfg.mae.knn_k))
+        memory = extract(knn_loader, lambda x: _features(engine, x), device, dtype)
+        metrics.update(knn_top1(*val.tensors(), *memory.tensors(), cfg.mae.knn_k))
     raise_if_any_failed(eval_loader, knn_loader)  # collective: one rank's failed pass stops all of them here
     if dist.is_initialized():
         dist.all_reduce(totals)
@@ -149,42 +136,10 @@ def _features(engine, images: torch.Tensor) -> torch.Tensor:
     return F.normalize(tokens[:, 1:].float().mean(1), dim=-1)
 
 
-def knn_top1(val_feats: torch.Tensor, val_labels: torch.Tensor, mem_feats: torch.Tensor, mem_labels: torch.Tensor,
-             k: int) -> dict[str, float]:
-    """Weighted k-NN top-1 over all ranks: the memory is gathered to every rank, each rank scores its own
-    validation samples, the hits are summed. Labels -1 mark padding and bad samples (excluded)."""
-    if dist.is_initialized():
-        mem_feats, mem_labels = _all_gather(mem_feats), _all_gather(mem_labels)
-    keep = mem_labels >= 0
-    mem_feats, mem_labels = mem_feats[keep], mem_labels[keep]
-    hits = torch.zeros(2, dtype=torch.float64, device=val_feats.device)
-    if len(mem_labels):
-        classes = int(mem_labels.max().item()) + 1
-        classes = max(classes, int(val_labels.max().item()) + 1)
-        sims, idx = (val_feats @ mem_feats.T).topk(min(k, len(mem_labels)), dim=1)
-        votes = torch.zeros(len(val_feats), classes, device=val_feats.device)
-        votes.scatter_add_(1, mem_labels[idx], (sims / KNN_TEMPERATURE).exp())
-        real = val_labels >= 0
-        hits += torch.stack([(votes.argmax(1) == val_labels)[real].sum().double(), real.sum().double()])
-    else:
-        hits[1] = (val_labels >= 0).sum()
-    if dist.is_initialized():
-        dist.all_reduce(hits)
-    return {"eval/knn_top1": hits[0].item() / max(hits[1].item(), 1.0)}
-
-
-def _all_gather(t: torch.Tensor) -> torch.Tensor:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return torch.cat(out)
-
-
 def save_reconstructions(model: MaskedAutoencoderViT, shown: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                          data: DataConfig, path: Path) -> Path:
     """One PNG, a row per image: the masked input (removed patches grey), the reconstruction (predicted
     patches with the visible ones pasted back, as the paper's figures) and the original."""
-    from PIL import Image
-
     rows = []
     for image, pred, mask in shown:
         img = image.unsqueeze(0)
@@ -226,33 +181,24 @@ class MAE(Objective):
     def model_kwargs(self) -> dict[str, Any]:
         return mae_model_kwargs(self.cfg)
 
-    def train_data(self) -> DataConfig:
-        # Label-free shards train, and a labelled set's labels are not needed.
-        return label_free(self.cfg.data)
-
-    def per_batch(self, model_kwargs: dict[str, Any]) -> Callable[[range], np.ndarray]:
-        return train_noise_fn(self.cfg.train.seed, num_patches(model_kwargs))
+    def train_view(self, model_kwargs: dict[str, Any]) -> TrainView:
+        # Label-free shards train, and a labelled set's labels are not needed; each micro batch's mask noise
+        # is drawn in the loader workers.
+        return TrainView(label_free(self.cfg.data),
+                         per_batch=train_noise_fn(self.cfg.train.seed, num_patches(model_kwargs)))
 
     def build_eval(self, env: DistEnv, img_size: tuple[int, int], batch: int) -> list[Any]:
-        cfg, info = self.cfg, self.info
-        labelled = info.num_classes > 0
-        self.eval_loader = build_eval_loader(cfg.data if labelled else label_free(cfg.data), img_size, batch,
-                                             rank=env.rank, world_size=env.world_size, info=info)
-        self.knn_loader = None
-        if labelled and cfg.mae.knn_k > 0:
-            # The k-NN memory: the first mae.knn_train_samples of the train split, eval transform, labels read.
-            self.knn_loader = build_eval_loader(dataclasses.replace(cfg.data, val_split=cfg.data.train_split),
-                                                img_size, batch, rank=env.rank, world_size=env.world_size,
-                                                info=info, limit=cfg.mae.knn_train_samples)
-        return [x for x in (self.eval_loader, self.knn_loader) if x is not None]
+        self.val_loader, self.knn_loader = knn_loaders(self.cfg.data, self.info, env, img_size, batch,
+                                                        self.cfg.mae.knn_k, self.cfg.mae.knn_train_samples)
+        return [x for x in (self.val_loader, self.knn_loader) if x is not None]
 
-    def loss(self, engine: Any, images: torch.Tensor, targets: torch.Tensor,
+    def loss(self, engine: Any, images: torch.Tensor, targets: torch.Tensor,  # noqa: ARG002 - the interface
              extras: torch.Tensor | None) -> torch.Tensor:
         # The mask of each sample is a function of its global position: the same on any layout.
         return engine(images, mask_ratio=self.cfg.mae.mask_ratio, noise=extras.to(engine.device))[0].float()
 
     def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:
-        metrics, image = evaluate_mae(engine, self.eval_loader, self.knn_loader, self.cfg, dtype, run_dir, step)
+        metrics, image = evaluate_mae(engine, self.val_loader, self.knn_loader, self.cfg, dtype, run_dir, step)
         knn = f" | k-NN top-1 {100 * metrics['eval/knn_top1']:.2f}%" if "eval/knn_top1" in metrics else ""
         return EvalResult(metrics, f"eval step {step} | reconstruction loss {metrics['eval/recon_loss']:.4f}{knn}",
                           [(image, "reconstructions")] if image is not None else [])

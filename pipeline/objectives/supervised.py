@@ -42,28 +42,28 @@ class Supervised(Objective):
         return kwargs
 
     def build_eval(self, env: DistEnv, img_size: tuple[int, int], batch: int) -> list[Any]:
-        self.eval_loader = build_eval_loader(self.cfg.data, img_size, batch, rank=env.rank,
-                                             world_size=env.world_size, info=self.info)
-        return [self.eval_loader]
+        self.val_loader = build_eval_loader(self.cfg.data, img_size, batch, rank=env.rank,
+                                            world_size=env.world_size, info=self.info)
+        return [self.val_loader]
 
     def loss(self, engine: Any, images: torch.Tensor, targets: torch.Tensor,
-             extras: torch.Tensor | None) -> torch.Tensor:
+             extras: torch.Tensor | None) -> torch.Tensor:  # noqa: ARG002 - the interface
         return loss_fn(engine(images).float(), targets, self.cfg.data.label_smoothing)
 
     @torch.no_grad()
-    def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:
+    def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:  # noqa: ARG002 - the interface (no figures)
         """Loss, top-1, top-5 over the whole validation split; padded samples are masked out."""
         engine.eval()
         device = engine.device
         totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1 hits, top-5 hits, count
-        for images, targets, valid in self.eval_loader:
+        for images, targets, valid in self.val_loader:
             logits = engine(images.to(device, dtype, non_blocking=True)).float()
             targets, valid = targets.to(device, non_blocking=True), valid.to(device, torch.float64)
             loss = F.cross_entropy(logits, targets, reduction="none").double()
             top1, top5 = topk_correct(logits, targets)
             totals += torch.stack([(loss * valid).sum(), (top1.double() * valid).sum(),
                                    (top5.double() * valid).sum(), valid.sum()])
-        raise_if_any_failed(self.eval_loader)  # collective: a pass that failed on one rank stops all of them here
+        raise_if_any_failed(self.val_loader)  # collective: a pass that failed on one rank stops all of them here
         if dist.is_initialized():
             dist.all_reduce(totals)
         engine.train()

@@ -9,7 +9,7 @@ store, live or later (`launch/sync_mlflow.py`).
 
 Where: ``MLFLOW_TRACKING_URI``, else MLflow's own default (``./mlflow.db``, artifacts in ``./mlruns``),
 so a plain ``mlflow ui`` there shows every run. The run directory is the record: the training thread
-only writes metrics.jsonl and tracking.json; a background thread copies them to MLflow (`_Syncer`,
+only writes metrics.jsonl and tracking.json; a background thread copies them to MLflow (`Syncer`,
 progress per URI in mlflow_sync.json), says once when the server is down and catches up when it is
 back. ``python launch/sync_mlflow.py RUN_DIR`` sends what a job could not (nothing twice). A requeued
 job continues the run named in RUN_DIR/mlflow_sync.json; a param changed on resume becomes tag ``param_override.<key>``.

@@ -33,7 +33,7 @@ EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 MAX_PARAM_VALUE = 6000  # mlflow.utils.validation: longer values are refused, not truncated
 
 
-def _say(msg: str, err: bool = False) -> None:
+def say(msg: str, err: bool = False) -> None:
     print(f"[tracking] {msg}", file=sys.stderr if err else sys.stdout, flush=True)
 
 
@@ -64,11 +64,11 @@ def ui_hint(uri: str, experiment_id: str | None = None) -> str:
     return f"browse with: {UI_COMMAND} {where}, then open http://127.0.0.1:5000{page}"
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     atomic.write_text(path, json.dumps(data, indent=1, sort_keys=True))
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -76,11 +76,11 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _param_value(value: Any) -> str:
+def param_value(value: Any) -> str:
     return (json.dumps(value) if isinstance(value, (list, dict)) else str(value))[:MAX_PARAM_VALUE]
 
 
-class _Syncer:
+class Syncer:
     """Brings one tracking URI up to date with one run directory (live worker and sync_mlflow.py).
 
     mlflow_sync.json: {uri: {"run_id", "offset", "artifacts", "ended"}}; "offset" is how many bytes
@@ -93,11 +93,11 @@ class _Syncer:
         self.resumed = False
         self.sent = {"metrics": 0, "params": 0, "artifacts": 0, "skipped_lines": 0}
         self.tags_sent: dict[str, str] = {}
-        self.state = _read_json(run_dir / SYNC_FILE)
+        self.state = read_json(run_dir / SYNC_FILE)
         self.entry = self.state.setdefault(uri, {"offset": 0, "artifacts": {}})
 
     def _save(self) -> None:
-        _write_json(self.run_dir / SYNC_FILE, self.state)
+        write_json(self.run_dir / SYNC_FILE, self.state)
 
     def connect(self) -> None:
         """Find (or create) this run directory's run on this URI; log params, tags and the config."""
@@ -113,7 +113,7 @@ class _Syncer:
                 if e.error_code != "RESOURCE_DOES_NOT_EXIST":
                     raise
             if run is None or run.info.lifecycle_stage == "deleted":
-                _say(f"run {candidate} is gone from {self.uri}; creating a new one", err=True)
+                say(f"run {candidate} is gone from {self.uri}; creating a new one", err=True)
                 run = None
         if run is None:
             run = self._create_run(client, rec)
@@ -159,7 +159,7 @@ class _Syncer:
         self.sent["params"] += len(new)
         changed = {f"param_override.{k}": v for k, v in params.items() if existing.get(k, v) != v}
         if changed:
-            _say(f"resumed run {self.run_id} with changed params (MLflow keeps the first value; the new one "
+            say(f"resumed run {self.run_id} with changed params (MLflow keeps the first value; the new one "
                  f"is tag param_override.<key>): {', '.join(k[15:] for k in changed)}")
             self._log_tags(changed)
 
@@ -217,7 +217,7 @@ class _Syncer:
         if damaged:  # not sendable, now or later: say so, and keep the count where sync_mlflow.py reports it
             self.sent["skipped_lines"] += len(damaged)
             self.entry["skipped_lines"] = self.entry.get("skipped_lines", 0) + len(damaged)
-            _say(f"{len(damaged)} line(s) of {self.run_dir / METRICS_FILE} are not metrics and were not sent "
+            say(f"{len(damaged)} line(s) of {self.run_dir / METRICS_FILE} are not metrics and were not sent "
                  f"({self.entry['skipped_lines']} in all for {self.uri}); first: {damaged[0]}", err=True)
         self.entry["offset"] += end
         self._save()
@@ -227,8 +227,8 @@ def recorded_run_id(run_dir: Path | str, uri: str | None = None) -> str | None:
     """The MLflow run id of RUN_DIR in store `uri` (default: the store its job logged to, tracking.json's
     "uri"), from mlflow_sync.json; None where that store never answered."""
     run_dir = Path(run_dir)
-    uri = uri or _read_json(run_dir / RECORD_FILE).get("uri")
-    return _read_json(run_dir / SYNC_FILE).get(uri, {}).get("run_id") if uri else None
+    uri = uri or read_json(run_dir / RECORD_FILE).get("uri")
+    return read_json(run_dir / SYNC_FILE).get(uri, {}).get("run_id") if uri else None
 
 
 def sync_run_dir(run_dir: Path | str, uri: str | None = None) -> dict[str, Any]:
@@ -239,10 +239,10 @@ def sync_run_dir(run_dir: Path | str, uri: str | None = None) -> dict[str, Any]:
     run_dir = Path(run_dir)
     if not (run_dir / RECORD_FILE).is_file():
         raise FileNotFoundError(f"{run_dir} has no {RECORD_FILE}: not a run directory written by pipeline.tracking")
-    record = _read_json(run_dir / RECORD_FILE)
+    record = read_json(run_dir / RECORD_FILE)
     # MLflow reads its HTTP retry count from the environment only; setdefault keeps a user's value.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a replay has time, but not minutes
-    syncer = _Syncer(run_dir, uri := tracking_uri(uri), lambda: record, live=False)
+    syncer = Syncer(run_dir, uri := tracking_uri(uri), lambda: record, live=False)
     syncer.connect()
     syncer.push()
     return {"run_id": syncer.run_id, "uri": uri, "created": not syncer.resumed, **syncer.sent}

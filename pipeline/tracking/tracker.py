@@ -15,20 +15,31 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Config, flatten, to_dict
+from pipeline.config import Config, to_dict
 from pipeline.tracking.sync import (
     METRICS_FILE,
     RECORD_FILE,
     SYNC_COMMAND,
-    _param_value,
-    _read_json,
-    _say,
-    _Syncer,
-    _write_json,
+    Syncer,
+    param_value,
+    read_json,
     recorded_run_id,
+    say,
     tracking_uri,
     ui_hint,
+    write_json,
 )
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'train': {'lr': 1}} -> {'train.lr': 1}: MLflow params."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
 
 
 def _parent_tags(source: str) -> dict[str, str]:
@@ -40,7 +51,7 @@ def _parent_tags(source: str) -> dict[str, str]:
     tags, note = {"source_path": str(path)}, f"Fine-tuned from `{path}`."
     here = path if path.is_dir() else path.parent
     for folder in (here, *here.parents[:2]):  # run dir, or a file in it or in its checkpoints/<tag>/
-        record = _read_json(folder / RECORD_FILE)
+        record = read_json(folder / RECORD_FILE)
         # Its id in the store this fine-tune logs to, else in the store it logged to itself.
         parent = (recorded_run_id(folder, tracking_uri()) or recorded_run_id(folder, record.get("uri"))
                   if record else None)
@@ -92,10 +103,10 @@ class _MainTracker(Tracker):
         self._finished = self._stopping = self._connected = self._outage = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) inherits the atexit hook: not its job
         self.uri = tracking_uri() if self.tcfg.enabled else None
-        rec = _read_json(run_dir / RECORD_FILE)
+        rec = read_json(run_dir / RECORD_FILE)
         rec.update(version=1, uri=self.uri or rec.get("uri"), experiment=self.tcfg.experiment,
                    run_name=self.tcfg.run_name or run_dir.resolve().name, config=to_dict(cfg),
-                   params={k: _param_value(v) for k, v in flatten(to_dict(cfg)).items()},
+                   params={k: param_value(v) for k, v in flatten(to_dict(cfg)).items()},
                    tags={**rec.get("tags", {}), **default_tags(cfg, run_dir, world_size),
                          **{k: str(v) for k, v in tags.items()}},
                    artifacts=rec.get("artifacts", []), status=None, end_time=None)
@@ -105,7 +116,7 @@ class _MainTracker(Tracker):
         self._metrics_fh = open(run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
         self._thread: threading.Thread | None = None
         if not self.tcfg.enabled:
-            _say(f"MLflow off (tracking.enabled=false); metrics go to {run_dir / METRICS_FILE}; "
+            say(f"MLflow off (tracking.enabled=false); metrics go to {run_dir / METRICS_FILE}; "
                  f"upload later with: {SYNC_COMMAND} {run_dir}")
             return
         import mlflow  # noqa: F401  here, not in the thread: a fork (DataLoader workers) during an import can hang
@@ -114,14 +125,14 @@ class _MainTracker(Tracker):
         # (MLflow reads these from the environment only; the URI itself is passed, never set there.)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, math.ceil(self.tcfg.timeout_s))))
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        _say(f"MLflow experiment '{self.tcfg.experiment}', run '{rec['run_name']}' at {self.uri}; {ui_hint(self.uri)}")
-        self._syncer = _Syncer(run_dir, self.uri, self._snapshot, live=True)
+        say(f"MLflow experiment '{self.tcfg.experiment}', run '{rec['run_name']}' at {self.uri}; {ui_hint(self.uri)}")
+        self._syncer = Syncer(run_dir, self.uri, self._snapshot, live=True)
         self._monitor: Any = None
         self._next_try = 0.0
         self._thread = threading.Thread(target=self._sync_loop, name="mlflow-tracking", daemon=True)
         self._thread.start()
         if not self._first_try.wait(self.tcfg.timeout_s):
-            _say(f"MLflow at {self.uri} did not answer within {self.tcfg.timeout_s:g}s; training starts anyway: "
+            say(f"MLflow at {self.uri} did not answer within {self.tcfg.timeout_s:g}s; training starts anyway: "
                  f"metrics are in {run_dir / METRICS_FILE} and are sent as soon as it answers", err=True)
         atexit.register(self._at_exit)
 
@@ -150,17 +161,17 @@ class _MainTracker(Tracker):
             self._connected, self._next_try = False, time.monotonic() + self.tcfg.retry_s
             if not self._outage:
                 self._outage = True
-                _say(f"MLflow unreachable at {self.uri} ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
+                say(f"MLflow unreachable at {self.uri} ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
                      f"training goes on, metrics keep going to {self.run_dir / METRICS_FILE}; retrying every "
                      f"{self.tcfg.retry_s:g}s; replay later with: {SYNC_COMMAND} {self.run_dir}", err=True)
 
     def _connect(self) -> None:
         self._syncer.connect()
         if self.run_id is None:
-            _say(f"MLflow run {self._syncer.run_id} {'resumed' if self._syncer.resumed else 'created'}; "
+            say(f"MLflow run {self._syncer.run_id} {'resumed' if self._syncer.resumed else 'created'}; "
                  f"{ui_hint(self.uri, self._syncer.experiment_id)}")
         if self._outage:
-            _say(f"MLflow reachable again at {self.uri}; catching up from {METRICS_FILE}")
+            say(f"MLflow reachable again at {self.uri}; catching up from {METRICS_FILE}")
         self.run_id, self._connected, self._outage = self._syncer.run_id, True, False
         if self.tcfg.system_metrics and self._monitor is None and not self._stopping:
             self._monitor = False  # tried once, not again
@@ -171,7 +182,7 @@ class _MainTracker(Tracker):
                                                      sampling_interval=self.tcfg.system_metrics_interval_s)
                 self._monitor.start()
             except Exception as e:  # noqa: BLE001 - optional (psutil missing, ...): never worth a failed run
-                _say(f"system metrics not logged: {type(e).__name__}: {e}", err=True)
+                say(f"system metrics not logged: {type(e).__name__}: {e}", err=True)
 
     # -- the interface, called by the training thread
 
@@ -181,7 +192,7 @@ class _MainTracker(Tracker):
 
     def _save_record(self) -> None:
         with self._lock:
-            _write_json(self.run_dir / RECORD_FILE, self._record)
+            write_json(self.run_dir / RECORD_FILE, self._record)
         self._wake.set()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -226,7 +237,7 @@ class _MainTracker(Tracker):
         self._wake.set()
         self._thread.join(self.tcfg.timeout_s + (self.tcfg.upload_timeout_s if uploads or creating else 0.0))
         if self._thread.is_alive() or not self._connected:
-            _say(f"not everything reached MLflow at {self.uri}; it is all in {self.run_dir}; "
+            say(f"not everything reached MLflow at {self.uri}; it is all in {self.run_dir}; "
                  f"send it with: {SYNC_COMMAND} {self.run_dir}", err=True)
 
     def _at_exit(self) -> None:

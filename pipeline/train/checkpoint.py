@@ -16,7 +16,7 @@
 
 A process killed while saving leaves no complete.json in the tag it was writing: resume skips that tag
 and retention removes it later. Retention never removes a tag newer than the one being saved.
-Which tag a start resumes from, and what it restores, is decided in `pipeline.train.resume`.
+Which tag a start resumes from, and what it restores, is decided in `pipeline.run.resume`.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def tag_bytes(tag_dir: Path) -> int:
 
 def newest_complete_tag(run_dir: Path) -> str | None:
     """The newest complete tag in RUN_DIR/checkpoints, or None. Never reads `latest` (a convenience that
-    a sync or a cleanup may have lost); `pipeline.train.resume` also checks that the tag loads."""
+    a sync or a cleanup may have lost); `pipeline.run.resume` also checks that the tag loads."""
     for tag in all_tags(run_dir):
         if check_tag(checkpoint_dir(run_dir) / tag) is None:
             return tag
@@ -322,7 +322,7 @@ def persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
                 yield (f"{mod_name}.{name}" if mod_name else name), buf
 
 
-def fp32_state_dict(module: torch.nn.Module, master: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: None
+def fp32_state_dict(module: torch.nn.Module, master: Callable[[torch.Tensor], torch.Tensor | None] = lambda _p: None
                     ) -> dict[str, torch.Tensor]:
     """`module`'s weights as they are exported, fp32 on the CPU. `master(param)`: the parameter's fp32 master
     copy (DeepSpeed's, assembled from the partitions), or None to read the parameter itself (a module outside

@@ -91,7 +91,7 @@ class UnsafeCheckpoint(WeightsError):
 
 
 def _weights_only(load):
-    def torch_load_weights_only(f, *args, weights_only=None, **kwargs):
+    def torch_load_weights_only(f, *args, weights_only=None, **kwargs):  # noqa: ARG001 - torch.load's, always True here
         try:
             return load(f, *args, weights_only=True, **kwargs)
         except pickle.UnpicklingError as e:

@@ -9,7 +9,7 @@ and the update runs on those slices alone, without communication; evaluating, sa
 
 Two users, each with its reference's arithmetic (the two round differently in the last bit):
 
-- the DINOv2 teacher (pipeline/objectives/dino.py), `Ema(teacher, "scale_add")`: Meta's
+- the DINOv2 teacher (pipeline/objectives/dino/objective.py), `Ema(teacher, "scale_add")`: Meta's
   teacher x m + student x (1 - m) (`_foreach_mul_` then `_foreach_add_` in dinov2's ssl_meta_arch.py),
   parameters only;
 - `ModelEma` (`train.ema_decay`), `Ema(shadow, "lerp")`: timm's ModelEmaV3 (timm/utils/model_ema.py):
@@ -31,7 +31,7 @@ import copy
 import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import deepspeed
 import torch
@@ -42,9 +42,6 @@ from pipeline.config import Config, TrainConfig
 from pipeline.dist import say
 from pipeline.train import ds_compat
 from pipeline.train.checkpoint import fp32_state_dict, persistent_buffers
-
-if TYPE_CHECKING:  # pipeline.objectives imports this module (the teacher's EMA)
-    from pipeline.objectives.base import EvalResult, Objective
 
 Arithmetic = Literal["lerp", "scale_add"]
 
@@ -132,8 +129,15 @@ class _EmaForward:
     def eval(self) -> _EmaForward:
         return self
 
-    def train(self, mode: bool = True) -> _EmaForward:
+    def train(self, mode: bool = True) -> _EmaForward:  # noqa: ARG002 - nn.Module.train's signature
         return self
+
+
+class Evaluates(Protocol):
+    """What `ModelEma.evaluate` asks of an objective (pipeline.objectives.base.Objective): its evaluation of
+    an engine, whose result is a dataclass with `metrics`, `line` and `artifacts` (EvalResult)."""
+
+    def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Any, step: int) -> Any: ...
 
 
 class ModelEma:
@@ -162,7 +166,7 @@ class ModelEma:
         self.ema.update(self.model, timm_decay(step, self.tc))
 
     @torch.no_grad()
-    def evaluate(self, objective: Objective, step: int) -> EvalResult:
+    def evaluate(self, objective: Evaluates, step: int) -> Any:
         """The objective's own evaluation of the shadow (collective), in its float32, without figures; the
         metrics under the model's names with `_ema` appended (eval/top1 -> eval/top1_ema)."""
         with ds_compat.gathered(self.shadow):

@@ -14,7 +14,7 @@ are deleted (complete.json first, so a half-deleted tag is never complete either
 
 A start whose run directory has no complete tag at least as new as the bucket's newest (a fresh node, a
 requeue onto another machine) downloads that tag first (`restore`: every file checked against the size
-and sha256 its complete.json records, through pipeline/data/storage.py's retries), then resumes from it
+and sha256 its complete.json records, through pipeline/remote/storage.py's retries), then resumes from it
 exactly as from a local one.
 
 The lock: the local one (lock.py) cannot see a job on another machine writing the same prefix. The
@@ -31,7 +31,6 @@ own node's run directory holds (the whole tag on one node or on a shared file sy
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import os
 import queue
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import atomic
+from pipeline.remote import Expected, RetryPolicy, fetch, file_sha256, s3
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.lock import RunDirLocked
 
@@ -65,25 +65,16 @@ def log(message: str) -> None:
 def _split(remote: str) -> tuple[str, str]:
     if not remote.startswith("s3://"):
         raise RemoteError(f"run.remote: expected s3://BUCKET/PREFIX, got '{remote}'")
-    from pipeline.data.s3 import split_url
-
-    bucket, prefix = split_url(remote)
+    bucket, prefix = s3.split_url(remote)
     return bucket, prefix.strip("/")
 
 
 def _client() -> Any:
-    from pipeline.data.s3 import client
-
-    return client("write")  # botocore's standard retries (uploads and small requests)
+    return s3.client("write")  # botocore's standard retries (uploads and small requests)
 
 
 def _code(e: BaseException) -> str:
     return str(getattr(e, "response", {}).get("Error", {}).get("Code", "")) if hasattr(e, "response") else ""
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # ----------------------------------------------------------------------------- the lock
@@ -232,7 +223,7 @@ class Mirror:
             record = json.loads((tag_dir / ckpt.COMPLETE_FILE).read_text())
             digests = {}
             for name in record["files"]:
-                digests[name] = _sha256(tag_dir / name)
+                digests[name] = file_sha256(tag_dir / name)
                 _client().upload_file(str(tag_dir / name), self.bucket, self.key("checkpoints", tag, name))
         except FileNotFoundError:
             log(f"{tag} was pruned locally before its upload ended; not mirrored")
@@ -293,11 +284,9 @@ def _remote_record(bucket: str, key: str) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------- restore
 
 
-def restore(remote: str, run_dir: Path, policy: Any = None) -> str | None:
+def restore(remote: str, run_dir: Path, policy: RetryPolicy | None = None) -> str | None:
     """Download the bucket's newest complete tag into RUN_DIR/checkpoints when the run directory has no
     complete tag at least as new (and config.yaml, metrics.jsonl when missing); the tag restored, or None."""
-    from pipeline.data.storage import Expected, fetch
-
     bucket, prefix = _split(remote)
     run_dir = Path(run_dir)
     local = ckpt.newest_complete_tag(run_dir)
@@ -346,8 +335,6 @@ def start(cfg: Any, run_dir: Path) -> None:
     key = str(Path(run_dir).resolve())
     if not remote or key in _active:
         return
-    from pipeline.data.storage import RetryPolicy
-
     lock = RemoteLock(remote)
     try:
         lock.take()

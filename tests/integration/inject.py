@@ -28,14 +28,14 @@ if __name__ == "__main__":
 
     import psutil
 
-    import pipeline.train.trainer as trainer
+    import pipeline.run.trainer as trainer
 
     args = sys.argv[1:]
     script = next(a for a in args if a.endswith(".py"))
     args.remove(script)
     sys.argv = [script, *args]
     FAULT, FAULT_RANK = os.environ["FAULT"], int(os.environ.get("FAULT_RANK", "1"))
-    real_evaluate, done = trainer.evaluate, []
+    real_evaluate, done = trainer.Trainer.evaluate, []
 
 
     def kill_eval_worker() -> None:
@@ -53,16 +53,16 @@ if __name__ == "__main__":
             os.kill(os.getpid(), signal.SIGUSR1)
             print(f"inject: rank {FAULT_RANK} got SIGUSR1 as its evaluation started", file=sys.stderr, flush=True)
         elif FAULT == "kill-eval-workers":
-            progress = s.eval_loader.progress
+            progress = s.eval_loaders[0].progress  # the validation pass
 
             def kill_every_worker() -> None:
                 progress()
                 if any(p.name() == "eval-worker" for p in psutil.Process().children(recursive=True)):
                     kill_eval_worker()
 
-            s.eval_loader.progress = kill_every_worker
+            s.eval_loaders[0].progress = kill_every_worker
         elif FAULT == "kill-eval-worker":
-            progress, batches = s.eval_loader.progress, []
+            progress, batches = s.eval_loaders[0].progress, []  # the validation pass
 
             def after_first_batch() -> None:
                 progress()
@@ -70,13 +70,13 @@ if __name__ == "__main__":
                 if len(batches) == 2:  # the first batch is in hand, the worker is preparing the next ones
                     kill_eval_worker()
 
-            s.eval_loader.progress = after_first_batch
+            s.eval_loaders[0].progress = after_first_batch
         else:
             raise SystemExit(f"inject: unknown FAULT={FAULT!r}")
         return real_evaluate(s, step)
 
 
-    trainer.evaluate = evaluate
+    trainer.Trainer.evaluate = evaluate
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.config import load_config
+from pipeline.objectives import load_config
 from pipeline.objectives.dino import DINOv2
+from pipeline.run.finetune import find_source, source_state_dict
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.finetune import find_source, source_state_dict
 from tests.integration.runs import TINY, assert_teacher_not_collapsed, metrics, run, run_and_signal, weights
 
 pytestmark = pytest.mark.dist

@@ -6,7 +6,8 @@ import subprocess
 import pytest
 import yaml
 
-from pipeline.config import load_config, save_config
+from pipeline.config import save_config
+from pipeline.objectives import load_config
 from tests.integration.runs import DEEPSPEED, ROOT, TINY, env, run
 
 pytestmark = pytest.mark.dist

@@ -89,7 +89,7 @@ def test_complete_tags_go_up_and_a_fresh_run_dir_restores_the_newest(s3: Seaweed
 
 
 def test_a_restored_file_that_differs_from_its_record_is_refused(s3: SeaweedS3, tmp_path: Path) -> None:
-    from pipeline.data.storage import RetryPolicy, StorageError
+    from pipeline.remote.storage import RetryPolicy, StorageError
 
     remote = f"s3://{BUCKET}/b"
     m = mirror.Mirror(remote, tmp_path / "run")

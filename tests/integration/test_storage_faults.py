@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.data.index import INDEX_SUFFIX, build_index, cache_name, local_copy, write_index
-from pipeline.data.storage import Expected, RetryPolicy, StorageError, fetch, read_bytes
+from pipeline.remote.storage import Expected, RetryPolicy, StorageError, fetch, read_bytes
 from tests.integration.faults import FaultServer, every_nth_plan
 
 FAST = RetryPolicy(attempts=6, total_s=30, backoff_s=0.01, timeout_s=1.0)

@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[2])  # this checkout's pipeline, before any installed one
 import torch.distributed as dist
 from pipeline import signals
-from pipeline.train import trainer
+from pipeline.run import trainer
 real, after, calls, watchdogs = trainer.backward_and_step, int(sys.argv[1]), [0], []
 RealWatchdog = trainer.Watchdog
 def watchdog(*args, **kwargs):

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from pipeline.commands import check_data, finetune_config, finished_pretrain_runs, parse_finetune_args
-from pipeline.config import Config, load_config, save_config
+from pipeline.config import Config, save_config
+from pipeline.objectives import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-from pipeline.config import Config, ConfigError, describe, load_config, save_config
+from pipeline.config import Config, ConfigError, load_config, save_config
+from pipeline.typed_yaml import describe
 
 
 def write(tmp_path, text):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.config import ConfigError, DataConfig, load_config
+from pipeline.config import ConfigError, DataConfig
 from pipeline.data import (
     BadDataError,
     DataError,
@@ -28,6 +28,7 @@ from pipeline.data import (
     tario,
 )
 from pipeline.data.shards import ShardWriter, synthetic_source, write_dataset
+from pipeline.objectives import load_config
 
 IMG = 16
 

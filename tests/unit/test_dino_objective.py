@@ -11,15 +11,15 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError
 from pipeline.data.multicrop import MultiCropConfig
+from pipeline.model.dino_head import dino_head_flops as _head_flops
 from pipeline.model.vit import model_flops
-from pipeline.objectives import OBJECTIVES
+from pipeline.objectives import OBJECTIVES, load_config
 from pipeline.objectives.dino import (
     DINOv2,
     DINOv2Model,
     MultiCropView,
-    _head_flops,
     dinov2_model_kwargs,
     pca_rgb,
 )
@@ -148,19 +148,20 @@ def test_param_groups_are_metas_rule_written_out(extra):
 def test_prototypes_do_not_move_while_frozen_and_do_after():
     """dino.freeze_last_layer_steps=2: the prototypes' groups run at lr 0 for steps 0 and 1 (AdamW with
     weight decay 0.04: neither the update nor the decay moves them), although their gradients are
-    computed; from step 2 they move. The rest moves from step 0. The trainer's order: loss, backward,
-    optimizer step, schedule step, after_step."""
+    computed; from step 2 they move. The rest moves from step 0. The trainer's order: before_step, loss,
+    backward, optimizer step, schedule step, after_step."""
     obj = objective("dino.mask_probability=1.0", "train.lr=1e-2", "train.warmup_steps=0")
     model = obj.build_all(obj.model_kwargs())
     opt = build_optimizer(param_groups(model, obj.cfg.train, depth=2), obj.cfg.train)
     sched = build_scheduler(opt, obj.cfg.train)
     engine = FakeEngine(model, opt.param_groups)
-    view = obj.sample_view(obj.model_kwargs())
+    view = obj.train_view(obj.model_kwargs()).sample
     batch = tuple(torch.stack(part) for part in zip(*[view(image(i), i) for i in range(4)]))
     last = model.dino_head.last_layer
     for step in range(4):
         before = [last.weight_g.detach().clone(), last.weight_v.detach().clone()]
         trunk = model.backbone.blocks[0].attn.qkv.weight.detach().clone()
+        obj.before_step(engine, step)
         obj.loss(engine, batch, torch.zeros(4), None).backward()
         assert last.weight_v.grad.abs().sum() > 0  # computed, as Meta's
         lrs = {g.get("role", ""): g["lr"] for g in opt.param_groups}
@@ -235,10 +236,11 @@ def test_a_step_applies_the_schedules_and_moves_centres_and_teacher_once():
     groups = [{"decay": True, "weight_decay": 0.04}, {"decay": False, "weight_decay": 0.0},
               {"decay": True, "weight_decay": 0.04, "role": "last_layer", "lr": 0.5}]
     engine = FakeEngine(model, groups)
-    view = obj.sample_view(obj.model_kwargs())
+    view = obj.train_view(obj.model_kwargs()).sample
     samples = [view(image(i), i) for i in range(4)]
     batch = tuple(torch.stack(part) for part in zip(*samples))
     obj.step = 60
+    obj.before_step(engine, 60)
     loss = obj.loss(engine, batch, torch.zeros(4), None)
     assert loss.ndim == 0 and torch.isfinite(loss)
     assert groups[0]["weight_decay"] == pytest.approx(obj.weight_decay(60)) and groups[1]["weight_decay"] == 0.0
@@ -295,7 +297,7 @@ def test_teacher_entropy_is_its_formula_on_known_targets_and_a_collapse_fails_th
     obj = objective("dino.mask_probability=1.0")
     model = obj.build_all(obj.model_kwargs())
     engine = FakeEngine(model, [{"decay": True, "weight_decay": 0.04}])
-    view = obj.sample_view(obj.model_kwargs())
+    view = obj.train_view(obj.model_kwargs()).sample
     batch = tuple(torch.stack(part) for part in zip(*[view(image(i), i) for i in range(4)]))
     rows, k = 8, 64  # 2 global crops x 4 images, dino.head_n_prototypes
     torch.manual_seed(0)
@@ -307,6 +309,7 @@ def test_teacher_entropy_is_its_formula_on_known_targets_and_a_collapse_fails_th
     for case, p in cases.items():
         targets.append(p / p.sum(-1, keepdim=True))
         assert torch.equal(obj.dino_loss.center, torch.zeros_like(obj.dino_loss.center))  # no step taken
+        obj.before_step(engine, obj.step)  # the trainer's order: before_step, then loss
         obj.loss(engine, batch, torch.zeros(4), None)
         logged = obj.train_metrics()["dino_teacher_entropy"].item()
         assert logged == pytest.approx(entropy(targets[-1]), rel=1e-4, abs=1e-6), case
@@ -321,7 +324,7 @@ def test_train_metrics_are_each_terms_mean_over_the_window_and_the_teachers_entr
     obj = objective("dino.mask_probability=1.0", "dino.dino_loss_weight=0.5", "dino.ibot_loss_weight=2.0")
     model = obj.build_all(obj.model_kwargs())
     engine = FakeEngine(model, [{"decay": True, "weight_decay": 0.04}])
-    view = obj.sample_view(obj.model_kwargs())
+    view = obj.train_view(obj.model_kwargs()).sample
     batches = [tuple(torch.stack(part) for part in zip(*[view(image(i), i) for i in range(j, j + 4)]))
                for j in (0, 4)]
     seen = teacher_outputs(obj)
@@ -393,10 +396,10 @@ def test_a_checkpointed_model_builds_from_its_recorded_kwargs():
 def test_photometric_probabilities_reach_the_crops_and_are_checked():
     off = ["dino.color_jitter_p=0", "dino.greyscale_p=0", "dino.blur_p=[0, 0, 0]", "dino.solarize_p=0"]
     obj = objective(*off)
-    view = obj.sample_view(obj.model_kwargs())
+    view = obj.train_view(obj.model_kwargs()).sample
     crops = view.multicrop.cfg
     assert (crops.color_jitter_p, crops.greyscale_p, crops.blur_p, crops.solarize_p) == (0, 0, (0, 0, 0), 0)
-    default = objective().sample_view(obj.model_kwargs()).multicrop.cfg
+    default = objective().train_view(obj.model_kwargs()).sample.multicrop.cfg
     assert (default.color_jitter_p, default.greyscale_p, default.blur_p, default.solarize_p) == (0.8, 0.2, (0.0, 0.9, 0.5), 0.2)
     # A flat grey image: with every photometric step off each crop is that grey, normalised; with colour
     # jitter always on, the brightness and contrast factors change it.
@@ -406,7 +409,7 @@ def test_photometric_probabilities_reach_the_crops_and_are_checked():
     grey = (torch.full((3, 1, 1), 100 / 255) - mean) / std
     assert torch.allclose(g, grey.expand_as(g), atol=1e-6)
     assert torch.allclose(local, grey.expand_as(local), atol=1e-6)
-    jittered = objective("dino.color_jitter_p=1").sample_view(obj.model_kwargs())(flat, 7)[0]
+    jittered = objective("dino.color_jitter_p=1").train_view(obj.model_kwargs()).sample(flat, 7)[0]
     assert not torch.allclose(jittered, g, atol=1e-3)
     with pytest.raises(ConfigError, match="dino.blur_p"):
         load_config(None, [*TINY, "dino.blur_p=[0, 1.5, 0]"])

@@ -7,7 +7,7 @@ inputs. Needs a checkout of that repository (it is not vendored here):
 Skipped without it. Checked: the official head's state dict loads into ours by the same keys (and back)
 and gives the same outputs; both losses give the same teacher targets (centring and Sinkhorn-Knopp), the
 same losses and the same centres over several steps; KoLeo the same value. Meta's centre update is
-applied lazily at the next softmax; ours at once (see dino.py), so the centres are compared after the
+applied lazily at the next softmax; ours at once (see pipeline/objectives/dino/loss/__init__.py), so the centres are compared after the
 official `apply_center_update`. Meta's iBOT Sinkhorn-Knopp all-reduces unconditionally, so that case runs
 under a one-process gloo group (ours then all-reduces too, over one rank).
 """
@@ -196,8 +196,7 @@ def test_param_groups_match_metas_get_params_groups_with_decay(extra):
     decay (on or off) and last-layer flag as Meta's `dinov2/utils/param_groups.py` gives them: its
     function is run on each submodel of ours (backbone, dino_head, ibot_head, as `SSLMetaArch` calls it
     per submodel), under Meta's parameter names (`register_tokens` for our `reg_token`)."""
-    from pipeline.config import load_config
-    from pipeline.objectives import OBJECTIVES
+    from pipeline.objectives import OBJECTIVES, load_config
     from pipeline.train.optim import param_groups
 
     sys.path.insert(0, REPO)

@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import load_config
+from pipeline.model.layouts import convert_dinov2_state_dict
 from pipeline.model.vit import VisionTransformer, model_kwargs_from_config
-from pipeline.model.weights import convert_dinov2_state_dict, load_weights
-from pipeline.train.finetune import prepare_finetune
+from pipeline.model.weights import load_weights
+from pipeline.objectives import load_config
+from pipeline.run.finetune import prepare_finetune
 
 REPO = os.environ.get("DINOV2_OFFICIAL_REPO")
 pytestmark = pytest.mark.skipif(
@@ -138,3 +139,29 @@ def test_exported_safetensors_in_timm_give_the_official_features(official, case,
         got = theirs.forward_features(x)
     expected = torch.cat([t if t.ndim == 3 else t[:, None] for t in official_tokens(meta, x)], dim=1)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_the_layout_tables_are_the_officials(official):
+    """tests/unit/test_layouts.py's DINOv2 tables are the official state_dicts' keys and shapes: plain, with
+    registers, SwiGLU in chunked blocks, and the DINO head beside a training checkpoint's backbone."""
+    from dinov2.layers.dino_head import DINOHead
+
+    from tests.unit.test_layouts import (
+        DINO_HEAD,
+        DINOV2,
+        DINOV2_CHUNKED_SWIGLU,
+        DINOV2_REG,
+        DINOV2_SIZE,
+        shapes,
+    )
+
+    size = DINOV2_SIZE
+    common = dict(img_size=size["img"], patch_size=size["P"], embed_dim=size["D"], depth=size["L"], num_heads=2,
+                  init_values=1.0)
+    for table, kwargs, chunk in [(DINOV2, dict(ffn_layer="mlp", block_chunks=0), 1),
+                                 (DINOV2_REG, dict(ffn_layer="mlp", block_chunks=0, num_register_tokens=size["R"]), 1),
+                                 (DINOV2_CHUNKED_SWIGLU, dict(ffn_layer="swiglufused", block_chunks=2), 1)]:
+        model = official(**common, **kwargs)
+        assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes(table, dict(size, per_chunk=chunk))
+    head = DINOHead(in_dim=size["D"], out_dim=size["K"], hidden_dim=size["Hh"], bottleneck_dim=size["B"], nlayers=3)
+    assert {k: tuple(v.shape) for k, v in head.state_dict().items()} == shapes(DINO_HEAD, size)

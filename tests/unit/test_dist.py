@@ -163,7 +163,8 @@ def test_the_process_group_times_out_a_minute_after_the_watchdog(monkeypatch, tm
     import torch.distributed as torch_dist
 
     from pipeline.config import load_config
-    from pipeline.train import lock, resume
+    from pipeline.run import resume
+    from pipeline.train import lock
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):

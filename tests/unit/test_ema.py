@@ -11,7 +11,8 @@ import torch
 from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
-from pipeline.config import ConfigError, TrainConfig, load_config
+from pipeline.config import ConfigError, TrainConfig
+from pipeline.objectives import load_config
 from pipeline.objectives.base import EvalResult
 from pipeline.train.ema import Ema, ModelEma, timm_decay
 

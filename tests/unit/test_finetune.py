@@ -6,11 +6,12 @@ import pytest
 import timm
 import torch
 
-from pipeline.config import ConfigError, load_config, save_config
+from pipeline.config import ConfigError, save_config
 from pipeline.model.pos_embed import resize_pos_embed
 from pipeline.model.vit import VisionTransformer, build_vit, model_kwargs_from_config
 from pipeline.model.weights import WeightsError, save_weights
-from pipeline.train.finetune import prepare_finetune
+from pipeline.objectives import load_config
+from pipeline.run.finetune import prepare_finetune
 
 ARCH = ["model.variant=vit_ti16", "model.patch_size=4", "model.embed_dim=32", "model.depth=2", "model.num_heads=2"]
 
@@ -101,10 +102,22 @@ def test_wrong_shapes_name_the_parameter(tmp_path):
 
 
 def test_missing_parameters_are_named(tmp_path):
-    source = build_vit("vit_ti16", img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=3)
-    save_weights(source.state_dict(), tmp_path / "shallow.safetensors")
-    with pytest.raises(WeightsError, match="missing parameters blocks.1.attn.proj.bias"):
-        finetuned(tmp_path / "shallow.safetensors", 16, extra=ARCH)
+    source = build_vit("vit_ti16", img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3,
+                       qkv_bias=False)
+    save_weights(source.state_dict(), tmp_path / "no_qkv_bias.safetensors")
+    with pytest.raises(WeightsError, match="missing parameters blocks.0.attn.qkv.bias, blocks.1.attn.qkv.bias"):
+        finetuned(tmp_path / "no_qkv_bias.safetensors", 16, extra=ARCH)
+
+
+@pytest.mark.parametrize("depth,width", [(1, 32), (3, 32), (2, 64)])
+def test_a_file_whose_encoder_the_config_contradicts_is_refused_before_anything_is_built(tmp_path, depth, width):
+    # A deeper file used to fine-tune its first blocks with a warning for the rest; now neither way passes.
+    source = build_vit("vit_ti16", img_size=16, patch_size=4, embed_dim=width, depth=depth, num_heads=2, num_classes=3)
+    save_weights(source.state_dict(), tmp_path / "other.safetensors")
+    with pytest.raises(ConfigError, match=rf"other.safetensors \(timm's VisionTransformer\): the file's encoder is "
+                                          rf"patch 4, width {width}, depth {depth}; the config's model is patch 4, "
+                                          rf"width 32, depth 2"):
+        finetuned(tmp_path / "other.safetensors", 16, extra=ARCH)
 
 
 class Payload:
@@ -160,5 +173,7 @@ def test_from_a_meta_dinov2_file_reads_the_architecture_and_converts(tmp_path):
 def test_a_file_that_is_neither_timm_nor_meta_is_named(tmp_path):
     path = tmp_path / "resnet.pth"
     torch.save({"conv1.weight": torch.zeros(8, 3, 7, 7), "fc.weight": torch.zeros(10, 8)}, path)
-    with pytest.raises(WeightsError, match=r"resnet.pth: neither a ViT state dict .* nor Meta's DINOv2 .*conv1.weight"):
+    with pytest.raises(WeightsError, match=r"resnet.pth: weights in no layout known here; looked for Meta's MAE .* "
+                                           r"Meta's DINOv2 .* timm's VisionTransformer .*it holds 2 tensors, the first: "
+                                           r"conv1.weight, fc.weight"):
         finetuned(path, 16, extra=ARCH)

@@ -11,9 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.config import ConfigError, DataConfig, load_config
+from pipeline.config import ConfigError, DataConfig
 from pipeline.data import build_train_loader
 from pipeline.data.shards import ShardWriter, synthetic_source, write_dataset
+from pipeline.objectives import load_config
 
 IMG = 32
 
@@ -50,6 +51,65 @@ def test_cuda_mode_draws_the_same_crops_as_the_cpu_path(jpegs: Path) -> None:
             # the wrong flip or another sample is far off (>= ~0.04): the comparison does see them
             assert (a - b.flip(-1)).abs().mean(dim=(1, 2, 3)).min() > 0.02
             assert (a - b.roll(1, 0)).abs().mean(dim=(1, 2, 3)).min() > 0.04
+
+
+def _crop_resize_one_by_one(img: torch.Tensor, box: tuple[int, int, int, int], size: tuple[int, int],
+                            mode: str) -> torch.Tensor:
+    """What the decoder did per image before it batched: F.interpolate of the float crop."""
+    i, j, h, w = box
+    crop = img[None, :, i:i + h, j:j + w].float()
+    return torch.nn.functional.interpolate(crop, size=size, mode=mode, antialias=True, align_corners=False)[0]
+
+
+@pytest.mark.parametrize("mode", ["bicubic", "bilinear"])
+def test_batched_crop_and_resize_equals_f_interpolate_image_by_image(mode: str) -> None:
+    """Images of several sizes in one batch, crops that shrink, enlarge, touch the edges and are 1 pixel
+    thin, in chunks of a few images: each output equals F.interpolate(antialias=True) of its crop."""
+    from pipeline.data.gpu_decode import GpuBatchDecoder, resize_matrix
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(40, 56), (64, 48), (17, 90), (40, 56), (9, 9), (128, 100)]
+    imgs = [torch.randint(0, 256, (3, h, w), generator=g, dtype=torch.uint8) for h, w in shapes]
+    boxes = [(0, 0, 40, 56), (10, 5, 30, 20), (3, 40, 14, 50), (39, 0, 1, 56), (2, 3, 4, 5), (0, 0, 128, 100)]
+    size = (24, 32)
+    dec = GpuBatchDecoder(size, (0.0,) * 3, (1 / 255,) * 3, mode, chunk_bytes=3 * 64 * 56 * 4 * 2)  # 1-2 a chunk
+    dec.decode = lambda data, device: imgs  # the decoded images as nvjpeg returns them: a list
+    batch = {"jpeg": torch.zeros(1, dtype=torch.uint8), "offsets": torch.zeros(len(imgs) + 1, dtype=torch.int64),
+             "boxes": torch.tensor(boxes), "flips": torch.zeros(len(imgs), dtype=torch.bool)}
+    assert len(dec._chunks(list(range(len(imgs))), imgs)) >= 3  # the chunking is exercised
+    out, bad = dec(batch, "cpu")  # scale 1 / (255 * std) = 1, shift 0: the resized pixels, clamped to 0..255
+    assert bad == []
+    for k, (img, box) in enumerate(zip(imgs, boxes)):
+        ref = _crop_resize_one_by_one(img, box, size, mode).clamp(0, 255)
+        torch.testing.assert_close(out[k], ref, atol=2e-3, rtol=0)  # float32 sums in another order
+    # the weights themselves: rows sum to 1, zero outside the crop
+    m = resize_matrix(torch.tensor([5]), torch.tensor([20]), 7, 40, mode)[0]
+    torch.testing.assert_close(m.sum(-1), torch.ones(7))
+    assert m[:, :5].abs().sum() == 0 and m[:, 25:].abs().sum() == 0
+
+
+def test_the_decoder_launches_a_few_ops_per_batch_not_several_per_image(jpegs: Path) -> None:
+    """The crop and resize are batched: the ops the decoder dispatches (views aside) grow by about one per
+    image (decode_jpeg on the CPU decodes one by one; on a GPU it is one batched call). Image by image it
+    was about ten more per image, each a small kernel and a host launch on a GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += not func.is_view and func.__name__ not in ("detach.default", "lift_fresh.default")
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for n in (8, 32):
+        loader = build_train_loader(cfg_for(jpegs, decode_device="cuda"), IMG, n, seed=0)
+        images, targets = next(iter(loader))
+        Count.n = 0
+        with Count():
+            loader.to_device(images, targets, "cpu")
+        counts[n] = Count.n
+    assert (counts[32] - counts[8]) / 24 < 2, counts
 
 
 @pytest.mark.parametrize("mixup", [False, True])

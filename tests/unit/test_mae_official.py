@@ -77,3 +77,38 @@ def test_same_weights_images_and_noise_give_the_official_loss_prediction_and_mas
     assert torch.equal(mask, mask_o)
     torch.testing.assert_close(pred, pred_o, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(loss, loss_o, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["tiny", "vit_b16"])
+def test_the_layout_table_is_the_officials_and_its_checkpoint_fine_tunes_to_its_encoder(models_mae, tmp_path, case):
+    """tests/unit/test_layouts.py's MAE table is the official state_dict's keys and shapes; a checkpoint saved as
+    main_pretrain.py saves it fine-tunes through --from into an encoder whose features are the official's."""
+    import argparse
+    from functools import partial
+
+    from torch import nn
+
+    from tests.unit.test_layouts import MAE, MAE_CASES, fine_tune, shapes
+
+    size, config, (_, _, _, heads) = MAE_CASES[case]
+    torch.manual_seed(0)
+    official = models_mae.MaskedAutoencoderViT(
+        img_size=size["img"], patch_size=size["P"], embed_dim=size["D"], depth=size["L"], num_heads=heads,
+        decoder_embed_dim=size["Dd"], decoder_depth=size["Ld"], decoder_num_heads=2,
+        norm_layer=partial(nn.LayerNorm, eps=1e-6)).eval()  # the eps of the official mae_vit_* models
+    state = official.state_dict()
+    assert {k: tuple(v.shape) for k, v in state.items()} == shapes(MAE, size)
+    torch.save({"model": state, "epoch": 0, "args": argparse.Namespace(model="mae")}, tmp_path / "checkpoint-0.pth")
+    _, ours = fine_tune(tmp_path / "checkpoint-0.pth", size["img"], config)
+    ours.eval()
+    x = torch.randn(2, 3, size["img"], size["img"])
+    patches = (size["img"] // size["P"]) ** 2
+    real_rand = torch.rand
+    torch.rand = lambda *a, **k: torch.arange(patches, dtype=torch.float32).expand(2, -1)  # keep all, in order
+    try:
+        with torch.no_grad():
+            latent, _, _ = official.forward_encoder(x, mask_ratio=0.0)
+    finally:
+        torch.rand = real_rand
+    with torch.no_grad():
+        torch.testing.assert_close(ours.forward_features(x), latent, atol=1e-5, rtol=1e-5)

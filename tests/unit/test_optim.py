@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from pipeline.config import load_config
 from pipeline.model.vit import VisionTransformer, model_kwargs_from_config
+from pipeline.objectives import load_config
 from pipeline.train.optim import apply_hparams, build_optimizer, build_scheduler, param_groups, peak_group_lr
 
 TINY = ["model.variant=vit_ti16", "model.img_size=16", "model.patch_size=4", "model.embed_dim=32", "model.depth=2",
@@ -18,12 +18,12 @@ TINY = ["model.variant=vit_ti16", "model.img_size=16", "model.patch_size=4", "mo
 # and prints the names of the decayed parameters. One subprocess per stage: zero.Init patches torch.
 DECAYED = """
 import json, sys
-from pipeline.config import load_config
+from pipeline.objectives import load_config
 from pipeline.derived import deepspeed_config
 from pipeline.model.vit import model_kwargs_from_config
 from pipeline.train.optim import no_weight_decay
 from pipeline.dist import init_distributed
-from pipeline.train.trainer import build_model
+from pipeline.run.trainer import build_model
 init_distributed()  # one rank over gloo, from the environment the test sets
 cfg = load_config(None, sys.argv[3:] + ["deepspeed.zero_stage=" + sys.argv[1]])
 kwargs = model_kwargs_from_config(cfg.model, 4)
@@ -146,8 +146,8 @@ def test_resume_refuses_an_optimizer_state_of_other_decay_groups_in_one_line(tmp
     """A tag written before models named their own exemptions (no record: the ViT's rule applied to every
     model) resumes a ViT, and is refused for MAE, whose class token is now decayed, naming the file."""
     from pipeline.model.mae import MaskedAutoencoderViT
+    from pipeline.run.resume import ResumePlan, TrainError, check_same_decay_groups
     from pipeline.train import checkpoint as ckpt
-    from pipeline.train.resume import ResumePlan, TrainError, check_same_decay_groups
 
     def plan(no_weight_decay):
         state = ckpt.TrainerState(step=20, world_size=1, model={}, config={}, no_weight_decay=no_weight_decay)

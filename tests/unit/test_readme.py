@@ -4,7 +4,7 @@ the figures they state follow from the code."""
 import re
 from pathlib import Path
 
-from pipeline.config import reference_markdown
+from pipeline.objectives import reference_markdown
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ROOT = README.parent
@@ -49,8 +49,8 @@ def test_slurm_config_default_is_the_one_the_readme_names():
 def test_paper_config_hour_estimates_follow_from_their_flops():
     """Each paper config's header: steps x batch x 3 x model_flops = the FLOP it states, and that
     over (GPUs x MFU x the H100's 989e12) = the seconds it states."""
-    from pipeline.config import load_config
     from pipeline.model.vit import VARIANTS, model_flops
+    from pipeline.objectives import load_config
 
     for path in sorted((ROOT / "configs").glob("*/vit_*.yaml")):
         head = "\n".join(line[2:] for line in path.read_text().splitlines() if line.startswith("# "))

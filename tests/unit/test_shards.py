@@ -352,7 +352,7 @@ def test_shards_rewritten_under_a_run_are_refused_on_resume(tmp_path: Path) -> N
 def test_a_runs_dataset_json_at_a_url_is_read_with_its_data_retry_settings(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainer reads dataset.json through dataset_info_of: data.retry_* apply, not RetryPolicy's defaults."""
-    import pipeline.data.storage as storage
+    import pipeline.remote.storage as storage
     from pipeline.data import dataset_info_of
 
     write_dataset(synthetic_source(8, 2, 8), tmp_path, **QUIET)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.data.index import BUDGET_SUFFIX, cache_name, local_copy
-from pipeline.data.storage import RetryPolicy, StorageError
+from pipeline.remote.storage import RetryPolicy, StorageError
 
 BUDGET_S = 2.0
 # A budget spent takes at least a third of BUDGET_S, whatever the machine: the storage layer gives up when the

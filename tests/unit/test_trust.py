@@ -261,7 +261,8 @@ def test_a_refused_finetune_source_leaves_nothing_that_blocks_the_corrected_comm
     """--from a run directory whose checkpoint carries code, and --from evil.pth: one line each, exit 1, no
     code run, no run directory; the corrected command is a first start."""
     from pipeline.commands import finetune_config, parse_finetune_args
-    from pipeline.config import load_config, save_config
+    from pipeline.config import save_config
+    from pipeline.objectives import load_config
 
     data, marker = tmp_path / "data", tmp_path / "MARKER"
     data.mkdir()
@@ -302,7 +303,8 @@ def test_a_start_that_failed_before_its_first_checkpoint_does_not_bind_the_next(
     """config.yaml is written before the weights are copied into the model (a shape mismatch is found then):
     without a complete checkpoint its recorded source binds nothing; with one, it does."""
     from pipeline.commands import finetune_config, parse_finetune_args
-    from pipeline.config import load_config, save_config
+    from pipeline.config import save_config
+    from pipeline.objectives import load_config
 
     run_dir = tmp_path / "ft"
     run_dir.mkdir()

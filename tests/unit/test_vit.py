@@ -232,12 +232,12 @@ def test_model_flops_counts_registers_and_swiglu(name):
 ZERO_BUILD = """
 import json, sys
 import deepspeed, torch
-from pipeline.config import load_config
+from pipeline.objectives import load_config
 from pipeline.derived import deepspeed_config
 from pipeline.dist import init_distributed
 from pipeline.model.vit import model_kwargs_from_config
 from pipeline.train.optim import no_weight_decay
-from pipeline.train.trainer import build_model
+from pipeline.run.trainer import build_model
 init_distributed()
 cfg = load_config(None, sys.argv[3:] + ["deepspeed.zero_stage=" + sys.argv[1]])
 model = build_model(cfg, model_kwargs_from_config(cfg.model, 4), deepspeed_config(cfg, 1))

@@ -1,16 +1,13 @@
+import argparse
 import pickle
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
+from pipeline.model.layouts import convert_dinov2_state_dict, recognise
 from pipeline.model.vit import VisionTransformer, build_vit
-from pipeline.model.weights import (
-    WeightsError,
-    convert_dinov2_state_dict,
-    is_dinov2_state_dict,
-    load_weights,
-    save_weights,
-)
+from pipeline.model.weights import NotWeightsFile, WeightsError, load_weights, save_weights, weights_format
 
 
 def test_safetensors_round_trip(tmp_path):
@@ -85,7 +82,8 @@ def test_meta_dinov2_file_converts_to_the_same_model(tmp_path, name, chunks):
                 p.normal_()
     meta = meta_dinov2_file(model, tmp_path / "meta.pth", chunks)
     state = load_weights(tmp_path / "meta.pth")
-    assert is_dinov2_state_dict(state) and not is_dinov2_state_dict(model.state_dict())
+    assert recognise(state).layout == "Meta's DINOv2 backbone"
+    assert recognise(model.state_dict()).layout == "timm's VisionTransformer"  # ours, in timm's names
     converted, arch = convert_dinov2_state_dict(state)
     assert arch["img_size"] == 42 and arch["patch_size"] == 14 and arch["depth"] == 3
     assert arch["embed_dim"] == model.embed_dim and arch["num_heads"] == model.embed_dim // 64
@@ -106,3 +104,65 @@ def test_meta_dinov2_file_errors_name_the_file():
     with pytest.raises(WeightsError, match=r"x.pth: cls_token has shape \(1, 4\)"):
         convert_dinov2_state_dict({"cls_token": torch.zeros(1, 4), "pos_embed": torch.zeros(1, 5, 4),
                                    "mask_token": torch.zeros(1, 4)}, source="x.pth")
+
+
+# --- formats, by what defines each ---
+
+def safetensors_with_header(path, length: int, state: dict[str, torch.Tensor]) -> None:
+    """`state` saved as safetensors with a JSON header of exactly `length` bytes (the metadata padded)."""
+    save_file(state, str(path), metadata={"pad": ""})
+    base = int.from_bytes(path.read_bytes()[:8], "little")
+    for pad in range(max(length - base - 8, 0), length - base + 8):  # the writer pads its header to 8 bytes
+        save_file(state, str(path), metadata={"pad": "x" * pad})
+        if int.from_bytes(path.read_bytes()[:8], "little") == length:
+            return
+    raise AssertionError(f"no padding gives a {length}-byte header")
+
+
+@pytest.mark.parametrize("length", [128, 384, 640, 2688])
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_safetensors_is_told_by_its_header_whatever_its_first_byte_and_name(tmp_path, length, suffix):
+    # Lengths of 128 mod 256 start the file with 0x80, a pickle's first byte; 640 (80 02) reads as pickle protocol 2.
+    from pipeline.run.finetune import find_source
+
+    state = {"w": torch.randn(4)}  # a header shorter than 128 bytes before its padding
+    path = tmp_path / f"m{suffix}"
+    safetensors_with_header(path, length, state)
+    assert path.read_bytes()[0] == 0x80
+    assert weights_format(path) == "safetensors"
+    find_source(str(path))  # --from takes it
+    loaded = load_weights(path)
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_torch_zip_legacy_pickle_and_what_is_neither(tmp_path):
+    state = {"w": torch.arange(3.0)}
+    torch.save(state, tmp_path / "zip.pth")
+    torch.save(state, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
+    assert weights_format(tmp_path / "zip.pth") == "torch zip"
+    assert weights_format(tmp_path / "legacy.pth") == "pickle"
+    assert torch.equal(load_weights(tmp_path / "legacy.pth")["w"], state["w"])
+    (tmp_path / "zip.safetensors").write_bytes((tmp_path / "zip.pth").read_bytes())
+    with pytest.raises(NotWeightsFile, match="it is a torch.save zip file named .safetensors"):
+        weights_format(tmp_path / "zip.safetensors")
+    save_file(state, str(tmp_path / "cut.safetensors"))
+    whole = (tmp_path / "cut.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(whole[:40])  # inside its header
+    with pytest.raises(NotWeightsFile, match=r"a \d+-byte header, but only 32 bytes follow the length: truncated"):
+        weights_format(tmp_path / "cut.safetensors")
+    (tmp_path / "cut.safetensors").write_bytes(whole[:-4])  # inside its data
+    with pytest.raises(NotWeightsFile, match=r"tensor 'w' is not a dtype, a shape and data_offsets within its 8 bytes"):
+        weights_format(tmp_path / "cut.safetensors")
+    (tmp_path / "empty.pth").write_bytes(b"")
+    with pytest.raises(WeightsError, match="empty.pth' is not a weights file: it is empty"):
+        load_weights(tmp_path / "empty.pth")
+
+
+def test_maes_training_args_load_but_code_inside_them_does_not_run(tmp_path):
+    """main_pretrain.py saves its argparse.Namespace beside the model: rebuilt from plain values, nothing else."""
+    torch.save({"model": {"w": torch.ones(2)}, "args": argparse.Namespace(lr=1e-3, model="mae")}, tmp_path / "ok.pth")
+    assert list(load_weights(tmp_path / "ok.pth")) == ["w"]
+    with open(tmp_path / "evil.pth", "wb") as f:
+        pickle.dump({"model": {"w": torch.ones(2)}, "args": argparse.Namespace(lr=Evil())}, f, protocol=2)
+    with pytest.raises(WeightsError, match="would run code"):
+        load_weights(tmp_path / "evil.pth")

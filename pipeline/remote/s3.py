@@ -1,4 +1,5 @@
-"""`s3://bucket/key` objects through boto3: ranged GETs for storage.fetch, whole-object PUTs for make_shards.
+"""`s3://bucket/key` objects through boto3: ranged GETs for storage.fetch, whole-object PUTs for make_shards
+and the run mirror (pipeline/train/mirror.py).
 
 Credentials and endpoint come from boto3's standard chain: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
 (and AWS_SESSION_TOKEN), AWS_PROFILE with ~/.aws/config and ~/.aws/credentials, then instance or pod
@@ -14,7 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .storage import Body, Permanent, RetryPolicy, Transient, _cause, _content_range_total
+from pipeline.remote.http import Body, content_range_total
+from pipeline.remote.retry import Permanent, RetryPolicy, Transient, cause
 
 READ_CHUNK = 256 << 10  # a stalled read loses at most this much (StreamingBody.read fills its whole amount)
 THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "RequestTimeout",
@@ -68,7 +70,7 @@ def classify(e: BaseException) -> Exception:
         if status >= 500 or status in (408, 429) or code in THROTTLED:
             return Transient(text)
         return Permanent(text)
-    return Transient(_cause(e))  # connection refused or reset, a body cut short, a read timeout
+    return Transient(cause(e))  # connection refused or reset, a body cut short, a read timeout
 
 
 def s3_open(url: str, start: int, end: int | None, policy: RetryPolicy) -> tuple[int | None, Body]:
@@ -83,7 +85,7 @@ def s3_open(url: str, start: int, end: int | None, policy: RetryPolicy) -> tuple
         response = client("read", policy.timeout_s).get_object(**kwargs)
     except (BotoCoreError, ClientError, HTTPError, OSError) as e:
         raise classify(e) from None
-    total = _content_range_total(response.get("ContentRange"))
+    total = content_range_total(response.get("ContentRange"))
     if total is None and "Range" not in kwargs:
         total = response.get("ContentLength")
     stream = response["Body"]
@@ -114,7 +116,7 @@ def exists(url: str) -> bool:
             return False
         raise Permanent(f"HEAD {url}: {_status(e)}") from None
     except BotoCoreError as e:
-        raise Permanent(f"HEAD {url}: {_cause(e)}") from None
+        raise Permanent(f"HEAD {url}: {cause(e)}") from None
 
 
 def upload(path: str, url: str) -> None:
@@ -127,4 +129,4 @@ def upload(path: str, url: str) -> None:
         client("write").upload_file(path, bucket, key)
     except (BotoCoreError, ClientError) as e:
         status, code = _status(e)
-        raise Permanent(f"PUT {url}: {f'HTTP {status} {code}' if status else _cause(e)}") from None
+        raise Permanent(f"PUT {url}: {f'HTTP {status} {code}' if status else cause(e)}") from None

@@ -6,40 +6,68 @@
     it (`Objective.weights_from_checkpoint`: the model consolidated to fp32, a DINOv2 run's teacher
     backbone), its files read with `weights_only=True` and DeepSpeed's own few types
     (`ds_compat.no_code_from_pickles`);
-  - a .safetensors file (ours, or timm's, e.g. `vit_base_patch16_224`'s model.safetensors);
-  - a timm-format .pth/.bin state dict, read with `torch.load(weights_only=True)`: nothing executes code;
-  - one of Meta's DINOv2 backbone files (`dinov2_vitb14_pretrain.pth`, `dinov2_vitb14_reg4_pretrain.pth`):
-    its architecture (width, depth, patch size, LayerScale, registers, SwiGLU, grid) is read from the
-    tensors and its keys/layout converted to ours (`weights.convert_dinov2_state_dict`).
+  - a weights file, its format told by its bytes (`weights.weights_format`: safetensors, torch.save's zip,
+    a pickle; pickles read with `torch.load(weights_only=True)`: nothing executes code), its layout by its
+    keys (`layouts.recognise`): ours, timm's ViT (e.g. `vit_base_patch16_224`'s model.safetensors), Meta's
+    MAE pretraining checkpoint (the decoder left out), Meta's DINOv2 backbone (`dinov2_vitb14_pretrain.pth`:
+    its architecture read from the tensors, its keys converted to ours).
 
-The architecture (patch size, width, depth, heads) comes from the source's config.yaml when there is one;
-the source's grid from its img_size (`finetune.source_img_size` for a bare file with a non-square grid);
-the new grid from `--res`. Position embeddings are resized with `resize_pos_embed`, the class token kept.
+The architecture (patch size, width, depth, heads) comes from the source's config.yaml when there is one,
+from the file for Meta's DINOv2, else from the fine-tune's config, checked against the file's patch, width
+and depth; the source's grid from its img_size (`finetune.source_img_size` for a bare file with a
+non-square grid); the new grid from `--res`. Position embeddings are resized with `resize_pos_embed`, the
+class token kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from pipeline.config import Config, ConfigError, FinetuneConfig, load_config
+from pipeline.config import Config, ConfigError, ConfigFiles, FinetuneConfig, ModelConfig
 from pipeline.derived import image_size
 from pipeline.dist import say
+from pipeline.model.layers import init_param
+from pipeline.model.layouts import is_ours, recognise
+from pipeline.model.mae import sincos_pos_embed_2d
 from pipeline.model.pos_embed import resize_pos_embed
-from pipeline.model.vit import VisionTransformer, _init_param
-from pipeline.model.weights import WeightsError, convert_dinov2_state_dict, is_dinov2_state_dict, load_weights
+from pipeline.model.variants import VARIANTS, model_kwargs_from_config, variant_kwargs
+from pipeline.model.vit import VisionTransformer, architecture
+from pipeline.model.weights import (
+    NotWeightsFile,
+    WeightsError,
+    load_weights,
+    weights_format,
+    weights_metadata,
+)
+from pipeline.objectives import OBJECTIVES, config_files
+from pipeline.objectives.base import Objective
+from pipeline.run.resume import ResumePlan
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.resume import ResumePlan
 from pipeline.zero3 import real_shape
 
-ARCH_KEYS = ("variant", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "init_values",
-             "reg_tokens", "no_embed_class", "mlp_layer")
+# What a fine-tune sets itself of the model's architecture: the resolution (the position table is resized), the
+# classes (a new head), the pre-logits (dropped, as the paper) and the pooling (the recipe's).
+FINETUNE_DECIDES = ("img_size", "num_classes", "representation_size", "global_pool")
+# What it takes from its source: the rest of the model's architecture keys that the run config has (the
+# source's config.yaml, or what a Meta file's tensors say), and the variant that names them.
+ARCH_KEYS = ("variant", *(k for k in VisionTransformer.ARCH_KEYS
+                          if k in {f.name for f in dataclasses.fields(ModelConfig)} and k not in FINETUNE_DECIDES))
 HEAD_PREFIXES = ("head.", "pre_logits.")
+
+
+def objective_of_run(cfg: Config | None) -> type[Objective]:
+    """The objective class a run directory's config.yaml names (`cfg`, None when the run has none: a model
+    trained before runs recorded one, read as the plain model): which `weights_from_checkpoint` reads a run
+    stopped before its export (`launch/finetune.py --from RUN_DIR`, `launch/export_weights.py`)."""
+    return OBJECTIVES[cfg.model.objective] if cfg is not None else Objective
 
 
 @dataclass
@@ -48,16 +76,18 @@ class Source:
     config: Config | None  # the source run's config, when known
 
 
-def find_source(source: str) -> Source:
+def find_source(source: str, files: ConfigFiles | None = None) -> Source:
+    """The source `--from` names, and its run's config.yaml when it has one (read through `files`: once)."""
     path = Path(source).expanduser()
     if not path.exists():
         raise WeightsError(f"--from '{source}': no such run directory or weights file")
     if path.is_file():
-        problem = not_weights(path)
-        if problem:
-            raise ConfigError(f"--from '{source}' is not a weights file: {problem}")
+        try:
+            weights_format(path)
+        except NotWeightsFile as e:
+            raise ConfigError(f"--from '{source}' is not a weights file: {e}") from None
     folder = path if path.is_dir() else path.parent
-    config = load_config(folder / "config.yaml") if (folder / "config.yaml").is_file() else None
+    config = (files or config_files()).load(folder / "config.yaml") if (folder / "config.yaml").is_file() else None
     if path.is_dir() and not (path / "model.safetensors").is_file() and ckpt.newest_complete_tag(path) is None:
         raise WeightsError(f"--from '{source}': a directory without model.safetensors or a complete checkpoint "
                            f"in checkpoints/")
@@ -71,8 +101,6 @@ def source_state_dict(src: Source) -> dict[str, torch.Tensor]:
         return load_weights(src.path / "model.safetensors")
     # A run stopped before its export: what it would have exported at its newest complete checkpoint, which
     # its objective reads (a DINOv2 run's teacher backbone, not DeepSpeed's module, the student).
-    from pipeline.objectives import objective_of_run  # DINOv2 imports the train package
-
     tag = ckpt.newest_complete_tag(src.path)
     objective = objective_of_run(src.config)
     _say(f"--from {src.path}: no model.safetensors (the run stopped before its export): "
@@ -80,18 +108,20 @@ def source_state_dict(src: Source) -> dict[str, torch.Tensor]:
     return objective.weights_from_checkpoint(src.path, tag, src.config)
 
 
-def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[str] | frozenset[str] = frozenset()
-                     ) -> tuple[Config, Callable[[nn.Module], dict[str, str]] | None]:
+def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[str] | frozenset[str] = frozenset(),
+                     files: ConfigFiles | None = None) -> tuple[Config, Callable[[nn.Module], dict[str, str]] | None]:
     """The fine-tune config with the source's architecture, and the hook that loads the weights (None
     when `plan`, the run's start-or-resume plan from `resume.start`, resumes a checkpoint: it has the
     weights, and the source may have moved since). `cli_model_keys`: the model.* keys set on the command
-    line; one the source decides is refused unless it agrees."""
+    line; one the source decides is refused unless it agrees. `files`: the config files the command has read
+    (its run directory's config.yaml, the source's), each read once; by default read here."""
+    files = files or config_files()
     if not cfg.finetune.source:
         raise ConfigError("fine-tuning needs a source: --from RUN_DIR | FILE.safetensors | FILE.pth")
     model_cfg, source_img_size = cfg.model, cfg.finetune.source_img_size
     if plan is not None:  # a restart: the run's first start decided the model
         recorded = Path(cfg.run.dir) / "config.yaml"
-        arch_from = load_config(recorded) if recorded.is_file() else None
+        arch_from = files.load(recorded) if recorded.is_file() else None
         if arch_from is not None:
             _refuse_arch_overrides(cfg, arch_from, cli_model_keys, f"{recorded} (this run's first start)")
             model_cfg = dataclasses.replace(model_cfg, **{k: getattr(arch_from.model, k) for k in ARCH_KEYS})
@@ -99,29 +129,35 @@ def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[s
         model_cfg = dataclasses.replace(model_cfg, representation_size=None)
         return dataclasses.replace(cfg, model=model_cfg, finetune=dataclasses.replace(
             cfg.finetune, source_img_size=source_img_size)), None
-    src = find_source(cfg.finetune.source)
+    src = find_source(cfg.finetune.source, files)
     if src.config is not None:  # the source's recorded architecture decides: refuse a contrary override first,
         _refuse_arch_overrides(cfg, src.config, cli_model_keys, f"--from {cfg.finetune.source}")  # before any read
     # Read before anything is written: a source that is refused (code in a pickle, not a state dict) leaves no
     # run directory, and no config.yaml recording it as this run's source for the next start to insist on.
-    state = source_state_dict(src)
-    if src.config is None and is_dinov2_state_dict(state):
-        state, meta_arch = convert_dinov2_state_dict(state, source=str(src.path))
-        source_model = dataclasses.replace(model_cfg, **meta_arch_config(meta_arch))
+    # Whose weights, by their keys: ours (a run directory, or our export's metadata), else whichever of
+    # Meta's MAE, Meta's DINOv2 and timm's layouts they match (pipeline/model/layouts.py).
+    found = recognise(source_state_dict(src), f"--from {src.path}",
+                      ours=src.config is not None or (src.path.is_file() and is_ours(weights_metadata(src.path))))
+    state = found.state
+    if found.complete:  # Meta's DINOv2: the file says the whole architecture
+        source_model = dataclasses.replace(model_cfg, **meta_arch_config(found.arch))
         _refuse_arch_overrides(cfg, dataclasses.replace(cfg, model=source_model), cli_model_keys,
-                               f"--from {cfg.finetune.source} (Meta's DINOv2 backbone)")
+                               f"--from {cfg.finetune.source} ({found.layout})")
         model_cfg = dataclasses.replace(model_cfg, **{k: getattr(source_model, k) for k in ARCH_KEYS})
-        source_img_size = source_img_size or meta_arch["img_size"]
-        _say(f"--from {src.path}: Meta's DINOv2 backbone, {describe_arch(meta_arch)}")
-    elif "patch_embed.proj.weight" not in state:
-        raise WeightsError(f"--from {src.path}: neither a ViT state dict with timm's names (patch_embed.proj.weight, "
-                           f"cls_token, pos_embed, blocks.N.*) nor Meta's DINOv2 backbone (cls_token, pos_embed, "
-                           f"mask_token or register_tokens, patch_embed.proj.weight, blocks.N.*); it holds "
-                           f"{len(state)} tensors, the first: {', '.join(sorted(state)[:5]) or 'none'}")
-    if src.config is not None:
-        arch = {k: getattr(src.config.model, k) for k in ARCH_KEYS}
-        model_cfg = dataclasses.replace(model_cfg, **arch)
-        source_img_size = source_img_size or src.config.model.img_size
+        source_img_size = source_img_size or found.arch["img_size"]
+        _say(f"--from {src.path}: {found.layout}, {describe_arch(found.arch)}"
+             + (f"; left out: {found.left_out}" if found.left_out else ""))
+    else:  # the file says patch, width and depth, not the heads: the architecture is the config's, checked
+        if src.config is not None:
+            arch = {k: getattr(src.config.model, k) for k in ARCH_KEYS}
+            model_cfg = dataclasses.replace(model_cfg, **arch)
+            source_img_size = source_img_size or src.config.model.img_size
+        kwargs = model_kwargs_from_config(model_cfg, num_classes=1)
+        problem = found.mismatch(kwargs)
+        if problem:
+            raise ConfigError(f"--from {src.path} ({found.layout}): {problem}")
+        _say(f"--from {src.path}: {found.describe()}; {kwargs['num_heads']} heads (from "
+             f"{'its config.yaml' if src.config is not None else 'the config: the file does not say'})")
     # The paper replaces the pretraining head (and its tanh pre-logits) with one zero-initialised Linear.
     # An MAE source fine-tunes its encoder as a supervised ViT (its decoder is not loaded).
     model_cfg = dataclasses.replace(model_cfg, representation_size=None, objective="supervised")
@@ -143,12 +179,20 @@ def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[s
 
 
 def meta_arch_config(arch: dict) -> dict:
-    """ModelConfig fields for the architecture `convert_dinov2_state_dict` read from a Meta file: the DINOv2
-    variant of its width (for the name in config.yaml) with every architecture key explicit."""
-    names = {384: "s", 768: "b", 1024: "l", 1536: "g"}
-    size = names.get(arch["embed_dim"])
-    variant = f"vit_{size}14{'_reg4' if arch['reg_tokens'] == 4 else ''}" if size else "vit_b14"
-    return dict(variant=variant, **{k: arch[k] for k in ARCH_KEYS if k != "variant"})
+    """ModelConfig fields for the architecture `convert_dinov2_state_dict` read from a Meta file, every
+    architecture key explicit, and the variant of `VARIANTS` that has that architecture (for the name in
+    config.yaml); a file no variant matches (a width Meta did not release) is named after the variant of its
+    patch size and registers nearest in width, which its explicit keys override."""
+    keys = [k for k in ARCH_KEYS if k != "variant"]
+
+    def same(a: Any, b: Any) -> bool:  # mlp_ratio is a ratio of integers: ViT-g's 5.33333 vs the preset's 5.33334
+        return math.isclose(a, b, rel_tol=1e-4) if isinstance(a, float) and isinstance(b, float) else a == b
+
+    presets = {v: architecture(VisionTransformer, variant_kwargs(v)) for v in VARIANTS}
+    exact = [v for v, a in presets.items() if all(same(a[k], arch[k]) for k in keys)]
+    kin = [v for v, a in presets.items() if (a["patch_size"], a["reg_tokens"]) == (arch["patch_size"], arch["reg_tokens"])]
+    variant = exact[0] if exact else min(kin or presets, key=lambda v: abs(presets[v]["embed_dim"] - arch["embed_dim"]))
+    return dict(variant=variant, **{k: arch[k] for k in keys})
 
 
 def describe_arch(arch: dict) -> str:
@@ -166,26 +210,6 @@ def _refuse_arch_overrides(cfg: Config, source: Config, cli_model_keys, where: s
                               f"drop the override (or fine-tune from a bare weights file with a --config)")
 
 
-def not_weights(path: Path) -> str | None:
-    """None if `path` starts like a weights file (safetensors, a torch zip, a pickle); else what it is."""
-    with open(path, "rb") as f:
-        head = f.read(4096)
-    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":  # torch.save's zip; a legacy pickle
-        return None if path.suffix != ".safetensors" else "it is a torch/pickle file named .safetensors"
-    if len(head) >= 9 and head[8:9] == b"{":  # safetensors: 8-byte little-endian header size, then JSON
-        size = int.from_bytes(head[:8], "little")
-        if 2 <= size <= path.stat().st_size - 8:
-            return None
-    if not head:
-        return "it is empty"
-    try:
-        text = head.decode("utf-8")
-    except UnicodeDecodeError:
-        return f"it starts with bytes {head[:8].hex(' ')}, neither safetensors nor a torch/pickle file"
-    first = text.strip().splitlines()[0][:60] if text.strip() else ""
-    return f"it is a text file ({path.stat().st_size} bytes, first line: {first!r})"
-
-
 def load_pretrained(model: VisionTransformer, src: Source, source_img_size, probe: bool = False,
                     state: dict[str, torch.Tensor] | None = None, head_init: str = "zero") -> dict[str, str]:
     """Copy the source trunk (`state`, else read from `src`) into `model` (resizing position embeddings);
@@ -197,8 +221,6 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size, prob
     if "pos_embed" not in state and src.config is not None and src.config.model.objective == "mae":
         # An MAE run's checkpoint (consolidated before export) holds parameters only; its position
         # embedding is the fixed sin-cos table of its grid.
-        from pipeline.model.mae import sincos_pos_embed_2d
-
         h, w = image_size(source_img_size or src.config.model.img_size)
         state["pos_embed"] = sincos_pos_embed_2d(model.embed_dim, (h // patch, w // patch))
     # The prefix rows of the position table: the class token's, unless the table covers the patches only
@@ -230,7 +252,7 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size, prob
 
     params = dict(model.named_parameters())
     for name in expected:
-        _init_param(params[name], _copier(state[name]))
+        init_param(params[name], _copier(state[name]))
     if probe:
         make_linear_probe(model)  # a head of its own (prepare_finetune refuses head_init=model with it)
         head = "linear probe head"

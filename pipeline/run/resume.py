@@ -14,11 +14,12 @@ At the command, once (`start`, called by `pipeline.commands.run`; rank 0 decides
      state cannot be carried over.
   5. Choose how to load: same world size and ZeRO stage (or ZeRO-0 on both sides) loads the tag as
      written, bit-exact; another layout of ZeRO 1-3 goes through DeepSpeed's universal format.
-The plan is the one answer to "is this a restart?": the fine-tune (`pipeline.train.finetune`) loads no
+The plan is the one answer to "is this a restart?": the fine-tune (`pipeline.run.finetune`) loads no
 source weights when it is not None (the checkpoint has them; the source may have moved since), and the
 trainer resumes it.
-Once the model's shape is known, before DeepSpeed starts (`check_model_and_convert`):
-  6. Refuse a checkpoint of another model (its shape keys), naming what differs.
+Once the model's shape is known, before DeepSpeed starts (`before_build`):
+  6. Refuse a checkpoint of another model (the architecture keys its class declares, ARCH_KEYS), naming
+     what differs.
   7. Another layout: rank 0 converts the tag to DeepSpeed's universal format, which every rank loads.
 Once the model is built, before the engine (`check_same_decay_groups`): refuse a checkpoint whose
 optimizer state belongs to other weight-decay groups than the model's `no_weight_decay()`.
@@ -49,6 +50,7 @@ from torch import nn
 
 from pipeline.config import Config, to_dict
 from pipeline.dist import DistEnv, init_distributed, say
+from pipeline.model.vit import architecture
 from pipeline.signals import exit_at_once_on_signal
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import ds_compat, mirror
@@ -57,9 +59,6 @@ from pipeline.train.lock import RunDirLocked, lock_run_dir
 from pipeline.train.optim import RESUMABLE_HPARAMS, exempt_names
 from pipeline.train.state import ClientState
 from pipeline.train.watchdog import process_group_timeout_s
-
-SHAPE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
-              "num_classes", "representation_size")
 
 
 class TrainError(RuntimeError):
@@ -155,15 +154,20 @@ def plan(cfg: Config, env: DistEnv) -> ResumePlan | None:
     return ResumePlan(tag, state, ckpt.universal_dir(run_dir), universal=True, fallbacks=[], layout_change=why)
 
 
-def check_model_and_convert(p: ResumePlan | None, cfg: Config, env: DistEnv, model_kwargs: dict[str, Any]) -> None:
+def before_build(p: ResumePlan | None, cfg: Config, env: DistEnv, model_class: type[nn.Module],
+                 model_kwargs: dict[str, Any], ds_config: dict[str, Any]) -> dict[str, Any]:
     """Steps 6-7, once the model's shape is known and before DeepSpeed starts: refuse a checkpoint of
-    another model, then (another layout) convert the tag to the universal format on rank 0."""
+    another model, then (another layout) convert the tag to the universal format on rank 0. Returns the
+    DeepSpeed config to build the engine with: `ds_config`, told to load the universal format when the
+    layout changed."""
     if p is None:
-        return
+        return ds_config
     run_dir = Path(cfg.run.dir)
-    check_same_model(p.state, model_kwargs, ckpt.checkpoint_dir(run_dir) / p.tag)  # 6
-    if p.universal:  # 7: not before 6, a checkpoint of another model is not worth converting
-        _on_rank0(env, lambda: convert(run_dir, p.tag, p.state, p.layout_change))
+    check_same_model(p.state, model_class, model_kwargs, ckpt.checkpoint_dir(run_dir) / p.tag)  # 6
+    if not p.universal:
+        return ds_config
+    _on_rank0(env, lambda: convert(run_dir, p.tag, p.state, p.layout_change))  # 7: after 6, not worth it before
+    return {**ds_config, "checkpoint": {"load_universal": True}}
 
 
 def find_complete(run_dir: Path) -> tuple[list[str], list[str]]:
@@ -188,9 +192,13 @@ def _layout(state: ckpt.TrainerState) -> tuple[int, int]:
     return state.world_size, state.zero_stage
 
 
-def check_same_model(state: ckpt.TrainerState, model_kwargs: dict[str, Any], tag_dir: Path) -> None:
-    diff = [f"{k}: {state.model.get(k)} (checkpoint) vs {plain(model_kwargs.get(k))} (config)"
-            for k in SHAPE_KEYS if plain(state.model.get(k)) != plain(model_kwargs.get(k))]
+def check_same_model(state: ckpt.TrainerState, model_class: type[nn.Module], model_kwargs: dict[str, Any],
+                     tag_dir: Path) -> None:
+    """Refuse a checkpoint whose model differs in an architecture key the model declares (`ARCH_KEYS`: the
+    weights' names and shapes), each compared as built (a key not recorded: the constructor's default)."""
+    saved, now = architecture(model_class, state.model), architecture(model_class, model_kwargs)
+    diff = [f"{k}: {saved[k]} (checkpoint) vs {plain(now[k])} (config)"
+            for k in model_class.ARCH_KEYS if plain(saved[k]) != plain(now[k])]
     if diff:
         raise TrainError(f"{tag_dir} was trained with a different model; refusing to resume: " + "; ".join(diff)
                          + ". Use a new run.dir or the matching config.")
@@ -254,7 +262,7 @@ def convert(run_dir: Path, tag: str, state: ckpt.TrainerState, why: str) -> None
 # ----------------------------------------------------------------------------- 8-11: into the engine
 
 
-def restore(p: ResumePlan | None, cfg: Config, env: DistEnv, engine, client_state: ClientState,
+def restore(p: ResumePlan | None, cfg: Config, engine: Any, client_state: ClientState,
             reapply_hparams: Callable[[], None]) -> int:
     """Load the planned checkpoint into the built engine (DeepSpeed's files) and the client state's parts
     (pipeline/train/state.py); return the step to continue from. `reapply_hparams` puts the config's lr,

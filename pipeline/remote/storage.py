@@ -26,64 +26,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
-import sys
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from .info import BadDataError
-
-CHUNK = 1 << 20  # bytes per read from a response body
-MAX_BACKOFF_S = 60.0  # the longest wait between two attempts, whatever the doubling reached
-TRANSIENT_STATUS = {408, 425, 429}  # and every 5xx
-
-
-class StorageError(BadDataError):
-    """A remote object could not be had: a permanent status, or retries ran out. The message is one line
-    naming the URL and the status; the run stops (a BadDataError: the loaders' path to a clean stop).
-    `status`: the HTTP status of a permanent failure (404: no such object), else None."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
-class Transient(Exception):
-    """A fault worth another attempt (the message says what happened)."""
-
-
-class Permanent(Exception):
-    """A fault no retry mends: `status` as the server said it (e.g. 'HTTP 404 Not Found')."""
-
-    def __init__(self, status: str):
-        super().__init__(status)
-        self.status = status
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How remote reads retry (DataConfig's retry_* and range_* keys; see `from_config`)."""
-    attempts: int = 10
-    total_s: float = 900.0
-    backoff_s: float = 1.0
-    timeout_s: float = 60.0
-    part_bytes: int = 64 << 20
-    parallel: int = 4
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> RetryPolicy:
-        return cls(attempts=cfg.retry_attempts, total_s=cfg.retry_time_s, backoff_s=cfg.retry_backoff_s,
-                   timeout_s=cfg.read_timeout_s, part_bytes=max(1, int(cfg.range_mb * 2**20)),
-                   parallel=max(1, cfg.range_parallel))
-
-    def delay(self, failures: int) -> float:
-        """Seconds to wait after the `failures`-th failure: doubling from backoff_s, capped, with jitter
-        (half to all of it: ranks that failed together do not come back together)."""
-        return min(MAX_BACKOFF_S, self.backoff_s * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
+from pipeline.remote import s3
+from pipeline.remote.http import Opener, http_open
+from pipeline.remote.retry import Permanent, RetryPolicy, StorageError, Transient, log
 
 
 @dataclass(frozen=True)
@@ -93,117 +43,12 @@ class Expected:
     sha256: str | None = None
 
 
-def expected_of(split: Any) -> dict[str, Expected]:
-    """Shard -> what dataset.json says of it, for a SplitInfo or anything with its shards, shard_bytes and
-    shard_sha256 lists (the train stream)."""
-    n = len(split.shards)
-    sizes = list(split.shard_bytes or []) + [None] * n
-    digests = list(split.shard_sha256 or []) + [None] * n
-    return {s: Expected(sizes[i], digests[i]) for i, s in enumerate(split.shards)}
-
-
-def log(message: str) -> None:
-    print(f"storage: {message}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------- one ranged GET per scheme
-
-
-Body = Iterator[bytes]
-Opener = Callable[[str, int, "int | None", RetryPolicy], "tuple[int | None, Body]"]
-"""(url, start, end or None, policy) -> (the object's total size if the response says it, body chunks
-from byte `start` on); raises Transient or Permanent."""
-
-_pools: dict[int, Any] = {}  # per process: a pool made before a fork is not the child's to use
-
-
-def _http_pool() -> Any:
-    import urllib3
-
-    pool = _pools.get(os.getpid())
-    if pool is None:
-        pool = _pools[os.getpid()] = urllib3.PoolManager(num_pools=16, maxsize=16)
-    return pool
-
-
-def _http_open(url: str, start: int, end: int | None, policy: RetryPolicy) -> tuple[int | None, Body]:
-    import urllib3
-    from urllib3.exceptions import HTTPError
-
-    headers = {"Accept-Encoding": "identity"}  # the bytes dataset.json's digest is of, not a re-encoding
-    if start or end is not None:
-        headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-    try:
-        r = _http_pool().request(
-            "GET", url, headers=headers, preload_content=False, decode_content=False,
-            # Our loop retries (with the range still missing); urllib3 follows redirects only.
-            retries=urllib3.Retry(total=None, connect=0, read=0, status=0, other=0, redirect=5),
-            timeout=urllib3.Timeout(connect=policy.timeout_s, read=policy.timeout_s))
-    except HTTPError as e:
-        raise Transient(_cause(e)) from None
-    if r.status not in (200, 206):
-        status = f"HTTP {r.status} {r.reason or ''}".strip()
-        r.release_conn()
-        if r.status in TRANSIENT_STATUS or r.status >= 500:
-            raise Transient(status)
-        raise Permanent(status)
-    total = _content_range_total(r.headers.get("Content-Range"))
-    if r.status == 200:
-        length = r.headers.get("Content-Length")
-        total = int(length) if length and length.isdigit() else None
-    # A server that ignores Range sends the whole object: its bytes before `start` are skipped, and those
-    # from `end` on are not taken.
-    skip = start if r.status == 200 else 0
-    left = None if end is None or r.status != 200 else end - start
-
-    def body() -> Body:
-        nonlocal skip, left
-        try:
-            # read1: what has arrived, not a full CHUNK, so that a stall keeps the bytes before it; urllib3 2
-            # raises on a body shorter than its Content-Length.
-            while chunk := r.read1(CHUNK, decode_content=False):
-                if skip:
-                    cut = min(skip, len(chunk))
-                    chunk, skip = chunk[cut:], skip - cut
-                if left is not None:
-                    chunk, left = chunk[:left], left - min(left, len(chunk))
-                if chunk:
-                    yield chunk
-                if left == 0:
-                    return
-        except HTTPError as e:
-            raise Transient(_cause(e)) from None
-        finally:
-            r.release_conn()
-
-    return total, body()
-
-
-def _content_range_total(value: str | None) -> int | None:
-    """'bytes 0-99/1234' -> 1234 (None when absent or '*')."""
-    if not value or "/" not in value:
-        return None
-    total = value.rsplit("/", 1)[1].strip()
-    return int(total) if total.isdigit() else None
-
-
-def _cause(e: BaseException) -> str:
-    """The innermost reason of a urllib3/botocore error, on one line."""
-    reason = getattr(e, "reason", None) or getattr(e, "__context__", None)
-    text = f"{type(e).__name__}: {e}"
-    if isinstance(reason, BaseException) and str(reason) and str(reason) not in text:
-        text += f" ({type(reason).__name__}: {reason})"
-    return " ".join(text.split())[:300]
-
-
 def opener(url: str) -> Opener:
     scheme = url.partition("://")[0].lower()
     if scheme in ("http", "https"):
-        return _http_open
+        return http_open
     if scheme == "s3":
-        from .s3 import s3_open
-
-        return s3_open
+        return s3.s3_open
     raise StorageError(f"{url}: no reader for scheme '{scheme}://'")
 
 

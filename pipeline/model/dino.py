@@ -1,0 +1,113 @@
+"""DINOv2's student and teacher (Meta's `SSLMetaArch` holds them as ModuleDicts): `DINOv2Model`, a
+`VisionTransformer` backbone with its mask token and the DINO head, plus a separate iBOT head when asked.
+The objective that trains it is pipeline/objectives/dino/; this is the module, beside MAE's (mae.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.model.dino_head import DINOHead
+from pipeline.model.layers import init_param, trunc_normal
+from pipeline.model.vit import VisionTransformer
+
+HEAD_KEYS = ("head_n_prototypes", "head_hidden_dim", "head_bottleneck_dim", "head_nlayers", "ibot_separate_head",
+             "ibot_head_n_prototypes", "ibot_head_bottleneck_dim")
+
+
+class DINOv2Model(nn.Module):
+    """The student (and, another instance, the teacher) of DINOv2: a `VisionTransformer` backbone (with
+    `mask_token`, no classifier) and the DINO head, plus an iBOT head when it is separate (Meta's
+    `student`/`teacher` ModuleDicts: `backbone`, `dino_head`, `ibot_head`). The constructor takes the
+    backbone's arguments and the heads' (`HEAD_KEYS`) in one flat dict, the run's recorded model kwargs;
+    `patch_embed_lr_mult` (dino.patch_embed_lr_mult) is optimizer metadata the objective passes, not
+    recorded with the model: it may change on resume, the parameter groups do not (see `param_roles`)."""
+
+    ARCH_KEYS = (*VisionTransformer.ARCH_KEYS, *HEAD_KEYS)
+    """The constructor arguments that decide the weights: the backbone's and the heads'."""
+
+    def __init__(self, head_n_prototypes: int = 65536, head_hidden_dim: int = 2048, head_bottleneck_dim: int = 256,
+                 head_nlayers: int = 3, ibot_separate_head: bool = False, ibot_head_n_prototypes: int = 65536,
+                 ibot_head_bottleneck_dim: int = 256, patch_embed_lr_mult: float = 1.0, **vit_kwargs: Any) -> None:
+        super().__init__()
+        self.patch_embed_lr_mult = patch_embed_lr_mult
+        self.backbone = VisionTransformer(**{**vit_kwargs, "num_classes": 0, "mask_token": True})
+        dim = self.backbone.embed_dim
+
+        def head(out_dim: int, bottleneck_dim: int) -> DINOHead:
+            h = DINOHead(dim, out_dim, hidden_dim=head_hidden_dim, bottleneck_dim=bottleneck_dim, nlayers=head_nlayers)
+            # DINOHead's own trunc-normal init ran on partitions under deepspeed.zero.Init (its Linears were
+            # partitioned when built): redo it on the gathered tensors (a no-op difference otherwise).
+            for m in h.mlp.modules() if isinstance(h.mlp, nn.Sequential) else [h.mlp]:
+                if isinstance(m, nn.Linear):
+                    init_param(m.weight, trunc_normal(0.02))
+                    if m.bias is not None:
+                        init_param(m.bias, nn.init.zeros_)
+            return h
+
+        self.dino_head = head(head_n_prototypes, head_bottleneck_dim)
+        self.ibot_head = head(ibot_head_n_prototypes, ibot_head_bottleneck_dim) if ibot_separate_head else None
+
+    # -- what the trainer and the optimizer ask of a model
+    def no_weight_decay(self) -> set[str]:
+        """None beyond the optimizer's rule (biases and 1-D parameters: norms, LayerScale gammas): Meta's
+        `get_params_groups_with_decay` exempts only names ending in `.bias` or holding `norm` or `gamma`, so
+        the position table, class, register and mask tokens are decayed, unlike the ViT's timm/DeiT set."""
+        return set()
+
+    def group_matcher(self, coarse: bool = False) -> dict[str, str]:
+        """The backbone's layers (Meta's layer-wise decay numbers only backbone parameters; the heads are the
+        last layer, scale 1)."""
+        return {k: r"^backbone\." + v.lstrip("^") for k, v in self.backbone.group_matcher(coarse).items()}
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.backbone.set_grad_checkpointing(enable)
+
+    def param_roles(self) -> dict[str, str]:
+        """The parameters DINOv2's optimizer treats apart (Meta's `get_params_groups_with_decay`):
+        `patch_embed` ("patch_embed" in the name: its lr x `patch_embed_lr_mult`) and `last_layer` (the
+        heads' weight-normalised prototypes, `is_last_layer`: lr 0 for dino.freeze_last_layer_steps, which
+        the objective applies). Each is a parameter group of its own (`pipeline.train.optim.param_groups`)."""
+        return {"patch_embed": r"^backbone\.patch_embed\.", "last_layer": r"^(dino_head|ibot_head)\.last_layer\."}
+
+    def lr_multipliers(self) -> dict[str, float]:
+        """Role -> factor on the lr (on top of layer-wise decay, as Meta multiplies them)."""
+        return {"patch_embed": self.patch_embed_lr_mult}
+
+    @property
+    def patch_head(self) -> DINOHead:
+        return self.ibot_head if self.ibot_head is not None else self.dino_head
+
+    # -- the student's forward (through the DeepSpeed engine) and the teacher's
+    def forward(self, global_crops: torch.Tensor, local_crops: torch.Tensor | None,
+                masks: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Student: global crops (2B, 3, G, G) crop-major, with iBOT's `masks` (2B, N) on their patches;
+        local crops (nB, 3, L, L) or None. Returns the heads' outputs of the global and local class tokens,
+        of the masked patches (in `masks`' row-major order) and the global class tokens before the head
+        (KoLeo's input)."""
+        g = self.backbone.forward_tokens(global_crops, masks)
+        out = {"global_cls": g.cls_token, "global": self.dino_head(g.cls_token)}
+        if local_crops is not None:
+            out["local"] = self.dino_head(self.backbone.forward_tokens(local_crops).cls_token)
+        if masks is not None:
+            out["masked"] = self.patch_head(g.patch_tokens[masks])
+        return out
+
+    @torch.no_grad()
+    def teacher_forward(self, global_crops: torch.Tensor, masks: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher: the DINO head's output for each global crop's class token, the two crops of an image
+        swapped (crop A's target is crop B's output, as Meta's), and the patch head's output on the masked
+        patches of the unmasked crops."""
+        t = self.backbone.forward_tokens(global_crops)
+        first, second = t.cls_token.chunk(2)
+        cls_out = self.dino_head(torch.cat([second, first]))
+        return cls_out, (self.patch_head(t.patch_tokens[masks]) if masks is not None else None)
+
+
+def backbone_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The backbone's tensors of a `DINOv2Model` state dict, under `VisionTransformer`'s (timm's) names."""
+    return {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}

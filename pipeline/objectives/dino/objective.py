@@ -1,0 +1,339 @@
+"""DINOv2 (Oquab et al. 2023; issue 33): the objective `model.objective: dinov2`, with Meta's `SSLMetaArch` as
+the reference. `DINOv2Model` (pipeline/model/dino.py: backbone + heads) is the student DeepSpeed trains and,
+a second instance kept on the objective, the teacher (its EMA); each sample's multi-crop view and iBOT masks
+are drawn in the loader workers from the sample's seed (view.py); the losses are Meta's (loss/); the k-NN
+and PCA evaluation of the teacher is evaluate.py. docs/dino.md has the recipe and what differs from Meta's
+loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline.config import Config, ConfigError
+from pipeline.data import label_free
+from pipeline.data.multicrop import MultiCropConfig
+from pipeline.dist import DistEnv
+from pipeline.eval import knn_loaders
+from pipeline.model.dino import HEAD_KEYS, DINOv2Model, backbone_state
+from pipeline.model.dino_head import dino_head_flops
+from pipeline.model.vit import VisionTransformer, architecture, model_flops, model_kwargs_from_config
+from pipeline.objectives.base import EvalResult, Objective, TrainView
+from pipeline.objectives.dino.evaluate import evaluate_teacher
+from pipeline.objectives.dino.loss import DINOLoss, KoLeoLoss, iBOTPatchLoss
+from pipeline.objectives.dino.view import MultiCropView
+from pipeline.train import ds_compat
+from pipeline.train.checkpoint import CheckpointError, checkpoint_dir, read_client_state
+from pipeline.train.ema import Ema
+
+
+def _plain(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _cosine(step: int, total: int, start: float, end: float) -> float:
+    """Meta's CosineScheduler without warm-up: `start` at step 0 toward `end` at step `total`."""
+    return end + 0.5 * (start - end) * (1 + math.cos(math.pi * min(step, total) / max(total, 1)))
+
+
+def dinov2_model_kwargs(cfg: Config) -> dict[str, Any]:
+    """`DINOv2Model` arguments: the backbone from model.* (as a supervised ViT, no classifier, any input
+    size for the local crops) and the heads from dino.*."""
+    vit = model_kwargs_from_config(cfg.model, 0)
+    patch, img = vit["patch_size"], vit["img_size"]
+    size = img if isinstance(img, int) else img[0]
+    if not isinstance(img, int) and img[0] != img[1]:
+        raise ConfigError(f"model.img_size={list(img)}: DINOv2's global crops are square; give one side")
+    if size % patch or cfg.dino.local_crops_size % patch:
+        raise ConfigError(f"model.img_size ({size}) and dino.local_crops_size ({cfg.dino.local_crops_size}) must be "
+                          f"multiples of the patch size ({patch}): the crops are cut into whole patches")
+    vit.update(num_classes=0, dynamic_img_size=True)
+    return {**vit, **{k: getattr(cfg.dino, k) for k in HEAD_KEYS}}
+
+
+class DINOv2(Objective):
+    """DINOv2 self-distillation (Oquab et al. 2023, Meta's `SSLMetaArch`): the student is the model DeepSpeed
+    trains; the teacher, an EMA of it (momentum cosine from dino.momentum_teacher to 1 over train.steps),
+    built beside it and kept here, gives the targets: DINO on the class tokens of 2 global and n local
+    crops, iBOT on the masked patches of the global crops, KoLeo on the student's global class tokens.
+    The teacher is what is evaluated (k-NN of its class token, PCA of its patch features) and exported.
+
+    Layout-free, as every guarantee asks: crops and masks come from each sample's seed; the centres move once
+    per optimizer step from the teacher outputs of the whole global batch (sums all-reduced in `after_step`;
+    Meta, without gradient accumulation, does the same per iteration); KoLeo's neighbours are those of the
+    micro batch (the same samples on any layout with the same micro batch size). Sinkhorn-Knopp normalises
+    over the micro batches of one accumulation round of all ranks, which depends on the layout.
+    """
+
+    model_class = DINOv2Model
+
+    def __init__(self, cfg: Config, info: Any):
+        super().__init__(cfg, info)
+        d = cfg.dino
+        self.teacher: DINOv2Model | None = None
+        self.teacher_ema: Ema | None = None  # the teacher's update (built with it, in build_companions)
+        self.dino_loss = DINOLoss(d.head_n_prototypes, student_temp=d.student_temp)
+        self.ibot_loss = iBOTPatchLoss(d.ibot_head_n_prototypes if d.ibot_separate_head else d.head_n_prototypes,
+                                       student_temp=d.student_temp)
+        self.koleo_loss = KoLeoLoss()
+        self.step = 0  # optimizer steps done (the schedules' position)
+        self._sums: dict[str, torch.Tensor] = {}  # this step's teacher outputs for the centres: sum, count
+        self._window: torch.Tensor | None = None  # train_metrics: per-term sums on the device since the last log
+        self._window_names: list[str] = []  # what each entry of _window is (its last: the micro batch count)
+        self.val_loader: Any = None  # the evaluation's loaders (build_eval)
+        self.knn_loader: Any = None
+
+    # -- the models
+    def model_kwargs(self) -> dict[str, Any]:
+        return dinov2_model_kwargs(self.cfg)
+
+    def build_model(self, model_kwargs: dict[str, Any]) -> nn.Module:
+        return DINOv2Model(**model_kwargs, patch_embed_lr_mult=self.cfg.dino.patch_embed_lr_mult)
+
+    def build_companions(self, model: nn.Module, model_kwargs: dict[str, Any],
+                         init: Callable[[], AbstractContextManager[Any]]) -> None:
+        # The teacher: no stochastic depth (Meta's), never trained; float32 whatever the student's dtype (an
+        # EMA at momentum 0.992-1 in bf16 would round most updates away; Meta's FSDP teacher keeps fp32
+        # shards too), under ZeRO-3 partitioned as the student, so that its EMA runs on each rank's shard.
+        with init():
+            self.teacher = DINOv2Model(**{**model_kwargs, "drop_path_rate": 0.0})
+        self.teacher.requires_grad_(False)
+        self.teacher.eval()
+        # Meta's update (teacher x m + student x (1 - m)) of the parameters, on each rank's own partitions at
+        # ZeRO-3: the machinery of train.ema_decay's model EMA (pipeline/train/ema.py).
+        self.teacher_ema = Ema(self.teacher, "scale_add", buffers=False)
+        self.teacher_ema.update(model, 0.0)  # the teacher starts as the student
+
+    # -- the data
+    def train_view(self, model_kwargs: dict[str, Any]) -> TrainView:
+        # No labels read (DINOv2 trains on unlabelled shards); each sample's crops and masks in the workers.
+        return TrainView(label_free(self.cfg.data), sample=self.multicrop_view(model_kwargs))
+
+    def multicrop_view(self, model_kwargs: dict[str, Any]) -> MultiCropView:
+        d, data = self.cfg.dino, self.cfg.data
+        img, patch = model_kwargs["img_size"], model_kwargs["patch_size"]
+        size = img if isinstance(img, int) else img[0]
+        # dino.*'s crop settings under MultiCropConfig's names; the global crop's size is the model's, the
+        # normalisation the data's.
+        shared = {f.name: _plain(getattr(d, f.name)) for f in dataclasses.fields(MultiCropConfig) if hasattr(d, f.name)}
+        crops = MultiCropConfig(**shared, global_crops_size=size, mean=tuple(data.mean), std=tuple(data.std))
+        return MultiCropView(crops, (size // patch, size // patch), d.mask_probability, tuple(d.mask_ratio))
+
+    def build_eval(self, env: DistEnv, img_size: tuple[int, int], batch: int) -> list[Any]:
+        self.val_loader, self.knn_loader = knn_loaders(self.cfg.data, self.info, env, img_size, batch,
+                                                       self.cfg.dino.knn_k, self.cfg.dino.knn_train_samples)
+        return [x for x in (self.val_loader, self.knn_loader) if x is not None]
+
+    # -- the schedules
+    def teacher_temp(self, step: int) -> float:
+        d = self.cfg.dino
+        if step >= d.teacher_temp_warmup_steps:
+            return d.teacher_temp
+        return d.warmup_teacher_temp + (d.teacher_temp - d.warmup_teacher_temp) * step / d.teacher_temp_warmup_steps
+
+    def momentum(self, step: int) -> float:
+        d = self.cfg.dino
+        return _cosine(step, self.cfg.train.steps, d.momentum_teacher, d.final_momentum_teacher)
+
+    def weight_decay(self, step: int) -> float:
+        return _cosine(step, self.cfg.train.steps, self.cfg.train.weight_decay, self.cfg.dino.weight_decay_end)
+
+    @torch.no_grad()
+    def before_step(self, engine: Any, step: int) -> None:
+        """Before each optimizer step (also the first after a resume, whose restored optimizer carries
+        train.weight_decay): the step's weight decay into every decayed parameter group (Meta's
+        `apply_optim_scheduler`: wd x wd_multiplier, 0 or 1), lr 0 for the prototypes' groups (role
+        `last_layer`) during the first dino.freeze_last_layer_steps (Meta's last_layer_lr schedule: gradients
+        are computed, count in the clipping norm and fill AdamW's moments; with lr 0 neither the step nor the
+        decoupled decay moves the weights), the teacher and the loss centres on the engine's device. The lr
+        needs no restoring after the freeze: the trainer's schedule sets every group's lr after each
+        optimizer step, before the next `before_step`."""
+        wd = self.weight_decay(step)
+        frozen = step < self.cfg.dino.freeze_last_layer_steps
+        for group in engine.optimizer.param_groups:
+            if group.get("decay", group.get("weight_decay", 0.0) > 0):
+                group["weight_decay"] = wd
+            if frozen and group.get("role") == "last_layer":
+                group["lr"] = 0.0
+        device = engine.device
+        self.teacher_ema.to(device)
+        for loss in (self.dino_loss, self.ibot_loss):
+            loss.to(device)
+
+    def _accumulate(self, name: str, outputs: torch.Tensor) -> None:
+        """This micro batch's teacher outputs toward the step's centre update (sum and count, float64)."""
+        total = torch.cat([outputs.double().sum(0), outputs.new_tensor([outputs.shape[0]], dtype=torch.float64)])
+        self._sums[name] = self._sums[name] + total if name in self._sums else total
+
+    # -- a step
+    def loss(self, engine: Any, images: Any, targets: torch.Tensor, extras: torch.Tensor | None) -> torch.Tensor:  # noqa: ARG002 - the interface
+        d = self.cfg.dino
+        global_crops, local_crops, masks = images
+        b, n_local = global_crops.shape[0], local_crops.shape[1]
+        # Crop-major, as Meta's collate: all images' first global crop, then all second ones.
+        global_crops = global_crops.transpose(0, 1).flatten(0, 1)
+        local_crops = local_crops.transpose(0, 1).flatten(0, 1) if n_local else None
+        masks = masks.transpose(0, 1).flatten(0, 1) if d.ibot_loss_weight > 0 else None
+        temp = self.teacher_temp(self.step)
+
+        teacher_dtype = next(self.teacher.parameters()).dtype
+        with ds_compat.gathered(self.teacher), torch.autocast(engine.device.type, dtype=global_crops.dtype,
+                                                              enabled=engine.device.type == "cuda"
+                                                              and global_crops.dtype != teacher_dtype):
+            t_cls, t_masked = self.teacher.teacher_forward(global_crops.to(teacher_dtype), masks)
+        t_cls = t_cls.float()
+        if d.centering == "centering":
+            t_dino = self.dino_loss.softmax_center_teacher(t_cls, temp)
+            self._accumulate("dino", t_cls)
+        else:
+            t_dino = self.dino_loss.sinkhorn_knopp_teacher(t_cls, temp)
+        t_dino = t_dino.view(2, b, -1)
+
+        out = engine(global_crops, local_crops, masks)
+        terms = 2 + 2 * n_local  # (student crop, teacher crop) pairs: global-global (not the same crop) and local
+        losses: dict[str, torch.Tensor] = {}
+        if n_local:
+            losses["dino_local"] = self.dino_loss(out["local"].float().chunk(n_local), list(t_dino)) / terms
+        # The two global crops are scored in one call against the swapped targets: x2 for the two pairs.
+        losses["dino_global"] = self.dino_loss([out["global"].float()], [t_dino.flatten(0, 1)]) * 2 / terms
+        total = d.dino_loss_weight * sum(losses.values())
+        if d.koleo_loss_weight > 0:  # not between the two crops of one image: each crop's batch apart
+            losses["koleo"] = d.koleo_loss_weight * sum(self.koleo_loss(c.float()) for c in out["global_cls"].chunk(2))
+            total = total + losses["koleo"]
+        if masks is not None:
+            t_masked = t_masked.float()
+            if d.centering == "centering":
+                t_ibot = self.ibot_loss.softmax_center_teacher(t_masked.unsqueeze(0), temp).squeeze(0)
+                self._accumulate("ibot", t_masked)
+            else:
+                t_ibot = self.ibot_loss.sinkhorn_knopp_teacher(t_masked, temp, masks.sum())
+            # Meta's scale: x2 (the global crops together) x 1/2 (per global crop) = 1.
+            losses["ibot"] = self.ibot_loss.forward_masked(out["masked"].float(), t_ibot, masks)
+            total = total + d.ibot_loss_weight * losses["ibot"]
+        self._log_terms(losses, t_dino, total)
+        return total
+
+    @torch.no_grad()
+    def _log_terms(self, losses: dict[str, torch.Tensor], t_dino: torch.Tensor, total: torch.Tensor) -> None:
+        """Adds this micro batch's terms to the log window, on the device (no sync), unless its loss is not
+        finite (the trainer skips such a micro batch). Names as in Meta's loss_dict, each weighted as it is
+        added to the loss, so that they sum to it (Meta logs ibot_loss at half of what it adds). The
+        entropy of the teacher's DINO targets watches for collapse: log(dino.head_n_prototypes) when they are
+        uniform (the centre has caught up with outputs that no longer differ between images), near 0 when
+        every image gets one prototype."""
+        d = self.cfg.dino
+        names = {"dino_local": ("dino_local_crops_loss", d.dino_loss_weight),
+                 "dino_global": ("dino_global_crops_loss", d.dino_loss_weight),
+                 "koleo": ("koleo_loss", 1.0), "ibot": ("ibot_loss", d.ibot_loss_weight)}  # koleo's is inside
+        self._window_names = [names[k][0] for k in losses] + ["dino_teacher_entropy"]
+        # One vector per micro batch (the terms, the entropy, a count of 1), zeroed when the loss is not
+        # finite: a few kernels per micro batch, whatever the number of terms.
+        values = torch.stack([*(names[k][1] * v.float() for k, v in losses.items()),
+                              torch.special.entr(t_dino).sum(-1).mean(), torch.ones_like(total)])
+        values = torch.where(torch.isfinite(total), values, 0.0)
+        self._window = values if self._window is None else self._window + values
+
+    def train_metrics(self) -> dict[str, torch.Tensor]:
+        if self._window is None:
+            return {}
+        sums, self._window = self._window, None
+        means = sums[:-1] / sums[-1].clamp_min(1)  # the last entry counts the finite micro batches
+        return dict(zip(self._window_names, means.unbind()))
+
+    @torch.no_grad()
+    def after_step(self, engine: Any, step: int) -> None:
+        # The centres move once per step, from the whole global batch's teacher outputs (layout-free).
+        for name, loss in (("dino", self.dino_loss), ("ibot", self.ibot_loss)):
+            if name not in self._sums:
+                continue
+            total = self._sums.pop(name)
+            if dist.is_initialized():
+                dist.all_reduce(total)
+            if total[-1] > 0:
+                batch_center = (total[:-1] / total[-1]).float().view_as(loss.center)
+                loss.center = loss.center * loss.center_momentum + batch_center * (1 - loss.center_momentum)
+        self.teacher_ema.update(engine.module, self.momentum(step - 1))  # the momentum of the step just taken
+        self.step = step
+
+    # -- evaluation, cost, state
+    @torch.no_grad()
+    def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:  # noqa: ARG002 - the interface (the teacher's own dtype)
+        metrics, image = evaluate_teacher(self.teacher, self.val_loader, self.knn_loader, self.cfg, engine.device,
+                                          run_dir, step)
+        knn = f" | k-NN top-1 {100 * metrics['eval/knn_top1']:.2f}%" if "eval/knn_top1" in metrics else ""
+        return EvalResult(metrics, f"eval step {step} | teacher{knn or ': no labels, no k-NN'}",
+                          [(image, "pca")] if image is not None else [])
+
+    def expected_masked_patches(self, model_kwargs: dict[str, Any]) -> float:
+        """iBOT's masked patches per image on average: 2 global crops, each masked with probability
+        dino.mask_probability, a fraction uniform in dino.mask_ratio of its patches (block masking can
+        stop a little short of its target when no block fits; `launch/bench.py dino` counts the real ones)."""
+        d = self.cfg.dino
+        if d.ibot_loss_weight <= 0:
+            return 0.0
+        img, patch = model_kwargs["img_size"], model_kwargs["patch_size"]
+        side = (img if isinstance(img, int) else img[0]) // patch
+        return 2 * d.mask_probability * side * side * sum(d.mask_ratio) / 2
+
+    def flops_per_image(self, model_kwargs: dict[str, Any]) -> float:
+        """The student's forward (global and local crops, the DINO head on their class tokens, the iBOT
+        head on the expected masked patches) plus a third of the teacher's (it runs forward only, on the
+        global crops and the same masked patches; the trainer counts 3 x this for forward + backward)."""
+        d, dim = self.cfg.dino, model_kwargs["embed_dim"]
+        head = dino_head_flops(model_kwargs, dim, d.head_n_prototypes)
+        patch_head = (dino_head_flops({**model_kwargs, "head_bottleneck_dim": d.ibot_head_bottleneck_dim}, dim,
+                                  d.ibot_head_n_prototypes) if d.ibot_separate_head else head)
+        ibot = self.expected_masked_patches(model_kwargs) * patch_head
+        global_fwd = 2 * (model_flops(model_kwargs) + head) + ibot
+        local_fwd = d.local_crops_number * (model_flops(model_kwargs, d.local_crops_size) + head)
+        return global_fwd + local_fwd + global_fwd / 3
+
+    def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:  # noqa: ARG002 - the interface (the teacher, not the engine)
+        """The teacher's backbone, in `VisionTransformer`'s (timm's) names: what fine-tuning starts from."""
+        return backbone_state(self._teacher_state())
+
+    @classmethod
+    def exported_architecture(cls, model_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The backbone's: a `VisionTransformer` without a classifier, with the mask token."""
+        return architecture(VisionTransformer, {**model_kwargs, "num_classes": 0, "mask_token": True})
+
+    checkpoint_weights = "the teacher's backbone"
+
+    @classmethod
+    def weights_from_checkpoint(cls, run_dir: Path, tag: str, cfg: Config) -> dict[str, torch.Tensor]:
+        """The teacher's backbone saved in checkpoint `tag`: the tensors `exported_weights` gives at that step.
+        The checkpoint holds the teacher whole on every ZeRO stage (`state_dict` gathers it before the save),
+        so no partitions are reassembled here; DeepSpeed's module in the tag is the student."""
+        objective = read_client_state(run_dir, tag).get("objective") or {}
+        if "teacher" not in objective:
+            raise CheckpointError(f"{checkpoint_dir(run_dir) / tag}: its client state has no DINOv2 teacher "
+                                  f"(objective.teacher), though {run_dir / 'config.yaml'} says "
+                                  f"model.objective={cfg.model.objective}")
+        return backbone_state(objective["teacher"])
+
+    def _teacher_state(self) -> dict[str, torch.Tensor]:
+        """The teacher's full fp32 state dict on the CPU (collective under ZeRO-3)."""
+        return self.teacher_ema.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "teacher": self._teacher_state(), "dino_center": self.dino_loss.center.cpu(),
+                "ibot_center": self.ibot_loss.center.cpu()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            raise ValueError("the checkpoint holds no DINOv2 state (teacher, centres): it was not written by a "
+                             "model.objective=dinov2 run")
+        self.step = int(state["step"])
+        self.teacher_ema.load_state_dict(state["teacher"])
+        self.dino_loss.center = state["dino_center"].clone()
+        self.ibot_loss.center = state["ibot_center"].clone()

@@ -1,0 +1,31 @@
+"""DINOv2's view of a training sample, drawn in the loader workers: the multi-crop (data/multicrop.py) and
+each global crop's iBOT mask, every draw from the sample's augmentation seed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipeline.data.multicrop import MultiCrop, MultiCropConfig, block_mask
+from pipeline.data.order import IBOT_MASK, seed_for
+
+
+class MultiCropView:
+    """The DINOv2 objective's view of a training sample (`TrainView.sample`), in the loader workers:
+    (global crops (2, 3, G, G), local crops (n, 3, L, L), iBOT masks (2, N) bool), every draw from the
+    sample's augmentation seed (the crops by `MultiCrop`, each global crop's mask by `block_mask` seeded
+    with (IBOT_MASK, seed, crop)), so the same on any layout. Picklable (it travels to the workers)."""
+
+    def __init__(self, crops: MultiCropConfig, grid: tuple[int, int], mask_probability: float,
+                 mask_ratio: tuple[float, float]) -> None:
+        self.multicrop = MultiCrop(crops)
+        self.grid, self.mask_probability, self.mask_ratio = grid, mask_probability, tuple(mask_ratio)
+
+    def __call__(self, image: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        crops = self.multicrop(image, seed)
+        size = self.multicrop.cfg.local_crops_size
+        local = torch.stack(crops["local_crops"]) if crops["local_crops"] else torch.zeros(0, 3, size, size)
+        masks = torch.stack([block_mask(seed_for(IBOT_MASK, seed, i), self.grid, self.mask_probability,
+                                        self.mask_ratio).flatten() for i in range(2)])
+        return torch.stack(crops["global_crops"]), local, masks

@@ -1,0 +1,57 @@
+"""What a recipe declares before torch is imported: its name (model.objective's value), its config
+section and the checks a run of it needs, and how to import its Objective class.
+
+Each objective declares one `Recipe` in its light module (<name>_config.py: no torch, no DeepSpeed), and
+pipeline/objectives/__init__.py lists them. The run config is the core sections (pipeline.config.Config)
+plus every recipe's section (`objectives_config`), so a typo in `mae.mask_ratio` is reported as soon as the
+command has read its config, before the seconds that importing torch takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.config import Check, Config
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    """model.objective's value."""
+    objective: Callable[[], type]
+    """The Objective subclass, imported when a run builds it (not when the config is read)."""
+    section: str | None = None
+    """The config section the recipe owns (mae, dino), or None."""
+    config: type | None = None
+    """That section's dataclass: every field a docstring (docs/configuration.md's reference follows)."""
+    checks: Callable[[Any], list[Check]] = lambda _cfg: []
+    """`validate`'s checks a run config needs for this recipe (its section's values, keys of other sections
+    it cannot run with), given the whole config; each recipe's are checked whatever model.objective is, so
+    its own conditions say when a check applies."""
+    finetune_recipe: Callable[[str], str] | None = None
+    """The fine-tune recipe (a config file, by the source's model.variant) for a source pretrained with this
+    recipe when `launch/finetune.py` has no --config; None: the paper's (pipeline/commands.py)."""
+    finetune_data: tuple[str, ...] = ()
+    """data.* keys such a fine-tune takes from its recipe rather than from the source (its augmentation)."""
+
+
+def objectives_config(recipes: Iterable[Recipe]) -> type[Config]:
+    """The run config class: `Config`'s core sections, then each recipe's section (its key, its dataclass,
+    its defaults), and `section_checks` giving model.objective's check and every recipe's."""
+    recipes = list(recipes)
+    names = [r.name for r in recipes]
+
+    def section_checks(cfg: Config) -> list[Check]:
+        return [("model.objective", cfg.model.objective in names, "one of " + ", ".join(repr(n) for n in names)),
+                *(check for r in recipes for check in r.checks(cfg))]
+
+    fields = [(r.section, r.config, dataclasses.field(default_factory=r.config))
+              for r in recipes if r.section is not None]
+    cls = dataclasses.make_dataclass("ObjectivesConfig", fields, bases=(Config,),
+                                     namespace={"section_checks": section_checks})
+    cls.__module__ = "pipeline.objectives"  # where it is bound (pickled by that name)
+    cls.__doc__ = "The run config: the core sections and every objective's own (pipeline/objectives/recipe.py)."
+    return cls

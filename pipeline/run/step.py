@@ -1,0 +1,129 @@
+"""What the Trainer (trainer.py) builds and runs each step with, usable on its own: the model and the
+DeepSpeed engine as the trainer builds them (benchmarks/engine.py times them), one micro batch's backward
+and step, the agreement on a finite loss, and the progress lines.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline.config import Config
+from pipeline.dist import DistEnv, say
+from pipeline.objectives import OBJECTIVES
+from pipeline.objectives.base import Objective
+from pipeline.train.optim import build_optimizer, build_scheduler, param_groups
+
+
+def build_model(cfg: Config, model_kwargs: dict[str, Any], ds_config: dict[str, Any],
+                objective: Objective | None = None) -> nn.Module:
+    """The objective's model (by default the one model.objective registers), seeded, under zero.Init
+    with ZeRO-3."""
+    # Same seed on every rank: identical initial weights without a broadcast (ZeRO-3 broadcasts rank 0's).
+    torch.manual_seed(cfg.train.seed)
+    build = objective.build_model if objective is not None else \
+        (lambda kwargs: OBJECTIVES[cfg.model.objective].model_class(**kwargs))
+    if cfg.deepspeed.zero_stage == 3:
+        # Parameters are partitioned as they are created: a model larger than one device still builds.
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = build(model_kwargs)
+    else:
+        model = build(model_kwargs)
+    model.set_grad_checkpointing(cfg.model.grad_checkpointing)
+    return model
+
+
+def build_engine(cfg: Config, model: nn.Module, depth: int, ds_config: dict[str, Any]
+                 ) -> tuple[Any, torch.optim.Optimizer, list[dict[str, Any]]]:
+    """The DeepSpeed engine around `model`: parameter groups, optimizer, schedule, compile where asked.
+    Returns (engine, the client optimizer, what each of its groups is). benchmarks/engine.py uses it too."""
+    groups = param_groups(model, cfg.train, depth)
+    optimizer = build_optimizer(groups, cfg.train, offload=cfg.deepspeed.offload_optimizer)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                           lr_scheduler=build_scheduler(optimizer, cfg.train), config=ds_config)
+    if cfg.train.compile:
+        engine.compile()
+    return engine, optimizer, groups
+
+
+def backward_and_step(engine: Any, loss: torch.Tensor) -> None:
+    """One micro batch's backward; DeepSpeed steps the optimizer (and the schedule) at the last micro
+    batch of the step and only accumulates before it. benchmarks/engine.py times this very function."""
+    engine.backward(loss)
+    engine.step()
+
+
+def all_finite(loss: torch.Tensor) -> bool:
+    """Do all ranks have a finite loss? (They must agree: one rank skipping backward alone would hang.)"""
+    bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0
+
+
+class NonFiniteLosses(Exception):
+    """Too many non-finite losses in a row: stop without saving (exit 3)."""
+
+
+@dataclass
+class NonFiniteGuard:
+    """Skips micro batches whose loss is not finite on some rank, and stops a diverged run."""
+
+    limit: int
+    in_a_row: int = 0
+    total: int = 0
+
+    def finite(self, loss: torch.Tensor, step: int) -> bool:
+        if all_finite(loss):
+            return True
+        self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
+        say(f"warning: non-finite loss at step {step}: micro batch skipped ({self.in_a_row} in a row)")
+        if self.in_a_row >= self.limit:
+            raise NonFiniteLosses(f"{self.in_a_row} non-finite losses in a row at step {step}")
+        return False
+
+
+def format_log(step: int, total: int, m: dict[str, float]) -> str:
+    """One log line of a window's figures (Trainer.window_metrics)."""
+    parts = [f"step {step}/{total}", f"loss {m['train/loss']:.4f}", f"lr {m['train/lr']:.3e}"]
+    if "train/grad_norm" in m:
+        parts.append(f"gnorm {m['train/grad_norm']:.3f}")
+    parts.append(f"{m['perf/images_per_s']:,.0f} img/s")
+    if "perf/mfu" in m:
+        parts.append(f"mfu {100 * m['perf/mfu']:.1f}%")
+    parts += [f"data {100 * m['perf/data_wait']:.0f}%", f"bad {m['data/bad_samples']:.0f}"]
+    return " | ".join(parts)
+
+
+class ProgressLog:
+    """Rank 0's progress: a tqdm bar on an interactive terminal, plain lines in batch jobs (Slurm logs)."""
+
+    def __init__(self, env: DistEnv, start: int, total: int) -> None:
+        self.is_main = env.is_main
+        self.bar = None
+        if env.is_main and sys.stdout.isatty():
+            from tqdm import tqdm  # only on a terminal: batch jobs never import it
+
+            self.bar = tqdm(total=total, initial=start, dynamic_ncols=True, unit="step")
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def line(self, text: str) -> None:
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,318 @@
+"""Training, top to bottom: the Trainer builds the run (and applies its start-or-resume plan), then the step
+loop with eval, checkpoints, preemption, then the export.
+
+    Trainer(cfg, env, plan, prepare_model).fit() -> exit code
+
+Used by launch/pretrain.py and launch/finetune.py alike; fine-tuning only adds a `prepare_model` hook that
+loads the source weights into the freshly built model. Whether to start or resume is decided once, at the
+command (`pipeline.run.resume.start`: process group, lock, plan), and handed to the Trainer, which applies
+it while it builds (`Trainer.__init__`: the model checked against the checkpoint, the decay groups, then
+every part restored); what a resume restores in which order is `pipeline.run.resume`. Exit codes:
+`pipeline.exit_codes`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline.config import Config, save_config, to_dict
+from pipeline.data import build_train_loader, dataset_info_of
+from pipeline.derived import deepspeed_config, resolve_batch
+from pipeline.dist import DistEnv, after_exit, say
+from pipeline.exit_codes import ExitCode
+from pipeline.objectives import build_objective
+from pipeline.objectives.base import EvalResult
+from pipeline.run import resume
+from pipeline.run.step import (
+    NonFiniteGuard,
+    NonFiniteLosses,
+    ProgressLog,
+    all_finite,
+    backward_and_step,
+    build_engine,
+    build_model,
+    format_log,
+)
+from pipeline.tracking import start_metrics, start_tracking
+from pipeline.train import checkpoint as ckpt
+from pipeline.train import mirror
+from pipeline.train.ema import build_model_ema, float32_init
+from pipeline.train.metrics import ThroughputMeter, device_peak_flops
+from pipeline.train.optim import apply_hparams, exempt_names, peak_group_lr
+from pipeline.train.preemption import Preemption
+from pipeline.train.state import training_client_state
+from pipeline.train.watchdog import Watchdog
+
+__all__ = ["Trainer", "all_finite", "backward_and_step", "build_engine", "build_model", "fit"]
+
+MIRROR_POLL_S = 5.0  # a preempted stop waiting for run.remote's uploads: seconds between agreements
+# Agree on preemption every N optimizer steps (an all-reduce of one int; `python launch/bench.py preemption` measures its cost).
+PREEMPTION_CHECK_EVERY = 1
+
+
+def fit(cfg: Config, env: DistEnv, plan: resume.ResumePlan | None,
+        prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> int:
+    """Train `cfg` from `plan` (`resume.start`'s, made once at the command); the exit code."""
+    return Trainer(cfg, env, plan, prepare_model).fit()
+
+
+class Trainer:
+    """One run in a process group joined and a run directory locked by `resume.start`: its config, run
+    directory, objective, DeepSpeed engine and loaders, and the parts it checkpoints (`client_state`:
+    pipeline/train/state.py). Built whole by the constructor, which also restores the plan's checkpoint
+    (None: a fresh start) and leaves `step` where training continues."""
+
+    def __init__(self, cfg: Config, env: DistEnv, plan: resume.ResumePlan | None,
+                 prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> None:
+        self.cfg, self.env, self.run_dir = cfg, env, Path(cfg.run.dir)
+        info = dataset_info_of(cfg.data)  # a dataset.json at a URL is retried by data.retry_*, as shards are
+        self.objective = build_objective(cfg, info)  # what the recipe is (pipeline/objectives/)
+        self.model_kwargs = kwargs = self.objective.model_kwargs()
+        # The plan, before anything is built: a checkpoint of another model is refused before DeepSpeed
+        # starts, another layout converted; the DeepSpeed config says how to load it.
+        ds_config = resume.before_build(plan, cfg, env, self.objective.model_class, kwargs,
+                                        deepspeed_config(cfg, env.world_size))
+        if env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
+
+        model = build_model(cfg, kwargs, ds_config, self.objective)
+        tags = prepare_model(model) if prepare_model is not None else {}
+        resume.check_same_decay_groups(plan, model)  # before DeepSpeed loads an optimizer state of other groups
+        # The models that follow this one (a teacher, the model EMA): after the fine-tune source is loaded (they
+        # start from it) and before DeepSpeed casts the model to bf16; float32, under ZeRO-3 partitioned alike.
+        self.objective.build_companions(model, kwargs, float32_init(cfg, ds_config))
+        self.ema = build_model_ema(cfg, model, lambda: self.objective.build_model(kwargs), ds_config)
+        # optimizer: the client optimizer, whose param_groups DeepSpeed steps; groups: what each of them is
+        self.engine, self.optimizer, self.groups = build_engine(cfg, model, kwargs["depth"], ds_config)
+        if self.ema is not None:  # train.ema_decay: evaluated beside the model, exported in its place
+            self.ema.to(self.engine.device)
+
+        img_size = kwargs["img_size"]
+        view = self.objective.train_view(kwargs)
+        # The loader hands out micro batches; loader.accum of them (DeepSpeed's accumulation) make a step.
+        self.train_loader = build_train_loader(
+            view.data, img_size, cfg.train.micro_batch_size, seed=cfg.train.seed, rank=env.rank,
+            world_size=env.world_size, info=info, global_batch_size=resolve_batch(cfg.train, env.world_size)[0],
+            per_batch=view.per_batch, view=view.sample)
+        # The objective's evaluation loaders: each batch is progress for the watchdog.
+        self.eval_loaders = self.objective.build_eval(env, img_size,
+                                                      cfg.train.eval_batch_size or cfg.train.micro_batch_size)
+        self.tracker = start_tracking(cfg, self.run_dir, env.is_main, env.world_size, tags=tags)
+        self.dtype = torch.bfloat16 if cfg.deepspeed.bf16 else torch.float32
+        self.flops_per_image = self.objective.flops_per_image(kwargs)
+        self.client_state = training_client_state(self.train_loader, self.objective, env, self.ema)
+        self.watchdog: Watchdog | None = None  # started with the loop (fit)
+        self.step = resume.restore(plan, cfg, self.engine, self.client_state, reapply_hparams=lambda: apply_hparams(
+            self.optimizer.param_groups, self.groups, self.engine.lr_scheduler, cfg.train, kwargs["depth"]))
+
+    # ------------------------------------------------------------------------- save and evaluate
+
+    def save(self) -> str:
+        """Collective checkpoint: DeepSpeed's engine + the client state's parts (data position, objective,
+        every rank's RNG: pipeline/train/state.py) + what the tag is (trainer_state.json, written by rank 0)."""
+        self.watchdog.beat("checkpoint save", self.step)
+        client = self.client_state.state_dict()
+        state = ckpt.TrainerState(step=self.step, world_size=self.env.world_size,
+                                  model={k: resume.plain(v) for k, v in self.model_kwargs.items()},
+                                  config=to_dict(self.cfg), no_weight_decay=exempt_names(self.engine.module))
+        tag = ckpt.save_checkpoint(self.engine, self.run_dir, state, client, self.cfg.train.keep_last,
+                                   self.cfg.train.keep_every)
+        if self.env.is_main:
+            mirror.saved(self.run_dir, tag)  # run.remote: uploaded in the background (train/mirror.py)
+        return tag
+
+    def evaluate(self, step: int) -> EvalResult:
+        """The objective's evaluation (collective); rank 0 is given the run directory to write figures to.
+        With train.ema_decay the model EMA's too, its metrics beside the model's (eval/top1_ema)."""
+        result = self.objective.evaluate(self.engine, self.dtype, self.run_dir if self.env.is_main else None, step)
+        if self.ema is None:
+            return result
+        ema = self.ema.evaluate(self.objective, step)
+        return EvalResult({**result.metrics, **ema.metrics}, f"{result.line}\n{ema.line}", result.artifacts)
+
+    # ------------------------------------------------------------------------- the loop
+
+    def fit(self) -> int:
+        """From the restored step to train.steps; the exit code."""
+        env = self.env
+        if env.is_main:  # world size, restarts and lost steps, before this start logs anything
+            self.tracker.log_metrics(start_metrics(self.run_dir, self.step, env.world_size), self.step)
+        preemption = Preemption(every=PREEMPTION_CHECK_EVERY)
+        if preemption.should_stop():  # first safe point: a signal arrived during setup or the checkpoint load
+            say(f"preempted during setup: nothing new to save (step {self.step}); exiting with "
+                f"{int(ExitCode.PREEMPTED)} {after_exit()}")
+            self.tracker.finish(status=None)
+            return ExitCode.PREEMPTED
+        # From here on a rank that stops making progress ends the job and says where (pipeline/train/watchdog.py).
+        self.watchdog = Watchdog(self.cfg.dist.timeout_s, env.rank, self.run_dir)
+        for loader in self.eval_loaders:
+            loader.progress = self.watchdog.touch  # each eval batch is progress
+        try:
+            return self.train_loop(preemption)
+        finally:
+            self.watchdog.stop()
+
+    def micro_batch_loss(self, data, meter: ThroughputMeter, guard: NonFiniteGuard | None) -> torch.Tensor:
+        """The loss of the next micro batch with a finite loss on every rank (forward only)."""
+        while True:
+            self.watchdog.beat("train step", self.step)  # a micro batch: progress
+            t0 = time.perf_counter()
+            images, targets = next(data)
+            wait = time.perf_counter() - t0
+            # data.decode_device: the loader decodes on the device where asked
+            images, targets = self.train_loader.to_device(images, targets, self.engine.device, self.dtype)
+            # Extras (the train view's per_batch) were computed in the loader's workers with this micro batch.
+            loss = self.objective.loss(self.engine, images, targets, self.train_loader.last_per_batch)
+            meter.add(len(targets), wait)  # samples: an objective's view makes `images` a tuple of crops
+            if guard is None or guard.finite(loss, self.step):
+                return loss
+
+    def optimizer_step(self, data, meter: ThroughputMeter, guard: NonFiniteGuard | None,
+                       loss_sum: torch.Tensor) -> int:
+        """One optimizer step: the objective's schedules, the step's micro batches (DeepSpeed steps the
+        optimizer at the last one), the objective's and the model EMA's updates. The micro batches run."""
+        engine = self.engine
+        self.objective.before_step(engine, self.step)  # schedules that write into the optimizer's groups
+        for _ in range(self.train_loader.accum):  # micro batches per rank per step: global batch / layout
+            loss = self.micro_batch_loss(data, meter, guard)
+            backward_and_step(engine, loss)
+            loss_sum += loss.detach()
+        self.objective.after_step(engine, self.step + 1)  # DeepSpeed stepped the optimizer at the last one
+        if self.ema is not None:
+            self.ema.update(self.step + 1)
+        return self.train_loader.accum
+
+    def wait_for_mirror(self, group: Any) -> None:
+        """A preempted stop: no rank exits before rank 0's run.remote uploads are done (a launcher ends the
+        other ranks when one exits). Rounds of at most MIRROR_POLL_S and one all-reduce over the preemption's
+        CPU group, every rank beating its watchdog: an upload longer than dist.timeout_s is not a hang."""
+        while True:
+            self.watchdog.beat("run.remote upload", self.step)
+            busy = torch.tensor([0 if not self.env.is_main or mirror.drain(self.run_dir, MIRROR_POLL_S) else 1],
+                                dtype=torch.int32)
+            if group is not None:
+                dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=group)
+            if not busy.item():
+                return
+
+    def train_loop(self, preemption: Preemption) -> int:
+        """From `step` to train.steps: the steps, evaluations, checkpoints, the preemption check, the export."""
+        env, tc, loader = self.env, self.cfg.train, self.train_loader
+        meter = ThroughputMeter(self.flops_per_image, env.world_size, device_peak_flops(tc.peak_flops))
+        say(f"{self.cfg.run.kind}: {self.cfg.model.variant} {self.model_kwargs['img_size']} | world size "
+            f"{env.world_size} | global batch {loader.global_batch} ({loader.accum} x {tc.micro_batch_size} x "
+            f"{env.world_size}) | ZeRO-{self.cfg.deepspeed.zero_stage} | steps {self.step}->{tc.steps} | run dir "
+            f"{self.cfg.run.dir}")
+        log = ProgressLog(env, self.step, tc.steps)
+        data = iter(loader)
+        guard = NonFiniteGuard(tc.max_nonfinite_steps) if tc.check_finite else None
+        loss_sum = torch.zeros((), device=self.engine.device)  # summed on device; read only at log steps (no sync)
+        micro_count = 0
+        last_saved = self.step if self.step > 0 else -1  # a resumed run's checkpoint is the one at `step`
+        saved_at = time.monotonic()  # train.ckpt_every_s counts from here and from each save
+
+        while self.step < tc.steps:  # one optimizer step per iteration
+            try:
+                micro_count += self.optimizer_step(data, meter, guard, loss_sum)
+            except NonFiniteLosses as e:
+                good = ckpt.newest_complete_tag(self.run_dir)
+                print(f"error: {e}; stopping without saving. Last good checkpoint: {good or 'none'} in "
+                      f"{ckpt.checkpoint_dir(self.run_dir)}", file=sys.stderr, flush=True)
+                self.tracker.finish("FAILED")
+                return ExitCode.NONFINITE
+            self.step = step = self.step + 1
+            # A micro batch skipped for a non-finite loss was replaced by the next one: realign the stream
+            # so that every step keeps its own samples and the checkpoint's data position is exact.
+            loader.seek_step(step)
+            if guard is not None:
+                guard.in_a_row = 0
+            log.advance()
+
+            if step % tc.log_every == 0 or step == tc.steps:
+                metrics = self.window_metrics(loss_sum, micro_count, meter, guard.total if guard else 0)
+                loss_sum.zero_()
+                micro_count = 0
+                self.tracker.log_metrics(metrics, step)
+                log.line(format_log(step, tc.steps, metrics))
+            if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+                self.watchdog.beat("eval", step)
+                result = self.evaluate(step)
+                self.tracker.log_metrics(result.metrics, step)
+                for path, folder in result.artifacts:
+                    self.tracker.log_artifact(path, folder)
+                log.line(result.line)
+                meter.reset()  # eval time is not training throughput
+            # train.ckpt_every_s: each rank's clock only proposes; the agreement makes every rank save one step.
+            due = bool(tc.ckpt_every_s) and time.monotonic() - saved_at >= tc.ckpt_every_s
+            stop, timed = preemption.check(step, due) if step < tc.steps else (False, False)
+            if (tc.ckpt_every and step % tc.ckpt_every == 0 and step < tc.steps) or timed:
+                self.save()
+                last_saved, saved_at = step, time.monotonic()
+                meter.reset()
+            if stop:
+                if last_saved != step:
+                    self.save()
+                self.wait_for_mirror(preemption.group)
+                say(f"preempted: checkpoint at step {step} saved; exiting with {int(ExitCode.PREEMPTED)} "
+                    f"{after_exit()}")
+                self.tracker.finish(status=None)  # the requeued job continues this MLflow run
+                return ExitCode.PREEMPTED
+
+        if last_saved != self.step:
+            self.save()
+        self.finish()
+        log.close()
+        return 0
+
+    def window_metrics(self, loss_sum: torch.Tensor, micro_count: int, meter: ThroughputMeter,
+                       nonfinite_total: int) -> dict[str, float]:
+        """The figures of one log line. Reads the device (one sync per log step, not per step): the loss sum
+        and the objective's own figures (per-rank means) in one all-reduce."""
+        own = self.objective.train_metrics()
+        window = torch.stack([loss_sum, *(v.to(loss_sum.device, torch.float32) for v in own.values())])
+        if dist.is_initialized():
+            dist.all_reduce(window)
+        window = window.tolist()
+        world = self.env.world_size
+        # Grouped by prefix: MLflow's chart view groups and sorts by it (data/, eval/, perf/, train/).
+        metrics = {"train/loss": window[0] / max(micro_count * world, 1),
+                   **{f"train/{name}": v / world for name, v in zip(own, window[1:])},
+                   "train/lr": peak_group_lr(self.optimizer.param_groups),
+                   "train/nonfinite_skipped": float(nonfinite_total),
+                   **{f"perf/{k}": v for k, v in meter.read().items()},
+                   "data/bad_samples": float(sum(self.train_loader.bad_counts().values()))}
+        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is not None:
+            metrics["train/grad_norm"] = float(grad_norm)
+        return metrics
+
+    def finish(self) -> None:
+        """Export consolidated weights (collective), hand the artifacts to MLflow, end the run."""
+        self.watchdog.beat("export", self.step)
+        cfg, run_dir = self.cfg, self.run_dir
+        # What the weights are: model.safetensors says its architecture (the exported model's ARCH_KEYS).
+        metadata = {"variant": cfg.model.variant, "step": str(self.step),
+                    **{k: str(v) for k, v in self.objective.exported_architecture(self.model_kwargs).items()}}
+        if self.ema is not None:  # the EMA is the run's product; the checkpoints keep the raw weights
+            say(f"export: model.safetensors holds the model EMA (train.ema_decay={cfg.train.ema_decay}); the "
+                f"raw weights stay in {ckpt.checkpoint_dir(run_dir)}")
+            state, metadata["ema_decay"] = self.ema.exported_weights(), str(cfg.train.ema_decay)
+        else:
+            state = self.objective.exported_weights(self.engine)  # a teacher, for DINOv2
+        ckpt.export_weights(self.engine, run_dir / "model.safetensors", metadata=metadata, state=state)
+        if self.env.is_main:
+            # (config.yaml reached MLflow when this start connected: tracking/sync.py logs tracking.json's config)
+            self.tracker.log_artifact(run_dir / "model.safetensors")  # a path tag instead with tracking.log_model=false
+        self.tracker.finish("FINISHED")
+        if self.env.is_main:
+            mirror.finish(run_dir)  # run.remote: every tag, then config, metrics and weights are up before the end
+        say(f"done: {run_dir / 'model.safetensors'}")
