@@ -17,7 +17,7 @@ from typing import Any
 from benchmarks.results import RESULTS_CSV, ROOT
 
 DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
-ORDER = ["model", "engine", "e2e", "loader", "preemption", "scale", "gpu"]  # the page's order; others follow
+ORDER = ["model", "engine", "e2e", "loader", "preemption", "scale", "scale-mix", "gpu"]  # the page's order; others follow
 ABOUT = {
     "model": "our ViT against timm's VisionTransformer: one training step (forward, backward, AdamW), "
              "images/s and MFU, same config and optimizer (`benchmarks/model.py`).",
@@ -31,6 +31,9 @@ ABOUT = {
                   "(`benchmarks/preemption.py`).",
     "scale": "what 1, 2, 4, ... N nodes fetch and read per epoch and how many shards a global batch "
              "mixes, through the real order and partitions with no data (`benchmarks/scale.py`).",
+    "scale-mix": "`scale --mix`: a mixture (data.sources) of several data sets, each at its weight in every "
+                 "global batch: per source, its shards fetched over its own first epoch / its shard count at "
+                 "1, 2, 4, ... N nodes, through the real mixture order with no data (`benchmarks/scale.py`).",
     "mae": "an MAE training step (75% of the patches masked, the 8 x 512 decoder on all tokens) against a "
            "supervised step on the same ViT: step times and the FLOP ratio `mae_flops` predicts (`benchmarks/mae.py`).",
     "dino": "a DINOv2 training step (the objective's loss and teacher EMA: 2 global + 8 local crops, iBOT masks, "

@@ -10,6 +10,11 @@ W takes the slots [r G / W, (r + 1) G / W); its micro batch j goes to DataLoader
 - index reads / data set: an index header (`index.encode_index`, real size) per distinct
   (process, shard) pair plus one record per sample read, over the sample bytes read;
 - distinct shards per global batch: the mean over the epoch's first steps.
+
+With `--mix NAME=WEIGHT:SHARDS,...` (data.sources: `project_mix`), a mixture's order (mix_order.py) over one
+epoch of each source: for every source, the distinct (node, shard) pairs of its shards over the steps of its
+own first epoch (its samples / (weight x global batch)), per its shard count: 1.0 when every node fetches
+only its own slices' shards.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.data.index import SampleMembers, encode_index
+from pipeline.data.mix_order import MixPeriod, MixtureOrder, choose_blocks
 from pipeline.data.order import GlobalOrder
 
 
@@ -88,9 +94,93 @@ def project(shards: int, samples_per_shard: int, global_batch: int, node_counts:
     return order, rows
 
 
+def parse_mix(text: str) -> list[tuple[str, float, int]]:
+    """'web=0.5:6000,books=0.3:3000' -> [(name, weight, shards)]."""
+    out = []
+    for item in text.split(","):
+        name, _, rest = item.partition("=")
+        weight, _, shards = rest.partition(":")
+        try:
+            out.append((name.strip(), float(weight), int(shards)))
+        except ValueError:
+            raise SystemExit(f"--mix: '{item}' is not NAME=WEIGHT:SHARDS") from None
+    return out
+
+
+def mix_order(mix: list[tuple[str, float, int]], samples_per_shard: int, global_batch: int, seed: int = 0
+              ) -> MixtureOrder:
+    """A fresh mixture of sources of `shards` x `samples_per_shard` samples, at their normalised weights."""
+    total = sum(w for _, w, _ in mix)
+    weights = [w / total for _, w, _ in mix]
+    counts = [np.full(shards, samples_per_shard, dtype=np.int64) for _, _, shards in mix]
+    blocks, cuts = choose_blocks(global_batch, weights, counts, [None] * len(mix))
+    period = MixPeriod(0, tuple((name, w) for (name, _, _), w in zip(mix, weights)), blocks)
+    return MixtureOrder([(name, c.tolist()) for (name, _, _), c in zip(mix, counts)], seed, global_batch,
+                        1 << 18, [period], {name: cut for (name, _, _), cut in zip(mix, cuts)})
+
+
+def project_mix(order: MixtureOrder, node_counts: list[int], gpus_per_node: int, chunk: int = 32
+                ) -> dict[int, list[float] | str]:
+    """Per node count: each source's shards fetched over its first epoch / its shards (see the docstring)."""
+    G, sources = order.global_batch, len(order.names)
+    shards_of = [int(order.shard_offset[i + 1] - order.shard_offset[i]) for i in range(sources)]
+    epoch_steps = [int(np.ceil(order.n_of(i) / (G * order.weights[i]))) for i in range(sources)]
+    usable = [n for n in node_counts if G % (n * gpus_per_node) == 0]
+    seen = {n: np.zeros(n * len(order.counts), dtype=bool) for n in usable}  # (node, shard) pairs fetched
+    slot = np.arange(G, dtype=np.int64)
+    for t0 in range(0, max(epoch_steps), chunk):
+        steps = np.arange(t0, min(t0 + chunk, max(epoch_steps)), dtype=np.int64)
+        positions = (steps[:, None] * G + slot[None, :]).ravel()
+        shard = order.shard_of(order.sample_ids(positions))
+        source = order.source_of_shard[shard]
+        keep = steps.repeat(G) < np.asarray(epoch_steps)[source]  # each source over its own first epoch
+        for n in usable:
+            node = (positions % G) // (G // n)
+            seen[n][(node * len(order.counts) + shard)[keep]] = True
+    out: dict[int, list[float] | str] = {}
+    for n in node_counts:
+        if n not in usable:
+            out[n] = f"skipped, global batch {G} is not a multiple of {n * gpus_per_node} ranks"
+            continue
+        pairs = seen[n].reshape(n, len(order.counts)).sum(axis=0)  # nodes that fetched each shard
+        out[n] = [float(pairs[order.shard_offset[i]:order.shard_offset[i + 1]].sum()) / shards_of[i]
+                  for i in range(sources)]
+    return out
+
+
+def bench_scale_mix(args: argparse.Namespace, node_counts: list[int]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    mix = parse_mix(args.mix)
+    order = mix_order(mix, args.samples_per_shard, args.global_batch)
+    print(f"mixture of {len(mix)} sources, shards of {args.samples_per_shard} samples, global batch "
+          f"{args.global_batch}, {args.gpus_per_node} GPUs per node: {order.blocks} blocks")
+    for i, (name, _, shards) in enumerate(mix):
+        cut = order.slicing[i]
+        print(f"  {name}: weight {order.weights[i]:.4g}, {shards} shards, {cut.partitions} partitions x "
+              f"{cut.slices_per_partition} slices")
+    rows = project_mix(order, node_counts, args.gpus_per_node)
+    figures: dict[str, Any] = {"mix": args.mix, "samples_per_shard": args.samples_per_shard,
+                               "global_batch": args.global_batch, "gpus_per_node": args.gpus_per_node,
+                               "blocks": order.blocks, "bench": "scale-mix"}
+    for i, (name, _, shards) in enumerate(mix):
+        figures[name] = {"weight": round(float(order.weights[i]), 4), "shards": shards,
+                         "slices": order.slicing[i].slices}
+    for n, row in rows.items():
+        if isinstance(row, str):
+            print(f"nodes {n}: {row}")
+            continue
+        print(f"nodes {n}: fetched/data set " + ", ".join(f"{name} {r:.3f}" for (name, _, _), r in zip(mix, row)))
+        for (name, _, _), r in zip(mix, row):
+            figures[name][f"nodes{n}_fetched_per_dataset"] = round(r, 4)
+    figures["seconds"] = round(time.perf_counter() - t0, 1)
+    return figures
+
+
 def bench_scale(args: argparse.Namespace) -> dict[str, Any]:
     """What 1, 2, 4, ... N nodes fetch and read per epoch: the real order and partitions, no data."""
     counts = [2**i for i in range(args.nodes.bit_length()) if 2**i <= args.nodes]
+    if getattr(args, "mix", None):
+        return bench_scale_mix(args, counts)
     t0 = time.perf_counter()
     order, rows = project(args.shards, args.samples_per_shard, args.global_batch, counts, args.gpus_per_node,
                           getattr(args, "scale_workers", 8), args.sample_bytes, args.partitions)
@@ -126,3 +216,6 @@ def add_scale_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-bytes", type=int, default=110_000,
                    help="mean sample size in bytes (default 110000, ImageNet's mean JPEG)")
     p.add_argument("--partitions", type=int, default=None, help="data.partitions (default: automatic)")
+    p.add_argument("--mix", default=None, metavar="NAME=WEIGHT:SHARDS,...",
+                   help="a mixture (data.sources) instead: each source's weight and shard count (shards of "
+                        "--samples-per-shard); its row is filed as scale-mix")

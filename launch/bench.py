@@ -6,6 +6,7 @@
     python launch/bench.py gpu             # the GPU figures (B/16, L/16, B/16@384; e2e; checks); needs a GPU
     python launch/bench.py preemption      # the per-step preemption agreement (2 ranks, one all-reduce)
     python launch/bench.py scale --nodes 512   # what 1..512 nodes fetch and read per epoch (order only, no data)
+    python launch/bench.py scale --mix web=0.5:6000,books=0.3:3000,rare=0.2:1000   # a mixture, per source
     python launch/bench.py fetch           # local disk vs rate-limited HTTP, with and without fetch ahead
     python launch/bench.py mae             # an MAE step against a supervised one on the same ViT-B/16
     python launch/bench.py dino            # a DINOv2 step against a supervised one on the same backbone
@@ -119,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.bench != "all":
                 status = 2
             continue
+        row = figures.pop("bench", name)  # a variant files its rows under its own name (scale --mix: scale-mix)
         if not args.no_csv:
-            append_result(name, figures)
+            append_result(row, figures)
     if args.bench == "all" and not args.no_csv:
         render_page()
     return status

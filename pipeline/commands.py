@@ -294,7 +294,8 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None, files: 
     plan handed to the fine-tune's preparation and to the trainer."""
     install_signal_handlers()  # before anything slow (the launch scripts already did; idempotent)
     check_variant(cfg)
-    check_data(cfg.data.path, where)
+    for path in [s.path for s in cfg.data.sources] or [cfg.data.path]:  # data.sources: each of them
+        check_data(path, where)
     # Imported after the config is read: a typo is reported at once, not after torch's and DeepSpeed's import.
     from pipeline.data import BadDataError, DataError, EvalFailed
     from pipeline.model.weights import WeightsError

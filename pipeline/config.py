@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
+from pipeline.source_config import MixtureConfig, check_sources
 from pipeline.typed_yaml import ConfigError, from_tree, parse_override, read_tree, set_dotted
 
 # ----------------------------------------------------------------------------- sections
@@ -77,9 +78,9 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(MixtureConfig):  # data.sources and data.allow_mix_change: pipeline/source_config.py
     path: str = "data/digits"
-    """Folder holding dataset.json and the shards (written by launch/make_shards.py)."""
+    """Folder holding dataset.json and the shards (written by launch/make_shards.py); not read when data.sources is set."""
     train_split: str = "train"
     """Split name in dataset.json to train on."""
     val_split: str = "val"
@@ -419,6 +420,7 @@ def validate(cfg: Config, where: str = "config") -> None:
         if not ok:
             value = operator.attrgetter(key)(cfg)
             raise ConfigError(f"{where}: key '{key}' must be {expected}, got {value!r}")
+    check_sources(cfg.data, where)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -6,7 +6,9 @@ Writing (launch/make_shards.py):
     bucket.py      writing under an s3:// prefix, reading a remote shard once to index it
 Reading (the trainer):
     info.py        dataset.json / timm's _info.json, checked against the shards
+    mix.py         data.sources: each source read on its own, weights, one label space, the mix's history
     order.py       the global order: partitions, passes, which sample a position holds
+    mix_order.py   a mixture's order: every source at its weight in every global batch, node-local
     nodes.py       which node this process is on (what its cache must hold)
     index.py       per-shard index files, random access to samples, the node's cache of remote shards
     fetch.py       fetch ahead: the rank's next shards into the cache, in the background
@@ -23,6 +25,7 @@ from .bad import BadDataError, DataError
 from .eval import EvalFailed, raise_if_any_failed
 from .info import DatasetInfo, SplitInfo, dataset_info_of, read_dataset_info
 from .loader import EvalLoader, TrainLoader, build_eval_loader, build_train_loader, label_free, merge_counters
+from .mix import read_data
 from .tario import BAD_KINDS
 
 __all__ = [
@@ -40,5 +43,6 @@ __all__ = [
     "label_free",
     "merge_counters",
     "raise_if_any_failed",
+    "read_data",
     "read_dataset_info",
 ]

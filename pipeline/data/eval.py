@@ -29,12 +29,14 @@ from . import tario
 from .bad import BadDataError, Counters, merge_counters
 from .index import Indexes
 from .info import SplitInfo, expected_of
+from .mix import Labels
 from .transforms import BatchNormalizer, as_is, empty_batch, eval_transform
 
 
 class EvalStream(IterableDataset):
     def __init__(self, split: SplitInfo, cfg: DataConfig, img_size: tuple[int, int], batch_size: int,
-                 lo: int, hi: int, num_batches: int, num_classes: int, label_key: str, workers: int):
+                 lo: int, hi: int, num_batches: int, num_classes: int, label_key: str, workers: int,
+                 labels: Labels | None = None):
         super().__init__()
         self.shards, self.counts = list(split.shards), list(split.shard_counts)
         self.split = split  # its sizes and digests: what a fetched copy is checked against
@@ -43,6 +45,7 @@ class EvalStream(IterableDataset):
         self.lo, self.hi, self.num_batches = lo, hi, num_batches
         self.batches = range(num_batches)  # the batches of this pass (a restarted pass: those not yet seen)
         self.num_classes, self.label_key = num_classes, label_key
+        self.labels = labels or Labels.single(label_key, num_classes, len(self.shards))  # a mixture's: mix.py
         self.workers = max(1, workers)
         self.normalize = BatchNormalizer(cfg.mean, cfg.std)
 
@@ -56,8 +59,7 @@ class EvalStream(IterableDataset):
         s = int(np.searchsorted(self.starts, i, side="right")) - 1
         shard = self.shards[s]
         try:
-            img, label = tario.decode(indexes.load(shard, i - int(self.starts[s])), self.label_key, self.num_classes,
-                                      self.cfg.max_image_pixels)
+            img, label = self.labels.decode(indexes.load(shard, i - int(self.starts[s])), s, self.cfg.max_image_pixels)
         except tario.SampleError as e:
             counters.count_bad(e.kind, shard, str(e))
             counters.read += 1

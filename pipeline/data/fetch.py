@@ -26,13 +26,13 @@ from pipeline.remote import Expected, RetryPolicy
 from pipeline.signals import exit_with, worker_context
 
 from .index import local_copy, needs_copy
-from .order import GlobalOrder
+from .order import SlicedOrder
 
 WAKE_S = 0.2  # how often the fetcher looks at where the rank is
 CHUNK_STEPS = 8  # steps whose shards are computed at once
 
 
-def upcoming_shards(order: GlobalOrder, rank: int, world_size: int, step: int, steps: int) -> np.ndarray:
+def upcoming_shards(order: SlicedOrder, rank: int, world_size: int, step: int, steps: int) -> np.ndarray:
     """Shard numbers rank `rank` reads in steps [step, step + steps), in the order of first need."""
     per_rank = order.global_batch // world_size
     positions = ((np.arange(step, step + steps, dtype=np.int64)[:, None] * order.global_batch
@@ -42,11 +42,11 @@ def upcoming_shards(order: GlobalOrder, rank: int, world_size: int, step: int, s
     return unique[np.argsort(first, kind="stable")]
 
 
-def plan(order: GlobalOrder, shard_bytes: list[int], rank: int, world_size: int, step: int, budget: int
+def plan(order: SlicedOrder, shard_bytes: list[int], rank: int, world_size: int, step: int, budget: int
          ) -> list[int]:
     """The shards to hold, from `step` on, in the order of first need, until their bytes reach `budget`
     or one pass of the rank's largest partition slice is covered."""
-    horizon = step + int(order.slice_sizes.max()) // order.slice_step + 1
+    horizon = step + order.steps_per_pass()
     out: list[int] = []
     seen: set[int] = set()
     total = 0
@@ -62,7 +62,7 @@ def plan(order: GlobalOrder, shard_bytes: list[int], rank: int, world_size: int,
     return out
 
 
-def _loop(order: GlobalOrder, shards: list[str], shard_bytes: list[int], rank: int, world_size: int,
+def _loop(order: SlicedOrder, shards: list[str], shard_bytes: list[int], rank: int, world_size: int,
           cache_dir: str | None, limit: int, budget: int, step: Any, stop: Any, ready: Any, rank_pid: int,
           expected: dict[str, Expected], policy: RetryPolicy | None, budget_key: str | None) -> None:
     # Started by the rank's fork server with SIGTERM/SIGUSR1 blocked. This helper must end on terminate()
@@ -92,7 +92,7 @@ def _loop(order: GlobalOrder, shards: list[str], shard_bytes: list[int], rank: i
 class FetchAhead:
     """The fetcher of one rank; `advance(step)` after each step, `stop()` at the end."""
 
-    def __init__(self, order: GlobalOrder, shards: list[str], shard_bytes: list[int | None], rank: int,
+    def __init__(self, order: SlicedOrder, shards: list[str], shard_bytes: list[int | None], rank: int,
                  world_size: int, cache_dir: str | None, limit: int, budget: int,
                  expected: dict[str, Expected] | None = None, policy: RetryPolicy | None = None,
                  budget_key: str | None = None):

@@ -60,6 +60,8 @@ class DatasetInfo:
     """Where the shards keep the label (see DataConfig.label_key); written by make_shards."""
     path: str = ""
     """The folder (or json file) this was read from."""
+    mixture: Any = None
+    """With data.sources: the mixture (pipeline.data.mix.Mixture) this merged description stands for."""
 
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits:

@@ -25,9 +25,10 @@ from pipeline.derived import accumulation_steps, image_size
 from .bad import Counters, DataError, merge_counters
 from .eval import EvalLoader, EvalStream
 from .index import needs_copy
-from .info import DatasetInfo, check_shard_names, dataset_info_of
+from .info import DatasetInfo, check_shard_names
+from .mix import labels_for, read_data
 from .nodes import node_place
-from .order import GlobalOrder
+from .order import SlicedOrder
 from .stream import LOADER_STATE_VERSION, TrainLoader, TrainStream
 
 __all__ = ["LOADER_STATE_VERSION", "Counters", "EvalLoader", "TrainLoader", "build_eval_loader", "build_train_loader",
@@ -71,40 +72,47 @@ def build_train_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_s
         raise DataError(f"train.seed must be >= 0, got {seed}")
     global_batch = global_batch_size or batch_size * world_size
     accum = accumulation_steps(global_batch, world_size, batch_size)
-    info = info or dataset_info_of(cfg)
+    info = info or read_data(cfg)  # with data.sources: the mixture's merged description (mix.py)
     check_shard_names(info, cfg.allow_pipe_shards)  # before any worker could run one
     split = info.split(cfg.train_split)
     if split.num_samples == 0:
         raise DataError(f"split '{cfg.train_split}' of {info.path} has no samples")
     stream = TrainStream(split, cfg, image_size(img_size), batch_size, accum, seed, rank, world_size,
                          num_classes or info.num_classes, _label_key(cfg, info), ids_only=ids_only,
-                         per_batch=per_batch, view=view)
+                         per_batch=per_batch, view=view, labels=labels_for(cfg, info, cfg.train_split),
+                         mixture=info.mixture)
     place = node_place()
+    loader = TrainLoader(stream, cfg, global_batch, local_ranks=max(1, world_size // place.nodes))
     if not ids_only:
         check_cache(stream.order, split.shards, split.shard_bytes, cfg, place.node, place.nodes)
-    return TrainLoader(stream, cfg, global_batch, local_ranks=max(1, world_size // place.nodes))
+        # a resumed mixture's order is its checkpoint's history (another cut, perhaps a new period): again
+        loader.recheck = lambda order: check_cache(order, split.shards, split.shard_bytes, cfg, place.node,
+                                                   place.nodes)
+    return loader
 
 
 FETCH_AHEAD_SHARDS = 2
 """Shards per partition a node's cache holds beyond the shuffle span: the next ones, fetched ahead."""
 
 
-def cache_needed_bytes(order: GlobalOrder, shard_bytes: list[int | None], node: int, nodes: int) -> int | None:
+def cache_needed_bytes(order: SlicedOrder, shard_bytes: list[int | None], node: int, nodes: int) -> int | None:
     """Bytes this node's cache must hold at once: for each partition slice it reads, the shards of one
-    shuffle span plus those fetched ahead, at the slice's largest shard size. None when no shard's size is
-    known (dataset.json records it for shards make_shards wrote or indexed)."""
+    shuffle span plus those fetched ahead, at the slice's largest shard size, and never more than all the
+    shards of the slices it reads (slices of one partition share the shards they split). None when no shard's
+    size is known (dataset.json records it for shards make_shards wrote or indexed)."""
     known = [b for b in shard_bytes if b]
     if not known:
         return None
     fallback = max(known)  # shards of unknown size are taken to be as large as the largest known one
-    total = 0
+    total, every = 0, set()
     for q in order.node_slices(node, nodes):
         largest = max(shard_bytes[s] or fallback for s in order.slice_shards[q])
         total += min(len(order.slice_shards[q]), order.span_shards(q) + FETCH_AHEAD_SHARDS) * largest
-    return total
+        every.update(order.slice_shards[q].tolist())
+    return min(total, sum(shard_bytes[s] or fallback for s in every))
 
 
-def check_cache(order: GlobalOrder, shards: list[str], shard_bytes: list[int | None], cfg: DataConfig,
+def check_cache(order: SlicedOrder, shards: list[str], shard_bytes: list[int | None], cfg: DataConfig,
                 node: int, nodes: int) -> None:
     """DataError before training when data.cache_limit_gb cannot hold what this node's shuffle spans need
     (it would evict shards still in use and fetch them again and again)."""
@@ -126,7 +134,7 @@ def build_eval_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_si
     """One exactly-once pass over the validation split, the same number of batches on every rank
     (`limit`: over its first `limit` samples only)."""
     _check_placement(batch_size, rank, world_size)
-    info = info or dataset_info_of(cfg)
+    info = info or read_data(cfg)
     check_shard_names(info, cfg.allow_pipe_shards)
     split = info.split(cfg.val_split)
     n = split.num_samples if limit is None else min(limit, split.num_samples)
@@ -135,5 +143,6 @@ def build_eval_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_si
     num_batches = -(-per_rank // batch_size)
     workers = max(1, min(cfg.num_workers, num_batches))
     stream = EvalStream(split, cfg, image_size(img_size), batch_size, lo, hi, num_batches,
-                        num_classes or info.num_classes, _label_key(cfg, info), workers)
+                        num_classes or info.num_classes, _label_key(cfg, info), workers,
+                        labels_for(cfg, info, cfg.val_split))
     return EvalLoader(stream, cfg, rank)

@@ -78,7 +78,7 @@ def _rng(*parts: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(p) for p in parts]))
 
 
-def _cached(cache: OrderedDict, key: Any, size: int, make: Callable[[], Any]) -> Any:
+def cached(cache: OrderedDict, key: Any, size: int, make: Callable[[], Any]) -> Any:
     """cache[key], made on a miss; the least recently used entries beyond `size` are dropped."""
     if key in cache:
         cache.move_to_end(key)
@@ -169,7 +169,113 @@ def slice_partition(counts: np.ndarray, shards: np.ndarray, k: int) -> list[np.n
 # ----------------------------------------------------------------------------- the order
 
 
-class GlobalOrder:
+class SlicedOrder:
+    """What every order built of slices shares (a data set's `GlobalOrder`, a mixture's `MixtureOrder` in
+    mix_order.py): a slice's passes, draw -> sample id, the augmentation seeds, shard arithmetic. A subclass
+    sets the attributes below and says which slice and draw a global position is (`draws`) and which slices
+    a node reads (`node_slices`)."""
+
+    counts: np.ndarray  # samples per shard; shards are numbered 0.. (a mixture: its sources' one after another)
+    starts: np.ndarray  # global id of each shard's first sample, and the total at the end
+    n: int
+    seed: int
+    global_batch: int
+    span: int
+    segments: list[np.ndarray]  # per slice: [pieces, 3] (shard, first, end) sample ranges
+    slice_sizes: np.ndarray
+    slice_shards: list[np.ndarray]
+
+    def _init_passes(self) -> None:
+        self.slices = len(self.segments)
+        self.slice_sizes = np.asarray([int((seg[:, 2] - seg[:, 1]).sum()) for seg in self.segments], dtype=np.int64)
+        self.slice_shards = [np.unique(seg[:, 0]) for seg in self.segments]
+        # Two passes of every slice: a step may straddle a pass boundary.
+        self._passes: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._pass_cache = 2 * self.slices
+        self._augment: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def pass_seed(self, q: int, e: int) -> tuple[int, ...]:
+        """The SeedSequence entropy of slice q's pass e."""
+        return (PASS, self.seed, q, e)
+
+    def pass_order(self, q: int, e: int) -> np.ndarray:
+        """Global ids of slice q (with one slice per partition: partition q) in the order of its pass e."""
+        return cached(self._passes, (q, e), self._pass_cache, lambda: self._make_pass(q, e))
+
+    def _make_pass(self, q: int, e: int) -> np.ndarray:
+        rng = _rng(*self.pass_seed(q, e))
+        segs = self.segments[q][rng.permutation(len(self.segments[q]))]
+        counts = segs[:, 2] - segs[:, 1]
+        # ids in segment order: segment (s, a, b) contributes starts[s] + a, ..., starts[s] + b - 1
+        first = np.repeat(self.starts[segs[:, 0]] + segs[:, 1] - np.concatenate([[0], np.cumsum(counts)[:-1]]),
+                          counts)
+        ids = first + np.arange(int(counts.sum()), dtype=np.int64)
+        n = len(ids)
+        if self.span >= n:  # the span covers the slice: a plain permutation
+            return ids[rng.permutation(n)]
+        # py1e: each sample lands uniformly within span / 2 of its shard's middle; sort by landing place.
+        middles = np.repeat(np.cumsum(counts) - counts / 2.0, counts)
+        keys = middles + rng.uniform(-self.span / 2, self.span / 2, n)
+        return ids[np.argsort(keys, kind="stable")]
+
+    def draws(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slice, draw number in that slice) of each global position."""
+        raise NotImplementedError
+
+    def node_slices(self, node: int, nodes: int) -> list[int] | range:
+        """Slices whose slots the ranks of `node` (of `nodes`, ranks numbered node by node) take: what it reads."""
+        raise NotImplementedError
+
+    def steps_per_pass(self) -> int:
+        """Steps within which every slice makes at least one whole pass (what fetching ahead looks across)."""
+        raise NotImplementedError
+
+    def draw_ids(self, p: np.ndarray, d: np.ndarray) -> np.ndarray:
+        """Global ids of draws d of slices p (arrays of the same shape)."""
+        p, d = np.asarray(p, dtype=np.int64).ravel(), np.asarray(d, dtype=np.int64)
+        e, k = np.divmod(d.ravel(), self.slice_sizes[p])
+        out = np.empty(p.shape, dtype=np.int64)
+        # grouped by (slice, pass): one lookup per pass however many draws are asked for at once
+        by = np.argsort(p * (int(e.max(initial=0)) + 1) + e, kind="stable")
+        cuts = np.flatnonzero((np.diff(p[by]) != 0) | (np.diff(e[by]) != 0)) + 1
+        for group in np.split(by, cuts) if len(by) else []:
+            out[group] = self.pass_order(int(p[group[0]]), int(e[group[0]]))[k[group]]
+        return out.reshape(d.shape)
+
+    def sample_ids(self, positions: np.ndarray | range | list[int]) -> np.ndarray:
+        return self.draw_ids(*self.draws(np.asarray(positions, dtype=np.int64)))
+
+    def sample_id(self, position: int) -> int:
+        return int(self.sample_ids([position])[0])
+
+    def augment_seed(self, position: int) -> int:
+        """The seed of the augmentation of the sample at `position`: a function of (seed, position)
+        only. Word `position % AUGMENT_BLOCK` of SeedSequence(AUGMENT, seed, block) - the same scheme
+        as `seed_for`, drawn a block at a time (one SeedSequence per block, not per sample)."""
+        block, k = divmod(int(position), AUGMENT_BLOCK)
+        words = cached(self._augment, block, 8, lambda: np.random.SeedSequence(
+            [AUGMENT, self.seed, block]).generate_state(AUGMENT_BLOCK, np.uint64) >> np.uint64(1))  # 63 bits
+        return int(words[k])
+
+    def locate(self, sample_id: int) -> tuple[int, int]:
+        """Global id -> (shard number, index in the shard)."""
+        shard = int(np.searchsorted(self.starts, sample_id, side="right")) - 1
+        return shard, sample_id - int(self.starts[shard])
+
+    def shard_of(self, ids: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.starts, np.asarray(ids, dtype=np.int64), side="right") - 1
+
+    def span_shards(self, q: int) -> int:
+        """Shards of slice q a reader needs at once: those within span / 2 of the read place on
+        either side, plus the one being read (the whole slice when the span covers it)."""
+        count = len(self.segments[q])
+        if self.span >= self.slice_sizes[q]:
+            return count
+        mean = self.slice_sizes[q] / count
+        return min(count, int(np.ceil(self.span / mean)) + 2)
+
+
+class GlobalOrder(SlicedOrder):
     """position -> global sample id, for shards with `counts` samples each."""
 
     def __init__(self, counts: list[int], seed: int, global_batch: int, partitions: int | None = None,
@@ -194,34 +300,8 @@ class GlobalOrder:
                                      if partitions is None else 1)
         k = self.slices_per_partition
         self.segments = [seg for s in self.shards for seg in slice_partition(self.counts, s, k)]
-        self.slices = len(self.segments)
-        self.slice_sizes = np.asarray([int((seg[:, 2] - seg[:, 1]).sum()) for seg in self.segments], dtype=np.int64)
-        self.slice_shards = [np.unique(seg[:, 0]) for seg in self.segments]
+        self._init_passes()
         self.slice_step = self.global_batch // self.slices  # draws of each slice per step
-        # Two passes of every slice: a step may straddle a pass boundary.
-        self._passes: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self._pass_cache = 2 * self.slices
-        self._augment: OrderedDict[int, np.ndarray] = OrderedDict()
-
-    def pass_order(self, q: int, e: int) -> np.ndarray:
-        """Global ids of slice q (with one slice per partition: partition q) in the order of its pass e."""
-        return _cached(self._passes, (q, e), self._pass_cache, lambda: self._make_pass(q, e))
-
-    def _make_pass(self, q: int, e: int) -> np.ndarray:
-        rng = _rng(PASS, self.seed, q, e)
-        segs = self.segments[q][rng.permutation(len(self.segments[q]))]
-        counts = segs[:, 2] - segs[:, 1]
-        # ids in segment order: segment (s, a, b) contributes starts[s] + a, ..., starts[s] + b - 1
-        first = np.repeat(self.starts[segs[:, 0]] + segs[:, 1] - np.concatenate([[0], np.cumsum(counts)[:-1]]),
-                          counts)
-        ids = first + np.arange(int(counts.sum()), dtype=np.int64)
-        n = len(ids)
-        if self.span >= n:  # the span covers the slice: a plain permutation
-            return ids[rng.permutation(n)]
-        # py1e: each sample lands uniformly within span / 2 of its shard's middle; sort by landing place.
-        middles = np.repeat(np.cumsum(counts) - counts / 2.0, counts)
-        keys = middles + rng.uniform(-self.span / 2, self.span / 2, n)
-        return ids[np.argsort(keys, kind="stable")]
 
     def draws(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slice, draw number in that slice) of each global position."""
@@ -229,38 +309,8 @@ class GlobalOrder:
         q, i = np.divmod(slot, self.slice_step)
         return q, step * self.slice_step + i
 
-    def draw_ids(self, p: np.ndarray, d: np.ndarray) -> np.ndarray:
-        """Global ids of draws d of slices p (arrays of the same shape)."""
-        p, d = np.asarray(p, dtype=np.int64), np.asarray(d, dtype=np.int64)
-        e, k = np.divmod(d, self.slice_sizes[p])
-        out = np.empty(p.shape, dtype=np.int64)
-        for pp, ee in set(zip(p.tolist(), e.tolist())):
-            mask = (p == pp) & (e == ee)
-            out[mask] = self.pass_order(pp, ee)[k[mask]]
-        return out
-
-    def sample_ids(self, positions: np.ndarray | range | list[int]) -> np.ndarray:
-        return self.draw_ids(*self.draws(np.asarray(positions, dtype=np.int64)))
-
-    def sample_id(self, position: int) -> int:
-        return int(self.sample_ids([position])[0])
-
-    def augment_seed(self, position: int) -> int:
-        """The seed of the augmentation of the sample at `position`: a function of (seed, position)
-        only. Word `position % AUGMENT_BLOCK` of SeedSequence(AUGMENT, seed, block) - the same scheme
-        as `seed_for`, drawn a block at a time (one SeedSequence per block, not per sample)."""
-        block, k = divmod(int(position), AUGMENT_BLOCK)
-        words = _cached(self._augment, block, 8, lambda: np.random.SeedSequence(
-            [AUGMENT, self.seed, block]).generate_state(AUGMENT_BLOCK, np.uint64) >> np.uint64(1))  # 63 bits
-        return int(words[k])
-
-    def locate(self, sample_id: int) -> tuple[int, int]:
-        """Global id -> (shard number, index in the shard)."""
-        shard = int(np.searchsorted(self.starts, sample_id, side="right")) - 1
-        return shard, sample_id - int(self.starts[shard])
-
-    def shard_of(self, ids: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.starts, np.asarray(ids, dtype=np.int64), side="right") - 1
+    def steps_per_pass(self) -> int:
+        return int(self.slice_sizes.max()) // self.slice_step + 1
 
     def node_partitions(self, node: int, nodes: int) -> range:
         """Partitions whose slots the ranks of `node` (of `nodes`, ranks numbered node by node) take."""
@@ -271,15 +321,6 @@ class GlobalOrder:
         """Slices whose slots the ranks of `node` (of `nodes`) take: what the node reads."""
         lo, hi = node * self.global_batch // nodes, (node + 1) * self.global_batch // nodes
         return range(lo // self.slice_step, (hi - 1) // self.slice_step + 1)
-
-    def span_shards(self, q: int) -> int:
-        """Shards of slice q a reader needs at once: those within span / 2 of the read place on
-        either side, plus the one being read (the whole slice when the span covers it)."""
-        count = len(self.segments[q])
-        if self.span >= self.slice_sizes[q]:
-            return count
-        mean = self.slice_sizes[q] / count
-        return min(count, int(np.ceil(self.span / mean)) + 2)
 
 
 def micro_batch_positions(j: int, rank: int, world_size: int, micro: int, accum: int) -> range:

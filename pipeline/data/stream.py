@@ -25,7 +25,6 @@ global batch), bad-data counts, and the fingerprint of what the order depends on
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import uuid
 import weakref
@@ -48,6 +47,7 @@ from .fetch import FetchAhead
 from .gpu_decode import CropDraw, GpuBatchDecoder, open_lazy, pack_batch, replace_bad
 from .index import Indexes, needs_copy
 from .info import SplitInfo, expected_of
+from .mix import Labels, MixHistory, Mixture, shards_fingerprint
 from .order import MIXUP, GlobalOrder, micro_batch_positions, seed_for
 from .transforms import BatchNormalizer, as_is, build_mixup, empty_batch, seeded, train_transform
 
@@ -61,7 +61,8 @@ class TrainStream(IterableDataset):
     def __init__(self, split: SplitInfo, cfg: DataConfig, img_size: tuple[int, int], micro: int, accum: int,
                  seed: int, rank: int, world_size: int, num_classes: int, label_key: str, ids_only: bool = False,
                  per_batch: Callable[[range], np.ndarray] | None = None,
-                 view: Callable[[Any, int], tuple[torch.Tensor, ...]] | None = None):
+                 view: Callable[[Any, int], tuple[torch.Tensor, ...]] | None = None,
+                 labels: Labels | None = None, mixture: Mixture | None = None):
         super().__init__()
         # An objective's own view of a sample in place of the train transform (DINOv2's multi-crop):
         # (image, the position's augmentation seed) -> normalised float tensors, stacked per micro batch.
@@ -75,7 +76,13 @@ class TrainStream(IterableDataset):
         self.shards, self.counts = list(split.shards), list(split.shard_counts)
         self.shard_bytes = list(split.shard_bytes or [None] * len(self.shards))
         self.shard_sha256 = list(split.shard_sha256 or [None] * len(self.shards))
-        self.order = GlobalOrder(self.counts, seed, micro * accum * world_size, cfg.partitions, cfg.shuffle_span)
+        # data.sources: the mixture's order (mix_order.py), rebuilt from a checkpoint's history on resume
+        self.history = (MixHistory(mixture, seed, micro * accum * world_size, cfg.shuffle_span)
+                        if mixture is not None else None)
+        self.order = (self.history.order() if self.history is not None else
+                      GlobalOrder(self.counts, seed, micro * accum * world_size, cfg.partitions, cfg.shuffle_span))
+        # where each shard's labels are and which of the run's classes each is (one source: as written)
+        self.labels = labels or Labels.single(label_key, num_classes, len(self.shards))
         self.cfg, self.img_size, self.seed = cfg, img_size, seed
         self.micro, self.accum, self.rank, self.world_size = micro, accum, rank, world_size
         self.num_classes, self.label_key, self.ids_only = num_classes, label_key, ids_only
@@ -176,10 +183,10 @@ class TrainStream(IterableDataset):
             counters.sample_bytes += sum(len(b) for b in raw.members.values())
             if self.draw is not None:
                 _, data = tario.image_member(raw)
-                label = tario.parse_label(raw, self.label_key, self.num_classes)
+                label = self.labels.parse(raw, shard_no)
                 img = open_lazy(data, self.cfg.max_image_pixels)
             else:
-                img, label = tario.decode(raw, self.label_key, self.num_classes, self.cfg.max_image_pixels)
+                img, label = self.labels.decode(raw, shard_no, self.cfg.max_image_pixels)
         except tario.SampleError as e:
             counters.count_bad(e.kind, shard, str(e))
             return None
@@ -220,6 +227,8 @@ class TrainLoader:
         self.last_per_batch: torch.Tensor | None = None  # stream.per_batch of the last micro batch
         self.decoder = (GpuBatchDecoder(stream.img_size, cfg.mean, cfg.std, cfg.interpolation)
                         if stream.gpu_decode else None)
+        self.mix_change: dict[str, Any] | None = None  # what a resume changed in the mix (data.allow_mix_change)
+        self.recheck: Callable[[Any], None] | None = None  # the cache check, again for a resumed mixture's order
 
     def _start(self) -> None:
         self.stream.start = self._j
@@ -332,14 +341,11 @@ class TrainLoader:
 
     def fingerprint(self) -> dict[str, Any]:
         s = self.stream
-        # Names and counts, not full paths: the same shards mounted elsewhere still resume.
-        names = [(sh.rsplit("/", 1)[-1], n) for sh, n in zip(s.shards, s.counts)]
-        # The shards' content (make_shards' digests in dataset.json): the same names over rewritten shards
-        # would be other samples at the same positions.
-        content = hashlib.sha256(repr(s.shard_sha256).encode()).hexdigest()[:16] if any(s.shard_sha256) else None
+        if s.history is not None:  # a mixture: its sources' own fingerprints are in its history (mix.py)
+            return {"seed": s.seed, "global_batch_size": self.global_batch, "shuffle_span": s.order.span}
         return {"seed": s.seed, "global_batch_size": self.global_batch, "partitions": s.order.partitions,
-                "slices": s.order.slices_per_partition, "shuffle_span": s.order.span, "num_samples": s.order.n,
-                "shards": hashlib.sha256(repr(names).encode()).hexdigest()[:16], "shard_content": content}
+                "slices": s.order.slices_per_partition, "shuffle_span": s.order.span,
+                **shards_fingerprint(s.shards, s.counts, s.shard_sha256)}
 
     def counters(self) -> Counters:
         """This rank's bad-data counters (sum them across ranks, `+` or `merge_counters`, for the state)."""
@@ -349,8 +355,9 @@ class TrainLoader:
         """The layout-free state at the last step boundary; `counters`: all ranks' counts, summed."""
         counters = counters if counters is not None else self.counters()
         # The position alone: the epoch and the index in it follow from it and num_samples (stored once).
+        mix = {"mix": self.stream.history.state()} if self.stream.history is not None else {}
         return {"version": LOADER_STATE_VERSION, "position": self.position, "counters": counters.to_state(),
-                **self.fingerprint()}
+                **self.fingerprint(), **mix}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at `state`'s position, on any layout that makes the same global batch."""
@@ -360,7 +367,11 @@ class TrainLoader:
                    "a checkpoint from before the elastic loader")
             raise DataError(f"data loader state has version {version}, expected {LOADER_STATE_VERSION} ({why}: the "
                             f"checkpoint's position means other samples now); use a new run.dir")
-        state = {"slices": 1, **state}  # states from before slices: one slice per partition
+        if ("mix" in state) != (self.stream.history is not None):
+            raise DataError("cannot continue the data stream: the checkpoint was written from " + (
+                "data.sources (a mixture) and this run reads data.path" if "mix" in state else
+                "data.path (one data set) and this run mixes data.sources") + "; use a new run.dir")
+        state = {"slices": 1, **state} if "mix" not in state else state  # from before slices: one per partition
         diff = {k: (state.get(k), v) for k, v in self.fingerprint().items() if state.get(k) != v}
         if list(diff) == ["shard_content"]:
             raise DataError("cannot continue the data stream: the shards were rewritten since the checkpoint (the "
@@ -371,9 +382,35 @@ class TrainLoader:
             raise DataError(f"cannot continue the data stream: the order depends on what changed ({what}); "
                             f"use a new run.dir or the checkpoint's settings")
         self.close()
-        self._j = int(state["position"]) // self.global_batch * self.accum
+        step = int(state["position"]) // self.global_batch
+        if self.stream.history is not None:  # the same mix exactly, or a change the config allows (mix.py)
+            self.mix_change = self.stream.history.restore(state["mix"], step, self.cfg.allow_mix_change)
+            self.stream.order = self.stream.history.order()
+            if self.recheck is not None:
+                self.recheck(self.stream.order)
+        self._j = step * self.accum
         # Counts are global: rank 0 carries them on, so that their sum over ranks stays right.
         self._counters = Counters.from_state(state["counters"]) if self.stream.rank == 0 else Counters()
+
+    def source_metrics(self) -> dict[str, float]:
+        """A mixture's figures per source at the last step boundary, data/<name>/...: samples drawn, passes
+        every slice of it completed, its share of all samples drawn so far (the realised weight), and the bad
+        samples this rank read from it (rank 0: plus those restored). {} for one data set."""
+        s = self.stream
+        if s.history is None:
+            return {}
+        figures = s.order.source_figures(self._j // self.accum)
+        total = max(1, sum(seen for seen, _ in figures.values()))
+        source_of = {shard: s.order.names[i] for shard, i in zip(s.shards, s.order.source_of_shard.tolist())}
+        bad = dict.fromkeys(figures, 0)
+        for shard, n in self._counters.bad_shards.items():
+            if shard in source_of:
+                bad[source_of[shard]] += n
+        out = {}
+        for name, (seen, epochs) in figures.items():
+            out.update({f"data/{name}/samples_seen": float(seen), f"data/{name}/epochs_completed": float(epochs),
+                        f"data/{name}/share": seen / total, f"data/{name}/bad_samples": float(bad[name])})
+        return out
 
     def bad_counts(self) -> dict[str, int]:
         """Samples replaced, by kind, cumulative for this rank (rank 0: plus those restored)."""

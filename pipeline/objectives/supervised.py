@@ -32,12 +32,12 @@ class Supervised(Objective):
     def model_kwargs(self) -> dict[str, Any]:
         cfg, info = self.cfg, self.info
         if info.num_classes == 0:
-            raise DataError(f"{cfg.data.path}: the shards have no labels (dataset.json: num_classes 0); "
+            raise DataError(f"{info.path}: the shards have no labels (dataset.json: num_classes 0); "
                             f"supervised training needs them: pretrain on them with model.objective=mae, or "
                             f"write labelled shards")
         kwargs = model_kwargs_from_config(cfg.model, info.num_classes)
         if kwargs["num_classes"] != info.num_classes:
-            raise DataError(f"model.num_classes={kwargs['num_classes']} but {cfg.data.path}/dataset.json has "
+            raise DataError(f"model.num_classes={kwargs['num_classes']} but {info.path} has "
                             f"{info.num_classes} classes")
         return kwargs
 

@@ -24,13 +24,14 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import Config, save_config, to_dict
-from pipeline.data import build_train_loader, dataset_info_of
+from pipeline.data import build_train_loader, read_data
 from pipeline.derived import deepspeed_config, resolve_batch
 from pipeline.dist import DistEnv, after_exit, say
 from pipeline.exit_codes import ExitCode
 from pipeline.objectives import build_objective
 from pipeline.objectives.base import EvalResult
 from pipeline.run import resume
+from pipeline.run.data_mix import record_mix
 from pipeline.run.step import (
     NonFiniteGuard,
     NonFiniteLosses,
@@ -73,7 +74,7 @@ class Trainer:
     def __init__(self, cfg: Config, env: DistEnv, plan: resume.ResumePlan | None,
                  prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> None:
         self.cfg, self.env, self.run_dir = cfg, env, Path(cfg.run.dir)
-        info = dataset_info_of(cfg.data)  # a dataset.json at a URL is retried by data.retry_*, as shards are
+        info = read_data(cfg.data)  # a dataset.json at a URL is retried by data.retry_*, as shards are; data.sources merged
         self.objective = build_objective(cfg, info)  # what the recipe is (pipeline/objectives/)
         self.model_kwargs = kwargs = self.objective.model_kwargs()
         # The plan, before anything is built: a checkpoint of another model is refused before DeepSpeed
@@ -113,6 +114,8 @@ class Trainer:
         self.watchdog: Watchdog | None = None  # started with the loop (fit)
         self.step = resume.restore(plan, cfg, self.engine, self.client_state, reapply_hparams=lambda: apply_hparams(
             self.optimizer.param_groups, self.groups, self.engine.lr_scheduler, cfg.train, kwargs["depth"]))
+        if env.is_main:  # data.sources: the mix in RUN_DIR/data_mix.jsonl, a changed one tagged in MLflow
+            record_mix(self.run_dir, self.tracker, self.train_loader, self.step)
 
     # ------------------------------------------------------------------------- save and evaluate
 
@@ -289,7 +292,8 @@ class Trainer:
                    "train/lr": peak_group_lr(self.optimizer.param_groups),
                    "train/nonfinite_skipped": float(nonfinite_total),
                    **{f"perf/{k}": v for k, v in meter.read().items()},
-                   "data/bad_samples": float(sum(self.train_loader.bad_counts().values()))}
+                   "data/bad_samples": float(sum(self.train_loader.bad_counts().values())),
+                   **self.train_loader.source_metrics()}  # data.sources: data/<name>/... per source
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is not None:
             metrics["train/grad_norm"] = float(grad_norm)

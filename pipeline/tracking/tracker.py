@@ -32,9 +32,12 @@ from pipeline.tracking.sync import (
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'train': {'lr': 1}} -> {'train.lr': 1}: MLflow params."""
+    """{'train': {'lr': 1}} -> {'train.lr': 1}: MLflow params. A list of named sections by name:
+    data.sources [{'name': 'web', 'weight': 0.3}] -> {'data.sources.web.weight': 0.3}."""
     out: dict[str, Any] = {}
     for k, v in tree.items():
+        if isinstance(v, list) and v and all(isinstance(x, dict) and "name" in x for x in v):
+            v = {str(x["name"]): {key: y for key, y in x.items() if key != "name"} for x in v}
         if isinstance(v, dict) and v:
             out.update(flatten(v, f"{prefix}{k}."))
         else:
