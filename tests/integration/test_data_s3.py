@@ -1,11 +1,14 @@
 """Shards in a real S3 store (SeaweedFS on loopback, tests/integration/s3server.py), end to end (issue 32):
 make_shards writes them straight to the bucket; 2 ranks train from `data.path: s3://...` and end with the
 weights of the same shards on local disk; through a proxy failing a fifth of the requests (503s, resets and
-cuts mid-body, a 30 s stall) the same weights, the retries logged; a 403 and a 404 stop with one line."""
+cuts mid-body, a 30 s stall) the same weights, the retries logged; a 403 and a 404 stop with one line. A
+mixture (data.sources) with one source in the bucket behind the fault proxy, preempted on 2 ranks and resumed
+on 1, ends with the weights of the uninterrupted run from local disk."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -13,6 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from pipeline.data.index import cache_name
+from tests.integration import mix_runs
 from tests.integration.faults import FaultServer, every_nth_plan
 from tests.integration.remote_runs import (
     assert_cache_holds_only_good_copies,
@@ -27,6 +31,7 @@ from tests.integration.runs import (
     env,
     free_port,
     make_synthetic_shards,
+    rank_proc,
     weights,
 )
 from tests.integration.s3server import SeaweedS3, weed_or_skip
@@ -231,3 +236,35 @@ def test_a_403_and_a_404_stop_the_run_with_one_line_each(s3: SeaweedS3, bucket_s
     assert errors == [f"error: s3://{BUCKET}/gone/train-gone.tar: HTTP 404 NoSuchKey"], errors
     assert not (tmp_path / "cache" / cache_name(f"s3://{BUCKET}/gone/train-gone.tar")).exists()
     assert_cache_holds_only_good_copies(tmp_path / "cache", shards, bucket_shards)  # the others, fetched ahead
+
+
+def test_a_mixture_with_a_source_in_the_bucket_preempted_on_2_ranks_resumes_on_1_as_the_uninterrupted_run(
+        s3: SeaweedS3, tmp_path: Path, tmp_path_factory) -> None:
+    # data.sources: the digits on local disk, the synthetic source in the bucket behind a proxy failing a quarter
+    # of the GETs; 2 ranks preempted (SIGUSR1 to rank 1), resumed on 1 rank: the weights of the uninterrupted
+    # 1-rank run from local disk (tests/integration/mix_runs.py), bit for bit.
+    _, reference = mix_runs.reference(tmp_path_factory)
+    digits, synth = mix_runs.mixture_data(tmp_path_factory)
+    c = s3.client()
+    for f in sorted(p for p in synth.iterdir() if p.is_file()):
+        c.put_object(Bucket=BUCKET, Key=f"mixsynth/{f.name}", Body=f.read_bytes())
+    run_dir = tmp_path / "run"
+    args = [*mix_runs.overrides(run_dir, mix_runs.sources(digits, f"s3://{BUCKET}/mixsynth")),
+            "data.retry_backoff_s=0.05", "data.read_timeout_s=3"]
+    with FaultServer(upstream=s3.url, plan=every_nth_plan(4, ("503", "reset", "cut", "cut_nolength"))) as proxy:
+        p = torchrun(1, 0, 2, free_port(), args, extra_env=s3.env(endpoint=proxy.url))
+        lines = []
+        for line in p.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("step 2/8"):
+                rank_proc(p.pid, 1, 2).send_signal(signal.SIGUSR1)
+        p.wait(timeout=600)
+        first = "".join(lines)
+        assert "preempted: checkpoint at step" in first, first[-4000:]
+        resumed = torchrun(1, 0, 1, free_port(), args, extra_env=s3.env(endpoint=proxy.url))
+        out, _ = resumed.communicate(timeout=900)
+        faults = [f for f in proxy.faults if f[1] == "GET"]
+    assert resumed.returncode == 0, out[-4000:]
+    assert faults and (first + out).count("storage: retry ") >= len(faults), (faults, out[-2000:])
+    assert "layout changed (world size 2 -> 1)" not in out  # ZeRO-0: the tag loads as written on any world size
+    assert_same_weights(weights(run_dir), reference)
