@@ -82,8 +82,9 @@ def read_mixture(cfg: DataConfig) -> Mixture:
 
 
 def merged_info(mixture: Mixture, cfg: DataConfig) -> DatasetInfo:
-    """One DatasetInfo for the objectives and the loaders: the run's label space, the train split (and the
-    validation split of every source that has one) as the sources' shards one after another."""
+    """One DatasetInfo for the objectives and the loaders: the run's label space (none unless every source has
+    labels), the train split (and the validation split of every source that has one) as the sources' shards
+    one after another."""
     def joined(parts: list[SplitInfo]) -> SplitInfo:
         return SplitInfo(sum(p.num_samples for p in parts), [s for p in parts for s in p.shards],
                          [c for p in parts for c in p.shard_counts],
@@ -94,9 +95,12 @@ def merged_info(mixture: Mixture, cfg: DataConfig) -> DatasetInfo:
     val = [part for _, part in split_parts(mixture, cfg, cfg.val_split)]
     if val:
         splits[cfg.val_split] = joined(val)
-    where = ", ".join(f"{s.name}: {s.info.path}" for s in mixture.sources)
-    return DatasetInfo(len(mixture.class_names), mixture.class_names, splits, mixture.sources[0].info.image_format,
-                       "cls", f"data.sources ({where})", mixture=mixture)
+    where = ", ".join(f"{s.name}: {s.info.path}" + ("" if s.info.num_classes else " (no labels)")
+                      for s in mixture.sources)
+    # Labelled only when every source is: a run or an evaluation that reads labels reads them from every sample.
+    classes = mixture.class_names if all(s.info.num_classes for s in mixture.sources) else []
+    return DatasetInfo(len(classes), classes, splits, mixture.sources[0].info.image_format, "cls",
+                       f"data.sources ({where})", mixture=mixture)
 
 
 # ----------------------------------------------------------------------------- labels

@@ -95,11 +95,6 @@ def natural_slicing(counts: list[int] | np.ndarray) -> Slicing:
     return Slicing(p, choose_slices(counts, DEFAULT_PARTITIONS, p))
 
 
-def smallest_slice(counts: np.ndarray, slicing: Slicing) -> int:
-    return min(int(size) // slicing.slices_per_partition
-               for size in (counts[s].sum() for s in deal_shards(counts, slicing.partitions)))
-
-
 def choose_blocks(global_batch: int, weights: list[float], sources: list[np.ndarray], fixed: list[Slicing | None]
                   ) -> tuple[int, list[Slicing]]:
     """The block count U of a mix and every source's cut. U: the largest power of two <= DEFAULT_PARTITIONS
@@ -107,19 +102,22 @@ def choose_blocks(global_batch: int, weights: list[float], sources: list[np.ndar
     never negative), at most a source's fixed slice count (`fixed`: the sources already cut), and leaving
     every new source slices of MIN_SLICE_SAMPLES or more when cut into max(natural, U) slices."""
     n, w_max = len(weights), max(weights)
+    natural = [f or natural_slicing(c) for c, f in zip(sources, fixed)]
+    smallest = [min(int(counts[s].sum()) for s in deal_shards(counts, cut.partitions))
+                for counts, cut in zip(sources, natural)]  # each source's smallest partition
     u = DEFAULT_PARTITIONS
     while u > 1:
         ok = global_batch % u == 0 and (global_batch // u) * w_max >= n - 1 - 1e-9
         ok = ok and all(f is None or f.slices % u == 0 for f in fixed)
         if ok:
-            cut = [f or _grown(natural_slicing(c), u) for c, f in zip(sources, fixed)]
-            if all(smallest_slice(c, s) >= MIN_SLICE_SAMPLES for c, s in zip(sources, cut)):
+            cut = [f or _grown(c, u) for c, f in zip(natural, fixed)]
+            if all(size // c.slices_per_partition >= MIN_SLICE_SAMPLES for size, c in zip(smallest, cut)):
                 return u, cut
         u //= 2
     if global_batch * w_max < n - 1 - 1e-9:
         raise ValueError(f"train.global_batch_size={global_batch} is too small for {n} sources at these weights "
                          f"(the largest weight's share, {global_batch * w_max:g} samples, must be at least {n - 1})")
-    return 1, [f or natural_slicing(c) for c, f in zip(sources, fixed)]
+    return 1, natural
 
 
 def _grown(s: Slicing, blocks: int) -> Slicing:

@@ -37,6 +37,9 @@ q % G. Rank r of W takes the slots [r G / W, (r + 1) G / W) of every step, cut i
 batches of m (`micro_batch_positions`).
 
 All seeds go through numpy's SeedSequence: `seed_for(*parts)`.
+
+`SlicedOrder` is what this order and a mixture's (`mix_order.MixtureOrder`, data.sources) share: a slice's
+passes, draw -> sample id, the augmentation seeds, shard arithmetic.
 """
 
 from __future__ import annotations

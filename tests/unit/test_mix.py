@@ -269,9 +269,9 @@ def test_one_label_space_for_the_run_and_labels_off_for_a_label_free_run(two) ->
         info = read_data(cfg)
         assert info.class_names == [*(f"class_{i}" for i in range(5)), "x", "y"] and info.num_classes == 7
         loader = build_train_loader(cfg, 16, 16, seed=0, global_batch_size=16, info=info)
-        targets = np.concatenate([next(loader)[1].numpy() for _ in range(20)])
+        targets = np.concatenate([next(loader)[1].numpy() for _ in range(6)])
         src = [k[0] for k in sample_keys(cfg, ids_of(build_train_loader(cfg, 16, 16, seed=0, global_batch_size=16,
-                                                                        ids_only=True), 20))]
+                                                                        ids_only=True), 6))]
         assert set(targets[np.asarray(src) == "small"].tolist()) == {5, 6, 0}  # x, y, class_0 of the run
         assert set(targets[np.asarray(src) == "big"].tolist()) == set(range(5))
         ev = build_eval_loader(cfg, 16, 8, info=info)  # both sources' validation splits, labels mapped alike
@@ -283,6 +283,8 @@ def test_one_label_space_for_the_run_and_labels_off_for_a_label_free_run(two) ->
     unlabelled = json.loads((small / "dataset.json").read_text())
     (small / "dataset.json").write_text(json.dumps({**unlabelled, "num_classes": 0, "class_names": []}))
     try:
+        info = read_data(cfg)  # labelled only when every source is: a supervised run is refused, naming it
+        assert info.num_classes == 0 and "small: " in info.path and info.path.endswith("(no labels))")
         with pytest.raises(DataError, match=r"data.sources 'small' \(.*\) has no labels .* and this run reads labels"):
             build_train_loader(cfg, 16, 8, seed=0, global_batch_size=16)
         next(build_train_loader(dataclasses.replace(cfg, label_key=""), 16, 8, seed=0, global_batch_size=16))
