@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.config import DataConfig
 from pipeline.data import DataError, build_eval_loader, build_train_loader, read_data
-from pipeline.data.mix_order import MixPeriod, MixtureOrder, Slicing, choose_blocks
+from pipeline.data.mix_order import MixPeriod, MixtureOrder, Slicing, choose_blocks, fill
 from pipeline.data.order import micro_batch_positions
 from pipeline.data.shards import synthetic_source, write_dataset
 from pipeline.source_config import SourceConfig
@@ -87,6 +87,10 @@ def test_each_source_sees_every_sample_once_per_pass() -> None:
     b = ids[src == 1] - order.starts[order.shard_offset[1]]
     # b's 8 slices of 32 samples, drawn in turn: its first 256 draws are its 256 samples, and so on
     assert all(sorted(b[e * 256:(e + 1) * 256].tolist()) == list(range(256)) for e in range(len(b) // 256))
+    for q in range(order.slices):  # each pass of a slice its own permutation
+        n = int(order.slice_sizes[q])
+        assert not np.array_equal(order.draw_ids(np.full(n, q), np.arange(n)),
+                                  order.draw_ids(np.full(n, q), np.arange(n, 2 * n))), q
     seen, epochs = order.source_figures(400)["b"]
     assert seen == len(b) and epochs == len(b) // 256
 
@@ -106,6 +110,20 @@ def assert_once_per_pass(order: MixtureOrder, ids: np.ndarray) -> None:
     for q in range(order.slices):
         mine, n = ids[slices == q], int(order.slice_sizes[q])
         assert all(len(set(mine[e * n:(e + 1) * n].tolist())) == n for e in range(len(mine) // n)), q
+
+
+def test_a_block_deals_a_source_s_slots_to_its_slices_lowest_total_first() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        bases = rng.integers(0, 4, (int(rng.integers(1, 4)), int(rng.integers(1, 6))))
+        before = np.zeros_like(bases)
+        for taken in range(25):
+            got = fill(bases, np.full(len(bases), taken))
+            assert (got.sum(axis=1) == taken).all() and (got >= before).all()  # all dealt, never taken back
+            total = bases + got
+            for row in range(len(bases)):  # a slice that was given draws is at most one above every other
+                assert (got[row] == 0).all() or total[row][got[row] > 0].max() <= total[row].min() + 1
+            before = got
 
 
 def test_a_changed_weight_continues_every_slice_where_it_was() -> None:
