@@ -93,6 +93,9 @@ def test_each_source_sees_every_sample_once_per_pass() -> None:
                                   order.draw_ids(np.full(n, q), np.arange(n, 2 * n))), q
     seen, epochs = order.source_figures(400)["b"]
     assert seen == len(b) and epochs == len(b) // 256
+    # a pass is completed when every slice of the source has finished it: at step 52 one of b's 8 slices of 32
+    # has drawn its 32 and the others 31 (0.6 a step each, block b of 8 a b/8 ahead); at 54 all have
+    assert order.source_figures(52)["b"] == (249, 0) and order.source_figures(54)["b"] == (259, 1)
 
 
 def slice_of_ids(order: MixtureOrder) -> np.ndarray:
@@ -237,10 +240,10 @@ def test_a_mixture_resumes_exactly_on_another_layout(two) -> None:
 
 def test_a_changed_mix_is_refused_in_one_line_unless_allowed(two, tmp_path: Path) -> None:
     loader = build_train_loader(mix_cfg(two), 16, 8, seed=0, global_batch_size=16, ids_only=True)
-    ids_of(loader, 20)
+    ids_of(loader, 18)  # small mid-pass: 86 of its 96 samples drawn (10 or 11 of each slice's 12)
     state = loader.state_dict()
     changed = mix_cfg(two, (0.5, 0.5))
-    with pytest.raises(DataError, match=r"^cannot continue the data stream at step 20: the mix changed since the "
+    with pytest.raises(DataError, match=r"^cannot continue the data stream at step 18: the mix changed since the "
                                         r"checkpoint \('big' weight 0.7 -> 0.5; 'small' weight 0.3 -> 0.5\); set "
                                         r"data.allow_mix_change=true") as e:
         build_train_loader(changed, 16, 8, seed=0, global_batch_size=16, ids_only=True).load_state_dict(state)
@@ -248,20 +251,21 @@ def test_a_changed_mix_is_refused_in_one_line_unless_allowed(two, tmp_path: Path
     allowed = build_train_loader(dataclasses.replace(changed, allow_mix_change=True), 16, 8, seed=0,
                                  global_batch_size=16, ids_only=True)
     allowed.load_state_dict(state)
-    assert allowed.mix_change == {"step": 20, "changes": ["'big' weight 0.7 -> 0.5", "'small' weight 0.3 -> 0.5"],
+    assert allowed.mix_change == {"step": 18, "changes": ["'big' weight 0.7 -> 0.5", "'small' weight 0.3 -> 0.5"],
                                   "weights": {"big": 0.5, "small": 0.5}}
     after = sample_keys(changed, ids_of(allowed, 40))
-    assert sum(k[0] == "small" for k in after) == 320  # half of every batch from step 20 on
+    assert sum(k[0] == "small" for k in after) == 320  # half of every batch from step 18 on
     # small continued where it was: in the keys of the whole run, each of its slices (here its shards of 12)
-    # draws its samples once per pass, across the change
+    # draws its samples once per pass, across the change (mid-pass: a slice that began its pass again, or drew
+    # it in another permutation after the change, repeats a sample within it)
     before = sample_keys(changed, ids_of(build_train_loader(mix_cfg(two), 16, 8, seed=0, global_batch_size=16,
-                                                            ids_only=True), 20))
+                                                            ids_only=True), 18))
     keys = [k for k in before + after if k[0] == "small"]
     for shard in {k[1] for k in keys}:
         mine = [k for k in keys if k[1] == shard]
         assert len(mine) > 24 and all(len(set(mine[e * 12:(e + 1) * 12])) == 12 for e in range(len(mine) // 12))
     saved = allowed.state_dict()["mix"]["periods"]
-    assert [p["step"] for p in saved] == [0, 20]
+    assert [p["step"] for p in saved] == [0, 18]
     # a source removed: named; and one of the same name over other shards: refused whatever the opt-in
     alone = dataclasses.replace(mix_cfg(two), sources=mix_cfg(two).sources[:1])
     with pytest.raises(DataError, match=r"\('small' removed; 'big' weight 0.7 -> 1\)"):
