@@ -178,6 +178,25 @@ def test_blocks_respect_the_global_batch_the_weights_and_the_smallest_source() -
     assert choose_blocks(64, [0.5, 0.5], [np.full(20, 40)] * 2, [Slicing(2, 2), None])[0] == 4
 
 
+def test_the_scale_projection_of_a_mixture_fetches_each_node_s_own_slices_shards() -> None:
+    # launch/bench.py scale --mix walks the real order over each source's first epoch; what it counts must be
+    # what the slicing says: node n (of N dividing the blocks) fetches the shards its slices of the source
+    # cover and no other.
+    from benchmarks.scale import mix_order, parse_mix, project_mix
+
+    order = mix_order(parse_mix("web=0.5:96,books=0.3:40,rare=0.2:12"), 50, 256)
+    rows = project_mix(order, [1, 2, 4, 8, 16, 32, 3], gpus_per_node=2)
+    assert rows[3] == "skipped, global batch 256 is not a multiple of 6 ranks"
+    for nodes in (1, 2, 4, 8, 16, 32):
+        for i in range(3):
+            pairs = sum(len({shard for q in order.node_slices(node, nodes) if order.source_of_slice[q] == i
+                             for shard, _, _ in order.segments[q].tolist()}) for node in range(nodes))
+            shards = int(order.shard_offset[i + 1] - order.shard_offset[i])
+            assert rows[nodes][i] == pytest.approx(pairs / shards), (nodes, i)
+    # rare's 12 shards in 64 slices: nodes share its shards first (8 nodes: 1.5 shards each, 16 pairs)
+    assert rows[1] == [1.0] * 3 and rows[8][2] == pytest.approx(16 / 12) and rows[32][2] > rows[16][2] > rows[8][2]
+
+
 # ----------------------------------------------------------------------------- the loader over real shards
 
 
