@@ -178,6 +178,21 @@ def test_blocks_respect_the_global_batch_the_weights_and_the_smallest_source() -
     assert choose_blocks(64, [0.5, 0.5], [np.full(20, 40)] * 2, [Slicing(2, 2), None])[0] == 4
 
 
+def test_a_node_s_cache_holds_the_spans_of_its_slices_of_every_source() -> None:
+    from pipeline.data.loader import cache_needed_bytes
+
+    sources = {"a": A, "b": B, "c": C}
+    size = {"a": 100, "b": 1000, "c": 10_000}  # bytes per shard: which source's shards are counted shows
+    shard_bytes = [size[name] for name, counts in sources.items() for _ in counts]
+    whole = order_of(sources, [0.5, 0.3, 0.2], 48, span=10**6)  # a span past every slice: all its shards
+    assert cache_needed_bytes(whole, shard_bytes, 0, 1) == sum(shard_bytes)
+    for nodes in (2, 4, 8):  # each node: every source's shards its own slices cover, and only those
+        for node in range(nodes):
+            own = {int(s) for q in whole.node_slices(node, nodes) for s in whole.slice_shards[q]}
+            assert {int(whole.source_of_shard[s]) for s in own} == {0, 1, 2}
+            assert cache_needed_bytes(whole, shard_bytes, node, nodes) == sum(shard_bytes[s] for s in own)
+
+
 def test_the_scale_projection_of_a_mixture_fetches_each_node_s_own_slices_shards() -> None:
     # launch/bench.py scale --mix walks the real order over each source's first epoch; what it counts must be
     # what the slicing says: node n (of N dividing the blocks) fetches the shards its slices of the source
