@@ -26,6 +26,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import socket
 from collections.abc import Callable, Iterator
@@ -39,12 +40,16 @@ import torch.distributed as dist
 
 from pipeline import atomic
 from pipeline.model.weights import save_weights
+from pipeline.remote.names import UnsafeName, relative_name
 from pipeline.train import ds_compat
 
 TRAINER_STATE_VERSION = 3  # of trainer_state.json
 STATE_FILE = "trainer_state.json"
 COMPLETE_FILE = "complete.json"
 TAG_PREFIX = "step_"
+# The parts of the client state the trainer can write (pipeline/train/state.py); DeepSpeed stores its own
+# keys beside them (ds_config, ds_version, param_shapes, ...), which are never parts.
+CLIENT_PARTS = ("data", "objective", "ema", "rng")
 
 
 class CheckpointError(RuntimeError):
@@ -110,10 +115,15 @@ def tag_step(tag: str) -> int:
     return int(tag[len(TAG_PREFIX):])
 
 
+def is_tag(name: str) -> bool:
+    """Is `name` (a folder here, or one a bucket lists) a tag: step_ and ASCII digits only."""
+    return re.fullmatch(TAG_PREFIX + "[0-9]+", name) is not None
+
+
 def all_tags(run_dir: Path) -> list[str]:
     """Every tag folder in RUN_DIR/checkpoints, complete or not, newest first."""
     root = checkpoint_dir(run_dir)
-    found = [p.name for p in root.glob(f"{TAG_PREFIX}*") if p.is_dir() and p.name[len(TAG_PREFIX):].isdigit()]
+    found = [p.name for p in root.glob(f"{TAG_PREFIX}*") if p.is_dir() and is_tag(p.name)]
     return sorted(found, key=tag_step, reverse=True)
 
 
@@ -122,16 +132,29 @@ def _tag_files(tag_dir: Path) -> dict[str, int]:
             if p.is_file() and p.name != COMPLETE_FILE}
 
 
+def recorded_files(tag_dir: Path) -> dict[str, int]:
+    """The files complete.json records (name -> size), every name checked to stay inside the tag's folder
+    (a tag restored from a bucket, or copied from elsewhere, is read the same way). FileNotFoundError when
+    there is none; ValueError (UnsafeName among them) when it is not a record of ours."""
+    record = json.loads((tag_dir / COMPLETE_FILE).read_text())
+    files = record["files"] if isinstance(record, dict) else None
+    if not isinstance(files, dict):
+        raise ValueError(f"{tag_dir / COMPLETE_FILE}: no 'files' object")
+    for name in files:
+        relative_name(name, str(tag_dir / COMPLETE_FILE))
+    return files
+
+
 def check_tag(tag_dir: Path) -> str | None:
     """None if tag_dir is complete (complete.json there, every file it lists present with its size);
     else why not, in a few words."""
-    record = tag_dir / COMPLETE_FILE
-    if not record.is_file():
+    if not (tag_dir / COMPLETE_FILE).is_file():
         return f"no {COMPLETE_FILE} (its save did not finish)"
     try:
-        files = json.loads(record.read_text())["files"]
-        assert isinstance(files, dict)
-    except (ValueError, KeyError, AssertionError, OSError) as e:
+        files = recorded_files(tag_dir)
+    except UnsafeName as e:
+        return f"{COMPLETE_FILE} names a file outside the tag ({str(e).split(': ', 1)[1]})"
+    except (ValueError, KeyError, TypeError, OSError) as e:
         return f"{COMPLETE_FILE} unreadable ({type(e).__name__})"
     for name, size in files.items():
         path = tag_dir / name
@@ -145,8 +168,8 @@ def check_tag(tag_dir: Path) -> str | None:
 def tag_bytes(tag_dir: Path) -> int:
     """The size of a complete tag, from its record (0 if unknown)."""
     try:
-        return sum(json.loads((tag_dir / COMPLETE_FILE).read_text())["files"].values())
-    except (OSError, ValueError, KeyError):
+        return sum(recorded_files(tag_dir).values())
+    except (OSError, ValueError, KeyError, TypeError):
         return 0
 
 
@@ -279,7 +302,7 @@ def prune(root: Path, keep_last: int, keep_every: int, current: str) -> None:
             shutil.rmtree(root / t, ignore_errors=True)
     # Universal conversions are only read by the resume that made them; a newer checkpoint supersedes them.
     for p in universal_dir(root.parent).glob(f"{TAG_PREFIX}*"):
-        if p.name[len(TAG_PREFIX):].isdigit() and tag_step(p.name) < tag_step(current):
+        if is_tag(p.name) and tag_step(p.name) < tag_step(current):
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -367,7 +390,7 @@ def read_client_state(run_dir: Path, tag: str) -> dict[str, Any]:
     with ds_compat.no_code_from_pickles():
         state = torch.load(found[0], map_location="cpu", mmap=True)
     # DeepSpeed puts the client state's entries beside its own keys (engine._save_checkpoint: state.update).
-    return {k: state[k] for k in ("data", "objective", "ema", "rng") if k in state}
+    return {k: state[k] for k in CLIENT_PARTS if k in state}
 
 
 def consolidate(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:

@@ -44,6 +44,7 @@ from typing import Any
 
 from pipeline import atomic
 from pipeline.remote import Expected, RetryPolicy, fetch, file_sha256, s3
+from pipeline.remote.names import UnsafeName, relative_name
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.lock import RunDirLocked
 
@@ -113,7 +114,8 @@ class RemoteLock:
             got = _client().get_object(Bucket=self.bucket, Key=self.key)
             holder, etag = json.loads(got["Body"].read() or b"{}"), str(got["ETag"])
             mine = os.environ.get("SLURM_JOB_ID")
-            if float(holder.get("expires", 0)) > time.time() and not (mine and holder.get("slurm_job_id") == mine):
+            same_job = bool(mine) and holder.get("slurm_job_id") == mine  # a requeue of this job: its own lock
+            if float(holder.get("expires", 0)) > time.time() and not same_job:
                 job = f", Slurm job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
                 raise RunDirLocked(
                     f"run.remote {self.remote} is being written by another job (host {holder.get('host', '?')}, "
@@ -126,8 +128,10 @@ class RemoteLock:
             except ClientError as e2:
                 raise RunDirLocked(f"run.remote {self.remote}: another job took {self.key} over at the same "
                                    f"moment ({_code(e2)}); one job per run prefix") from None
+            why = (f"an earlier attempt of this Slurm job, {mine}: a requeue takes its own lock at once"
+                   if same_job else "its lease had ended")
             log(f"took over {self.remote}/{LOCK_OBJECT} from host {holder.get('host', '?')}, pid "
-                f"{holder.get('pid', '?')} (its lease had ended)")
+                f"{holder.get('pid', '?')} ({why})")
         self._thread = threading.Thread(target=self._renew, name="remote-lock", daemon=True)
         self._thread.start()
 
@@ -221,6 +225,7 @@ class Mirror:
         tag_dir = ckpt.checkpoint_dir(self.run_dir) / tag
         try:
             record = json.loads((tag_dir / ckpt.COMPLETE_FILE).read_text())
+            record["files"] = ckpt.recorded_files(tag_dir)  # names checked: only the tag's own files go up
             digests = {}
             for name in record["files"]:
                 digests[name] = file_sha256(tag_dir / name)
@@ -254,7 +259,7 @@ def remote_tags(bucket: str, prefix: str) -> list[str]:
     for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base, Delimiter="/"):
         for p in page.get("CommonPrefixes", []):
             name = p["Prefix"][len(base):].strip("/")
-            if name.startswith(ckpt.TAG_PREFIX) and name[len(ckpt.TAG_PREFIX):].isdigit():
+            if ckpt.is_tag(name):  # anything else under checkpoints/ is not ours to restore or prune
                 found.append(name)
     return sorted(found, key=ckpt.tag_step, reverse=True)
 
@@ -284,6 +289,29 @@ def _remote_record(bucket: str, key: str) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------- restore
 
 
+def checked_record(record: dict[str, Any], source: str) -> tuple[dict[str, int], dict[str, str]]:
+    """(file name -> size, file name -> sha256) of a bucket's complete.json, every name checked before any
+    is joined to a local folder (pipeline/remote/names.py: relative, no '..', inside the tag's folder), every
+    size a byte count and every digest hex: RemoteError naming `source` otherwise, before anything is written."""
+    files, digests = record["files"], record.get("sha256", {})
+    if not isinstance(digests, dict):
+        raise RemoteError(f"{source}: 'sha256' is not an object of file names and digests; nothing was restored")
+    try:
+        for name in files:
+            relative_name(name, source)
+    except UnsafeName as e:
+        raise RemoteError(str(e)) from None
+    for name, size in files.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise RemoteError(f"{source}: the size of {name!r} is {size!r}, not a byte count; nothing was restored")
+        digest = digests.get(name)
+        if digest is not None and not (isinstance(digest, str) and len(digest) == 64
+                                       and all(c in "0123456789abcdef" for c in digest)):
+            raise RemoteError(f"{source}: the sha256 of {name!r} is {str(digest)[:80]!r}, not 64 hex digits; "
+                              f"nothing was restored")
+    return dict(files), {k: v for k, v in digests.items() if k in files}
+
+
 def restore(remote: str, run_dir: Path, policy: RetryPolicy | None = None) -> str | None:
     """Download the bucket's newest complete tag into RUN_DIR/checkpoints when the run directory has no
     complete tag at least as new (and config.yaml, metrics.jsonl when missing); the tag restored, or None."""
@@ -298,15 +326,15 @@ def restore(remote: str, run_dir: Path, policy: RetryPolicy | None = None) -> st
         if record is None:
             log(f"skipping {remote}/checkpoints/{tag}: no {ckpt.COMPLETE_FILE} (its upload did not finish)")
             continue
+        files, digests = checked_record(record, f"{remote}/checkpoints/{tag}/{ckpt.COMPLETE_FILE}")
         tag_dir = ckpt.checkpoint_dir(run_dir) / tag
         partial = tag_dir.with_name(f".{tag}.restoring")  # renamed into place whole: a killed restore leaves no tag
         shutil.rmtree(partial, ignore_errors=True)
-        digests = record.get("sha256", {})
-        for name, size in record["files"].items():
-            out = partial / name
+        for name, size in files.items():
+            out = partial / name  # a checked name: inside the tag's folder
             out.parent.mkdir(parents=True, exist_ok=True)
-            fetch(f"s3://{bucket}/{base}{name}", out, Expected(int(size), digests.get(name)), policy)
-        atomic.write_text(partial / ckpt.COMPLETE_FILE, json.dumps({"tag": tag, "files": record["files"]}))
+            fetch(f"s3://{bucket}/{base}{name}", out, Expected(size, digests.get(name)), policy)
+        atomic.write_text(partial / ckpt.COMPLETE_FILE, json.dumps({"tag": tag, "files": files}))
         shutil.rmtree(tag_dir, ignore_errors=True)  # an incomplete local tag of that name
         os.replace(partial, tag_dir)
         atomic.fsync_dir(tag_dir.parent)

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from pipeline.data.index import cache_name
+from pipeline.data.cache import cache_name
 from tests.integration.faults import FaultServer, every_nth_plan
 from tests.integration.remote_runs import (
     assert_cache_holds_only_good_copies,

@@ -102,6 +102,50 @@ def test_a_restored_file_that_differs_from_its_record_is_refused(s3: SeaweedS3, 
     assert ckpt.newest_complete_tag(tmp_path / "fresh") is None  # nothing half restored under a tag's name
 
 
+@pytest.mark.parametrize("name", ["ABSOLUTE", "../../escaped.pth"])
+def test_a_complete_json_naming_a_file_outside_the_tag_is_refused_and_nothing_is_written(
+        s3: SeaweedS3, tmp_path: Path, name: str) -> None:
+    """Whoever can write the prefix edits a tag's complete.json to name a file outside the run directory (an
+    absolute path; a climb with '..'), the object there holding their bytes: the start is refused with one
+    line naming that complete.json, and nothing lands outside the run directory, or in it under the tag."""
+    remote = f"s3://{BUCKET}/names{len(name)}"
+    prefix = remote.split("/", 3)[3]
+    m = mirror.Mirror(remote, tmp_path / "writer")
+    m.tag(fake_tag(tmp_path / "writer", 7, mib=0))
+    m.wait()
+    run = tmp_path / "node" / "run"
+    target = tmp_path / "node" / "owned.pth" if name == "ABSOLUTE" else run / "checkpoints" / "step_0000007" / name
+    name = str(target) if name == "ABSOLUTE" else name
+    base = f"{prefix}/checkpoints/step_0000007/"
+    record = json.loads(s3.client().get_object(Bucket=BUCKET, Key=base + ckpt.COMPLETE_FILE)["Body"].read())
+    payload = b"import os; os.system('touch /tmp/pwned')\n"
+    record["files"][name] = len(payload)
+    record["sha256"][name] = __import__("hashlib").sha256(payload).hexdigest()
+    try:  # AWS S3 keeps '..' in a key as it is; SeaweedFS refuses such a key (the name is refused first anyway)
+        s3.client().put_object(Bucket=BUCKET, Key=base + name.lstrip("/"), Body=payload)
+    except Exception:  # noqa: BLE001
+        assert ".." in name
+    s3.client().put_object(Bucket=BUCKET, Key=base + ckpt.COMPLETE_FILE, Body=json.dumps(record).encode())
+    run.mkdir(parents=True)
+    with pytest.raises(mirror.RemoteError) as e:
+        mirror.restore(remote, run)
+    assert str(e.value).startswith(f"{remote}/checkpoints/step_0000007/{ckpt.COMPLETE_FILE}: the name "), e.value
+    assert "\n" not in str(e.value)
+    assert not target.resolve().exists()
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "node").rglob("*")) == [Path("node/run")]
+
+
+def test_a_listed_folder_that_is_not_a_tag_is_neither_restored_nor_a_traceback(s3: SeaweedS3, tmp_path: Path) -> None:
+    """'step_²' passes str.isdigit() and not int(): a listing is data; only step_ + ASCII digits is a tag."""
+    remote = f"s3://{BUCKET}/listing"
+    m = mirror.Mirror(remote, tmp_path / "writer")
+    m.tag(fake_tag(tmp_path / "writer", 3, mib=0))
+    m.wait()
+    s3.client().put_object(Bucket=BUCKET, Key=f"listing/checkpoints/step_\u00b2/{ckpt.COMPLETE_FILE}", Body=b"{}")
+    assert mirror.remote_tags(BUCKET, "listing") == ["step_0000003"]
+    assert mirror.restore(remote, tmp_path / "fresh") == "step_0000003"
+
+
 def end_lease(s3: SeaweedS3, key: str) -> None:
     """The lock object at `key` as a job killed more than its lease ago left it: its lease end in the past.
     (Not a short lease and a sleep: a PUT to the store took 5 s on the 2-core machine under load, longer
@@ -129,7 +173,7 @@ def test_one_job_per_prefix_and_an_ended_lease_is_taken_over(s3: SeaweedS3) -> N
     third.release()
 
 
-def test_a_requeue_of_the_same_slurm_job_takes_its_own_lock_over_at_once(s3: SeaweedS3,
+def test_a_requeue_of_the_same_slurm_job_takes_its_own_lock_over_at_once(s3: SeaweedS3, capfd,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A lease still running, held by this Slurm job's previous attempt (a requeue keeps SLURM_JOB_ID), is
     taken over at once; the same lease held by another job is refused."""
@@ -144,9 +188,12 @@ def test_a_requeue_of_the_same_slurm_job_takes_its_own_lock_over_at_once(s3: Sea
         mirror.RemoteLock(remote).take()
     monkeypatch.setenv("SLURM_JOB_ID", "777")
     t0 = time.monotonic()
+    capfd.readouterr()
     requeued = mirror.RemoteLock(remote)
     requeued.take()
     assert time.monotonic() - t0 < 30  # at once: not the lease's 600 s
+    said = capfd.readouterr().err  # the lease had not ended: the line says why it was taken
+    assert "(an earlier attempt of this Slurm job, 777: a requeue takes its own lock at once)" in said, said
     holder = json.loads(s3.client().get_object(Bucket=BUCKET, Key=f"g/{mirror.LOCK_OBJECT}")["Body"].read())
     assert holder["slurm_job_id"] == "777" and holder["expires"] > time.time() + 500
     requeued.release()
