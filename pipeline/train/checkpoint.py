@@ -211,10 +211,11 @@ def gather_to_all(obj: Any) -> list[Any]:
 
 
 def save_checkpoint(engine, run_dir: Path, state: TrainerState, client_state: dict[str, Any], keep_last: int,
-                    keep_every: int) -> str:
+                    keep_every: int, protect: Callable[[], set[str]] = set) -> str:
     """Collective: every rank writes its shards; after a barrier rank 0 records the tag complete
-    (complete.json), then moves `latest` and prunes older tags. A full disk is `DiskFull` on every rank,
-    and the tag it was writing is removed (the previous complete tag is not touched)."""
+    (complete.json), then moves `latest` and prunes older tags but those `protect()` names (run.remote's:
+    train/mirror.py). A full disk is `DiskFull` on every rank, and the tag it was writing is removed (the
+    previous complete tag is not touched)."""
     tag = tag_for(state.step)
     root = checkpoint_dir(run_dir)
     error = None
@@ -247,7 +248,7 @@ def save_checkpoint(engine, run_dir: Path, state: TrainerState, client_state: di
     if errors:
         raise _disk_full_error(engine, run_dir, tag, errors[0])
     if engine.global_rank == 0:
-        prune(root, keep_last, keep_every, current=tag)
+        prune(root, keep_last, keep_every, current=tag, protect=protect())
     if dist.is_initialized():
         dist.barrier()
     return tag
@@ -288,13 +289,13 @@ def _disk_full_error(engine, run_dir: Path, tag: str, what: str) -> DiskFull:
                     f"run.dir elsewhere) and start the same command again.")
 
 
-def prune(root: Path, keep_last: int, keep_every: int, current: str) -> None:
+def prune(root: Path, keep_last: int, keep_every: int, current: str, protect: set[str] = frozenset()) -> None:
     """Keep the newest `keep_last` complete tags up to `current`, every complete tag whose step is a
-    multiple of `keep_every`, and `current`. Never touches a tag newer than `current` (another start
-    may have written it; only an operator removes those)."""
+    multiple of `keep_every`, `current`, and the tags in `protect`. Never touches a tag newer than `current`
+    (another start may have written it; only an operator removes those)."""
     older = [t for t in all_tags(root.parent) if tag_step(t) < tag_step(current)]  # newest first
     complete = [t for t in older if check_tag(root / t) is None]
-    keep = set(complete[:max(keep_last, 1) - 1])
+    keep = set(complete[:max(keep_last, 1) - 1]) | set(protect)
     if keep_every:
         keep |= {t for t in complete if tag_step(t) % keep_every == 0}
     for t in older:
