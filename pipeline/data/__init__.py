@@ -10,7 +10,9 @@ Reading (the trainer):
     order.py       the global order: partitions, passes, which sample a position holds
     mix_order.py   a mixture's order: every source at its weight in every global batch, node-local
     nodes.py       which node this process is on (what its cache must hold)
-    index.py       per-shard index files, random access to samples, the node's cache of remote shards
+    index.py       per-shard index files
+    cache.py       the node's cache of remote shards: copies held while read, evicted only when nobody holds them
+    reader.py      random access to samples: a shard in place or its held copy
     fetch.py       fetch ahead: the rank's next shards into the cache, in the background
     tario.py       tar members -> image and label; streaming a shard from its start
     bad.py         the data errors, bad-data counters and the stop rule

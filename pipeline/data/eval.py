@@ -27,9 +27,9 @@ from pipeline.signals import WorkerInit, reap_workers_at_exit, worker_context
 
 from . import tario
 from .bad import BadDataError, Counters, merge_counters
-from .index import Indexes
 from .info import SplitInfo, expected_of
 from .mix import Labels
+from .reader import Indexes
 from .transforms import BatchNormalizer, as_is, empty_batch, eval_transform
 
 
@@ -77,6 +77,10 @@ class EvalStream(IterableDataset):
                           expected_of(self.split))
         try:
             for b in mine:
+                # Hold the cached copies of this batch's shards, release the rest (the cache may evict those).
+                ends = self.lo + b * B, min(self.lo + (b + 1) * B, self.hi) - 1
+                first, last = (int(np.searchsorted(self.starts, i, side="right")) - 1 for i in ends)
+                indexes.keep_only(self.shards[first:last + 1])
                 images = empty_batch((B, 3, *self.img_size), shared=info is not None)
                 targets, valid = [], []
                 for j in range(B):

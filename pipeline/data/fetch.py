@@ -1,7 +1,7 @@
 """Fetch ahead: copy the shards a rank reads next into the node's cache before its workers need them.
 
 Remote shards (http(s), s3, `pipe:`, `.tar.gz`) are copied whole into `data.cache_dir` by the first
-process that needs one (index.local_copy). Without fetching ahead, the step that first touches a
+process that needs one (cache.py). Without fetching ahead, the step that first touches a
 shard waits for its download. A `FetchAhead` process per rank (started from the rank's fork server
 when its train stream starts) walks the rank's coming steps through the real order, and copies
 their shards in the order they will first be read, up to the rank's share of the cache
@@ -10,7 +10,7 @@ eviction keeps them. The rank's loader tells it where it is (`advance(step)`); i
 from there when the rank moves on. It and the rank's readers pass the stream's `budget_key` to local_copy:
 one data.retry_time_s budget per shard between them, not one each.
 
-It is a process, not a thread: index.local_copy holds a `flock` while it copies, and a DataLoader
+It is a process, not a thread: cache.hold_copy holds a `flock` while it copies, and a DataLoader
 worker forked from a process while one of its threads held such a lock would hold it forever.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 from pipeline.remote import Expected, RetryPolicy
 from pipeline.signals import exit_with, worker_context
 
-from .index import local_copy, needs_copy
+from .cache import local_copy, needs_copy
 from .order import SlicedOrder
 
 WAKE_S = 0.2  # how often the fetcher looks at where the rank is

@@ -18,6 +18,7 @@ from typing import Any
 
 from pipeline import atomic
 from pipeline.remote import Expected, RetryPolicy, StorageError, storage
+from pipeline.remote.names import UnsafeName, relative_name
 
 from .bad import DataError
 
@@ -69,7 +70,7 @@ class DatasetInfo:
         return self.splits[name]
 
 
-# URL schemes of shard names the loaders read (index.local_copy through storage.fetch); see scheme_readable.
+# URL schemes of shard names the loaders read (cache.hold_copy through storage.fetch); see scheme_readable.
 READABLE_SCHEMES = ("http", "https", "s3")
 PIPE_SWITCH = "data.allow_pipe_shards=true"
 
@@ -124,12 +125,26 @@ def is_url(location: str) -> bool:
     return shard_scheme(location) in READABLE_SCHEMES
 
 
-def resolve_shard(folder: Path | str, name: str) -> str:
-    """A shard name from a json file -> where to open it (relative names are relative to the json's folder,
-    a local one or a URL prefix such as s3://bucket/data)."""
-    if is_remote(name) or os.path.isabs(name):
+def resolve_shard(folder: Path | str, name: str, where: str = "") -> str:
+    """A shard name from a json file -> where to open it. A relative name is relative to the json's folder (a
+    local one or a URL prefix such as s3://bucket/data) and stays inside it: no '..', no empty parts, no
+    backslashes (pipeline/remote/names.py). An absolute local path only from a local json (make_shards writes
+    one for a shard outside the json's folder): a json read from a URL names shards under its prefix or by
+    URL, never a file of this machine. DataError naming `where` (the json) otherwise."""
+    if is_remote(name):
+        return name  # a URL or a pipe: (check_shard_names decides on its scheme)
+    remote_json = isinstance(folder, str) and is_url(folder)
+    if name.startswith("/"):
+        if remote_json:
+            raise DataError(f"{where}: shard '{name[:200]}' is a path on this machine; a data set read from a URL "
+                            f"names its shards relative to its prefix, or by URL")
         return name
-    if isinstance(folder, str) and is_url(folder):
+    try:
+        relative_name(name, where)
+    except UnsafeName as e:
+        raise DataError(f"{e}{'' if remote_json else ' (name a shard outside the folder by its absolute path)'}"
+                        ) from None
+    if remote_json:
         return folder.rstrip("/") + "/" + name
     return str(Path(folder) / name)
 
@@ -244,7 +259,7 @@ def _parse_dataset_json(data: dict[str, Any], folder: Path | str, where_path: Pa
                 raise DataError(f"{w}: shard entry '{entry}' has no num_samples; re-index with make_shards.py")
             if not isinstance(entry, dict):
                 raise DataError(f"{w}: shard entries must be objects with name and num_samples")
-            shards.append(resolve_shard(folder, str(_require(entry, "name", str, w))))
+            shards.append(resolve_shard(folder, str(_require(entry, "name", str, w)), where))
             counts.append(int(_require(entry, "num_samples", int, w)))
             sizes.append(entry.get("bytes"))
             digests.append(entry.get("sha256"))
@@ -273,7 +288,7 @@ def _parse_timm_info(data: dict[str, Any], folder: Path | str, where_path: Path 
         num_samples = int(raw.get("num_samples", sum(lengths)))
         if num_samples != sum(lengths):
             raise DataError(f"{w}: num_samples is {num_samples} but shard_lengths sum to {sum(lengths)}")
-        splits[name] = SplitInfo(num_samples, [resolve_shard(folder, f) for f in files], lengths,
+        splits[name] = SplitInfo(num_samples, [resolve_shard(folder, str(f), where) for f in files], lengths,
                                  [None] * len(files))
     num_classes = data.get("num_classes")
     if num_classes is None:

@@ -1,7 +1,7 @@
 """Builders of the train stream and the eval pass over WebDataset shards.
 
 - `build_train_loader`: the elastic, resumable train stream of one rank (stream.py; the global
-  order in order.py, random access to tar shards in index.py).
+  order in order.py, random access to tar shards in reader.py).
 - `build_eval_loader`: one exactly-once pass over the validation split (eval.py).
 
 Bad data (corrupt image, oversized image, missing image or label, duplicate member, truncated tar,
@@ -13,6 +13,7 @@ slot when evaluating; past `data.max_bad_fraction` of the samples read (after 10
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,8 +24,8 @@ from pipeline.config import DataConfig
 from pipeline.derived import accumulation_steps, image_size
 
 from .bad import Counters, DataError, merge_counters
+from .cache import needs_copy
 from .eval import EvalLoader, EvalStream
-from .index import needs_copy
 from .info import DatasetInfo, check_shard_names
 from .mix import labels_for, read_data
 from .nodes import node_place
@@ -124,8 +125,23 @@ def check_cache(order: SlicedOrder, shards: list[str], shard_bytes: list[int | N
     parts = order.node_partitions(node, nodes)
     raise DataError(f"data.cache_limit_gb={cfg.cache_limit_gb:g} is too small: node {node} of {nodes} reads "
                     f"{len(parts)} partitions whose shuffle spans (data.shuffle_span={order.span}) need "
-                    f"{needed / 2**30:.1f} GiB of shards at once; set data.cache_limit_gb to at least "
-                    f"{-(-needed // 2**30)} or lower data.shuffle_span")
+                    f"{size_text(needed)} of shards at once; set data.cache_limit_gb to at least "
+                    f"{gib_at_least(needed)} or lower data.shuffle_span")
+
+
+def size_text(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the figure at 1 or more (never '0.0 GiB'), rounded up."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{math.ceil(n / scale * 10) / 10:g} {unit}"
+    return f"{n} bytes"
+
+
+def gib_at_least(n: int) -> str:
+    """`n` bytes in GiB, rounded up to 2 significant digits: a data.cache_limit_gb value never below `n`."""
+    gib = n / 2**30
+    step = 10.0 ** (math.floor(math.log10(gib)) - 1)
+    return f"{math.ceil(round(gib / step, 9)) * step:.{max(0, 1 - math.floor(math.log10(gib)))}f}"
 
 
 def build_eval_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_size: int, rank: int = 0,

@@ -43,12 +43,13 @@ from pipeline.signals import WorkerInit, reap_workers_at_exit, worker_context
 from . import tario
 from .bad import BadDataError, Counters, DataError
 from .buffers import RING, BatchRing, Releaser
+from .cache import needs_copy
 from .fetch import FetchAhead
 from .gpu_decode import CropDraw, GpuBatchDecoder, open_lazy, pack_batch, replace_bad
-from .index import Indexes, needs_copy
 from .info import SplitInfo, expected_of
 from .mix import Labels, MixHistory, Mixture, shards_fingerprint
 from .order import MIXUP, GlobalOrder, micro_batch_positions, seed_for
+from .reader import Indexes
 from .transforms import BatchNormalizer, as_is, build_mixup, empty_batch, seeded, train_transform
 
 LOADER_STATE_VERSION = 3  # 2: the shuffle-window order before partitions
@@ -94,7 +95,7 @@ class TrainStream(IterableDataset):
         self.released: torch.Tensor | None = None  # set by TrainLoader before each start: see buffers.py
         self._ring: BatchRing | None = None
         self._indexes: Indexes | None = None
-        # One retry budget per shard for this rank's readers and its fetch-ahead process (index.local_copy);
+        # One retry budget per shard for this rank's readers and its fetch-ahead process (cache.hold_copy);
         # made here, in the rank, and pickled with the stream to its workers. A new run makes a new key.
         self.budget_key = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
@@ -131,6 +132,8 @@ class TrainStream(IterableDataset):
         if self._indexes is None:
             self._indexes = Indexes(self.cfg.cache_dir, self.cfg.cache_limit_gb, RetryPolicy.from_config(self.cfg),
                                     expected_of(self), self.budget_key)
+        # Hold the cached copies of this micro batch's shards, release the rest: the cache may evict those.
+        self._indexes.keep_only(self.shards[s] for s in self.order.shard_of(np.asarray(ids)).tolist())
         counters = Counters()
         bytes0, index_bytes0 = self._indexes.bytes_read, self._indexes.index_bytes_read
         items: list[Any] = [self._sample(p, sid, counters, restore=not in_worker) for p, sid in zip(positions, ids)]

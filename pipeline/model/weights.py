@@ -14,7 +14,7 @@ import pickle
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from pipeline.atomic import atomic_path
@@ -83,6 +83,8 @@ def weights_format(path: str | Path) -> str:
         raise NotWeightsFile("it is empty")
     try:
         text = head.decode("utf-8")
+        if "\x00" in text:  # valid UTF-8, and binary all the same
+            raise UnicodeDecodeError("utf-8", head, text.index("\x00"), text.index("\x00") + 1, "NUL byte")
     except UnicodeDecodeError:
         raise NotWeightsFile(f"it starts with bytes {head[:8].hex(' ')}: not safetensors (a header length, then "
                              f"JSON), a torch.save zip (PK\\x03\\x04) or a pickle (\\x80, protocol 2-5)") from None
@@ -94,8 +96,11 @@ def _safetensors_header(f, head: bytes, size: int) -> dict | str | None:
     """The JSON header of a safetensors file; a string saying why not when the file starts as one (a length
     that fits the file, then '{'); None when it does not start as one."""
     length = int.from_bytes(head[:8], "little")
-    if len(head) < 10 or head[8:9] != b"{" or not 2 <= length <= SAFETENSORS_MAX_HEADER:
+    if len(head) < 10 or head[8:9] != b"{" or length < 2:
         return None
+    if length > SAFETENSORS_MAX_HEADER:  # the length and the '{' of a safetensors file, a length no file has
+        return (f"it starts as a safetensors file with a header length of {length:,} bytes, over safetensors' "
+                f"limit of {SAFETENSORS_MAX_HEADER:,}: damaged, or not safetensors")
     if length > size - 8:
         return (f"it starts as a safetensors file with a {length}-byte header, but only {size - 8} bytes follow "
                 f"the length: truncated")
@@ -136,7 +141,10 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     except NotWeightsFile as e:
         raise WeightsError(f"'{path}' is not a weights file: {e}") from None
     if fmt == "safetensors":
-        return load_file(str(path))
+        try:
+            return load_file(str(path))
+        except SafetensorError as e:  # a header our check passes and safetensors' parser refuses (a dtype, a type)
+            raise WeightsError(f"'{path}' is not a weights file: {_first_line(e)}") from None
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             # mmap (the zip format only): an optimizer's state saved beside the model is never read.
@@ -156,7 +164,18 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
 def weights_metadata(path: str | Path) -> dict[str, str]:
     """A safetensors file's metadata (our exports name their variant and step there); {} for other formats."""
-    if weights_format(path) != "safetensors":
-        return {}
-    with safe_open(str(path), "pt") as f:
-        return dict(f.metadata() or {})
+    try:
+        if weights_format(path) != "safetensors":
+            return {}
+        with safe_open(str(path), "pt") as f:
+            return dict(f.metadata() or {})
+    except NotWeightsFile as e:
+        raise WeightsError(f"'{path}' is not a weights file: {e}") from None
+    except SafetensorError as e:
+        raise WeightsError(f"'{path}' is not a weights file: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    """safetensors' own words (e.g. "Error while deserializing header: invalid JSON in header: unknown variant
+    `XX`..."), on one line."""
+    return " ".join(str(e).split())[:300] or type(e).__name__

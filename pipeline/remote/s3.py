@@ -22,7 +22,7 @@ READ_CHUNK = 256 << 10  # a stalled read loses at most this much (StreamingBody.
 THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "RequestTimeout",
              "InternalError", "ServiceUnavailable", "RequestThrottled", "TooManyRequests"}
 
-_clients: dict[tuple[int, str, float], Any] = {}  # per process (a client is not fork-safe) and purpose
+_clients: dict[tuple[int, str, float, int], Any] = {}  # per process (a client is not fork-safe) and purpose
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -37,7 +37,7 @@ def split_url(url: str) -> tuple[str, str]:
 def client(purpose: str = "read", timeout_s: float = 60.0, attempts: int = 10) -> Any:
     """A boto3 S3 client of this process. 'read': no retries of its own (storage.py retries); 'write':
     botocore's standard retries (make_shards' uploads)."""
-    key = (os.getpid(), purpose, timeout_s)
+    key = (os.getpid(), purpose, timeout_s, attempts)
     c = _clients.get(key)
     if c is None:
         try:

@@ -13,7 +13,7 @@ into a local file, retried, resumed by range, and checked against dataset.json b
   status, and the run stops (a network fault is never counted as a bad sample and replaced).
 - Large objects of known size (dataset.json's `bytes`) come in `part_bytes` ranges, `parallel` at once.
 
-The caller (index.local_copy) writes to a temporary name and renames only a verified copy into the
+The caller (data/cache.py) writes to a temporary name and renames only a verified copy into the
 node's cache: a bad copy never enters it.
 
 Why urllib3 and boto3 rather than curl (webdataset's gopen): curl does not retry a connection closed
@@ -57,7 +57,7 @@ def opener(url: str) -> Opener:
 
 class _Budget:
     """The object's deadline, shared by its ranges. `until`: a wall-clock deadline (time.time()) set by the
-    caller when the budget is shared with other processes (index.local_copy: the fetch-ahead process and the
+    caller when the budget is shared with other processes (data/cache.py: the fetch-ahead process and the
     readers of one rank spend one budget per shard); None: `total_s` from now."""
 
     def __init__(self, policy: RetryPolicy, until: float | None = None):

@@ -128,7 +128,7 @@ class Trainer:
                                   model={k: resume.plain(v) for k, v in self.model_kwargs.items()},
                                   config=to_dict(self.cfg), no_weight_decay=exempt_names(self.engine.module))
         tag = ckpt.save_checkpoint(self.engine, self.run_dir, state, client, self.cfg.train.keep_last,
-                                   self.cfg.train.keep_every)
+                                   self.cfg.train.keep_every, protect=lambda: mirror.protected(self.run_dir))
         if self.env.is_main:
             mirror.saved(self.run_dir, tag)  # run.remote: uploaded in the background (train/mirror.py)
         return tag
@@ -195,9 +195,10 @@ class Trainer:
         return self.train_loader.accum
 
     def wait_for_mirror(self, group: Any) -> None:
-        """A preempted stop: no rank exits before rank 0's run.remote uploads are done (a launcher ends the
-        other ranks when one exits). Rounds of at most MIRROR_POLL_S and one all-reduce over the preemption's
-        CPU group, every rank beating its watchdog: an upload longer than dist.timeout_s is not a hang."""
+        """The end of a run, a preempted stop: no rank exits before rank 0's run.remote uploads are done (a
+        launcher ends the other ranks when one exits). Rounds of at most MIRROR_POLL_S and one all-reduce over
+        the preemption's CPU group, every rank beating its watchdog: an upload longer than dist.timeout_s is
+        not a hang."""
         while True:
             self.watchdog.beat("run.remote upload", self.step)
             busy = torch.tensor([0 if not self.env.is_main or mirror.drain(self.run_dir, MIRROR_POLL_S) else 1],
@@ -272,7 +273,7 @@ class Trainer:
 
         if last_saved != self.step:
             self.save()
-        self.finish()
+        self.finish(preemption.group)
         log.close()
         return 0
 
@@ -299,7 +300,7 @@ class Trainer:
             metrics["train/grad_norm"] = float(grad_norm)
         return metrics
 
-    def finish(self) -> None:
+    def finish(self, group: Any = None) -> None:
         """Export consolidated weights (collective), hand the artifacts to MLflow, end the run."""
         self.watchdog.beat("export", self.step)
         cfg, run_dir = self.cfg, self.run_dir
@@ -318,5 +319,7 @@ class Trainer:
             self.tracker.log_artifact(run_dir / "model.safetensors")  # a path tag instead with tracking.log_model=false
         self.tracker.finish("FINISHED")
         if self.env.is_main:
-            mirror.finish(run_dir)  # run.remote: every tag, then config, metrics and weights are up before the end
+            mirror.final_files(run_dir)  # run.remote: config, metrics and weights, after every tag
+        self.wait_for_mirror(group)  # every rank: retries included, the bucket catches up before the end
+        mirror.raise_unless_up(run_dir, self.env.is_main, group)  # exit 1 on every rank, one line by rank 0
         say(f"done: {run_dir / 'model.safetensors'}")

@@ -26,6 +26,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import socket
 from collections.abc import Callable, Iterator
@@ -39,12 +40,16 @@ import torch.distributed as dist
 
 from pipeline import atomic
 from pipeline.model.weights import save_weights
+from pipeline.remote.names import UnsafeName, relative_name
 from pipeline.train import ds_compat
 
 TRAINER_STATE_VERSION = 3  # of trainer_state.json
 STATE_FILE = "trainer_state.json"
 COMPLETE_FILE = "complete.json"
 TAG_PREFIX = "step_"
+# The parts of the client state the trainer can write (pipeline/train/state.py); DeepSpeed stores its own
+# keys beside them (ds_config, ds_version, param_shapes, ...), which are never parts.
+CLIENT_PARTS = ("data", "objective", "ema", "rng")
 
 
 class CheckpointError(RuntimeError):
@@ -110,10 +115,15 @@ def tag_step(tag: str) -> int:
     return int(tag[len(TAG_PREFIX):])
 
 
+def is_tag(name: str) -> bool:
+    """Is `name` (a folder here, or one a bucket lists) a tag: step_ and ASCII digits only."""
+    return re.fullmatch(TAG_PREFIX + "[0-9]+", name) is not None
+
+
 def all_tags(run_dir: Path) -> list[str]:
     """Every tag folder in RUN_DIR/checkpoints, complete or not, newest first."""
     root = checkpoint_dir(run_dir)
-    found = [p.name for p in root.glob(f"{TAG_PREFIX}*") if p.is_dir() and p.name[len(TAG_PREFIX):].isdigit()]
+    found = [p.name for p in root.glob(f"{TAG_PREFIX}*") if p.is_dir() and is_tag(p.name)]
     return sorted(found, key=tag_step, reverse=True)
 
 
@@ -122,16 +132,29 @@ def _tag_files(tag_dir: Path) -> dict[str, int]:
             if p.is_file() and p.name != COMPLETE_FILE}
 
 
+def recorded_files(tag_dir: Path) -> dict[str, int]:
+    """The files complete.json records (name -> size), every name checked to stay inside the tag's folder
+    (a tag restored from a bucket, or copied from elsewhere, is read the same way). FileNotFoundError when
+    there is none; ValueError (UnsafeName among them) when it is not a record of ours."""
+    record = json.loads((tag_dir / COMPLETE_FILE).read_text())
+    files = record["files"] if isinstance(record, dict) else None
+    if not isinstance(files, dict):
+        raise ValueError(f"{tag_dir / COMPLETE_FILE}: no 'files' object")
+    for name in files:
+        relative_name(name, str(tag_dir / COMPLETE_FILE))
+    return files
+
+
 def check_tag(tag_dir: Path) -> str | None:
     """None if tag_dir is complete (complete.json there, every file it lists present with its size);
     else why not, in a few words."""
-    record = tag_dir / COMPLETE_FILE
-    if not record.is_file():
+    if not (tag_dir / COMPLETE_FILE).is_file():
         return f"no {COMPLETE_FILE} (its save did not finish)"
     try:
-        files = json.loads(record.read_text())["files"]
-        assert isinstance(files, dict)
-    except (ValueError, KeyError, AssertionError, OSError) as e:
+        files = recorded_files(tag_dir)
+    except UnsafeName as e:
+        return f"{COMPLETE_FILE} names a file outside the tag ({str(e).split(': ', 1)[1]})"
+    except (ValueError, KeyError, TypeError, OSError) as e:
         return f"{COMPLETE_FILE} unreadable ({type(e).__name__})"
     for name, size in files.items():
         path = tag_dir / name
@@ -145,8 +168,8 @@ def check_tag(tag_dir: Path) -> str | None:
 def tag_bytes(tag_dir: Path) -> int:
     """The size of a complete tag, from its record (0 if unknown)."""
     try:
-        return sum(json.loads((tag_dir / COMPLETE_FILE).read_text())["files"].values())
-    except (OSError, ValueError, KeyError):
+        return sum(recorded_files(tag_dir).values())
+    except (OSError, ValueError, KeyError, TypeError):
         return 0
 
 
@@ -188,10 +211,11 @@ def gather_to_all(obj: Any) -> list[Any]:
 
 
 def save_checkpoint(engine, run_dir: Path, state: TrainerState, client_state: dict[str, Any], keep_last: int,
-                    keep_every: int) -> str:
+                    keep_every: int, protect: Callable[[], set[str]] = set) -> str:
     """Collective: every rank writes its shards; after a barrier rank 0 records the tag complete
-    (complete.json), then moves `latest` and prunes older tags. A full disk is `DiskFull` on every rank,
-    and the tag it was writing is removed (the previous complete tag is not touched)."""
+    (complete.json), then moves `latest` and prunes older tags but those `protect()` names (run.remote's:
+    train/mirror.py). A full disk is `DiskFull` on every rank, and the tag it was writing is removed (the
+    previous complete tag is not touched)."""
     tag = tag_for(state.step)
     root = checkpoint_dir(run_dir)
     error = None
@@ -224,7 +248,7 @@ def save_checkpoint(engine, run_dir: Path, state: TrainerState, client_state: di
     if errors:
         raise _disk_full_error(engine, run_dir, tag, errors[0])
     if engine.global_rank == 0:
-        prune(root, keep_last, keep_every, current=tag)
+        prune(root, keep_last, keep_every, current=tag, protect=protect())
     if dist.is_initialized():
         dist.barrier()
     return tag
@@ -265,13 +289,13 @@ def _disk_full_error(engine, run_dir: Path, tag: str, what: str) -> DiskFull:
                     f"run.dir elsewhere) and start the same command again.")
 
 
-def prune(root: Path, keep_last: int, keep_every: int, current: str) -> None:
+def prune(root: Path, keep_last: int, keep_every: int, current: str, protect: set[str] = frozenset()) -> None:
     """Keep the newest `keep_last` complete tags up to `current`, every complete tag whose step is a
-    multiple of `keep_every`, and `current`. Never touches a tag newer than `current` (another start
-    may have written it; only an operator removes those)."""
+    multiple of `keep_every`, `current`, and the tags in `protect`. Never touches a tag newer than `current`
+    (another start may have written it; only an operator removes those)."""
     older = [t for t in all_tags(root.parent) if tag_step(t) < tag_step(current)]  # newest first
     complete = [t for t in older if check_tag(root / t) is None]
-    keep = set(complete[:max(keep_last, 1) - 1])
+    keep = set(complete[:max(keep_last, 1) - 1]) | set(protect)
     if keep_every:
         keep |= {t for t in complete if tag_step(t) % keep_every == 0}
     for t in older:
@@ -279,7 +303,7 @@ def prune(root: Path, keep_last: int, keep_every: int, current: str) -> None:
             shutil.rmtree(root / t, ignore_errors=True)
     # Universal conversions are only read by the resume that made them; a newer checkpoint supersedes them.
     for p in universal_dir(root.parent).glob(f"{TAG_PREFIX}*"):
-        if p.name[len(TAG_PREFIX):].isdigit() and tag_step(p.name) < tag_step(current):
+        if is_tag(p.name) and tag_step(p.name) < tag_step(current):
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -367,7 +391,7 @@ def read_client_state(run_dir: Path, tag: str) -> dict[str, Any]:
     with ds_compat.no_code_from_pickles():
         state = torch.load(found[0], map_location="cpu", mmap=True)
     # DeepSpeed puts the client state's entries beside its own keys (engine._save_checkpoint: state.update).
-    return {k: state[k] for k in ("data", "objective", "ema", "rng") if k in state}
+    return {k: state[k] for k in CLIENT_PARTS if k in state}
 
 
 def consolidate(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:

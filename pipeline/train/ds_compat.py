@@ -25,6 +25,7 @@ ours never reads as "DeepSpeed could not load"; the full traceback goes to a fil
 from __future__ import annotations
 
 import pickle
+import re
 import shutil
 import traceback
 from collections.abc import Iterator
@@ -182,6 +183,7 @@ def convert_to_universal(source: Path, out: Path, run_dir: Path | None = None) -
     shards), made loadable by every ZeRO stage."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
+    check_param_names(source)  # before the converter makes a folder of each
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     # inject_missing_state: our checkpoints carry no Megatron-style tensor-parallel info (there is none).
@@ -190,6 +192,39 @@ def convert_to_universal(source: Path, out: Path, run_dir: Path | None = None) -
     _deepspeed_call("convert", run_dir, ds_to_universal, args)
     with no_code_from_pickles():  # reads what the converter wrote from a tag that may not be ours
         _finish_universal(out)
+
+
+PARAM_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")  # a module's dotted attribute path
+
+
+def _names(value: Any) -> Iterator[Any]:
+    """The parameter names in one of DeepSpeed's records: a dict's keys, a list of dicts' keys, a list."""
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        yield from (item.keys() if isinstance(item, dict) else [item])
+
+
+def check_param_names(tag_dir: Path) -> None:
+    """ds_to_universal makes a folder per parameter, named as the tag's files name it (`param_shapes` of the
+    model states at ZeRO-3, `param_slice_mappings` of the optimizer states at ZeRO-1/2): a tag from a bucket
+    or another group could name one '../../x' and have files written outside the run directory. Every name
+    must be a module's dotted attribute path; UnsafeCheckpoint naming the file otherwise. Read memory-mapped,
+    weights only."""
+    with no_code_from_pickles():
+        for path in sorted(tag_dir.glob("*_states.pt")):
+            try:
+                sd = torch.load(path, map_location="cpu", mmap=True)
+            except (RuntimeError, OSError, EOFError):
+                continue  # not a file the converter reads either: it says so itself
+            if not isinstance(sd, dict):
+                continue
+            optim = sd.get("optimizer_state_dict")
+            records = [sd.get(k) for k in ("param_shapes", "frozen_param_shapes", "shared_params", "buffer_names")]
+            records.append(optim.get("param_slice_mappings") if isinstance(optim, dict) else None)
+            for name in (n for r in records if r is not None for n in _names(r)):
+                if not (isinstance(name, str) and PARAM_NAME.fullmatch(name)):
+                    raise UnsafeCheckpoint(f"'{path}' names a parameter {str(name)[:120]!r}, not a module's dotted "
+                                           f"attribute path; DeepSpeed's conversion would make a folder of that "
+                                           f"name: refused, nothing converted")
 
 
 def _finish_universal(out: Path) -> None:

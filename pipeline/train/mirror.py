@@ -5,24 +5,29 @@
                                           bucket is a half upload and is never restored
     REMOTE/config.yaml, metrics.jsonl     after each tag, and at the end of the run
     REMOTE/model.safetensors              at the end of the run (the final export waits for the mirror)
-    REMOTE/lock.json                      the job writing this prefix (host, pid, Slurm job, lease end)
+    REMOTE/lock.json                      the job writing this prefix (remote_lock.py)
 
 Uploads run in one background thread of rank 0 (`Mirror`): a checkpoint save hands the tag over and
 training goes on; a tag counts as mirrored only once its complete.json is up. Retention applies in the
 bucket as locally: after a tag is up, bucket tags older than it that the run directory no longer keeps
-are deleted (complete.json first, so a half-deleted tag is never complete either).
+are deleted (complete.json first, so a half-deleted tag is never complete either): the bucket's newest
+complete tag goes only once a newer one is complete there. Locally, the tag being uploaded is not pruned
+(`protected`): on a link slower than the checkpoints, pruned under its upload, no tag would ever reach the
+bucket complete. So from the first tag that reaches the bucket on, the bucket always holds a complete one,
+for at most one tag beyond train.keep_last on the local disk while uploads lag the saves.
+
+A failed upload is retried, with data.retry_backoff_s doubling up to MAX_WAIT_S, until it succeeds or the store has been
+failing for data.retry_time_s (an outage's clock, reset by any success: a store gone for good does not cost
+that long per queued tag; botocore's own retries are cut to 3 so that this loop, its clock and its lines
+govern an outage). A failure is kept only while it is current: a tag's until a newer tag goes up, the run's
+files' until they do. At the end the run waits for every upload, and exits 0 when the bucket holds its final
+state (the last tag and the run's files), whatever failed on the way; else 1 with the current failure
+(`raise_unless_up`, on every rank, said once by rank 0).
 
 A start whose run directory has no complete tag at least as new as the bucket's newest (a fresh node, a
-requeue onto another machine) downloads that tag first (`restore`: every file checked against the size
-and sha256 its complete.json records, through pipeline/remote/storage.py's retries), then resumes from it
-exactly as from a local one.
-
-The lock: the local one (lock.py) cannot see a job on another machine writing the same prefix. The
-remote one is an object created with a conditional PUT (`If-None-Match: *`: S3 since 2024, SeaweedFS,
-MinIO; the store refuses a second creator) holding a lease renewed every `RENEW_S` by a conditional
-overwrite (`If-Match` on its ETag). A job killed without releasing it leaves a lease that ends within
-`LEASE_S`; a later job takes over an ended lease (or its own Slurm job's, a requeue) with the same
-conditional overwrite, so two jobs that race for it cannot both win.
+requeue onto another machine) downloads that tag first (`restore`: every name in its complete.json
+checked to stay inside the tag, every file against the size and sha256 it records, through
+pipeline/remote/storage.py's retries), then resumes from it exactly as from a local one.
 
 Multi-node runs whose run directory is a node-local disk are not mirrored whole: rank 0 uploads what its
 own node's run directory holds (the whole tag on one node or on a shared file system).
@@ -33,210 +38,186 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import queue
 import shutil
-import socket
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from pipeline import atomic
-from pipeline.remote import Expected, RetryPolicy, fetch, file_sha256, s3
+from pipeline.remote import Expected, RetryPolicy, fetch, file_sha256
+from pipeline.remote.names import UnsafeName, relative_name
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.lock import RunDirLocked
+from pipeline.train.remote_lock import (  # noqa: F401 (LOCK_OBJECT, RemoteLock: what callers import from here)
+    LOCK_OBJECT,
+    RemoteError,
+    RemoteLock,
+    client,
+    error_code,
+    log,
+    split_remote,
+)
 
-LOCK_OBJECT = "lock.json"
-LEASE_S = 600.0  # a lock not renewed for this long belongs to a dead job
-RENEW_S = 60.0
 RUN_FILES = ("config.yaml", "metrics.jsonl", "model.safetensors")  # uploaded at the end, when present
-
-
-class RemoteError(ckpt.CheckpointError):
-    """run.remote cannot be used: the message names the URL and what the store said (a CheckpointError:
-    the command line prints it as one line and exits 1)."""
-
-
-def log(message: str) -> None:
-    print(f"mirror: {message}", file=sys.stderr, flush=True)
-
-
-def _split(remote: str) -> tuple[str, str]:
-    if not remote.startswith("s3://"):
-        raise RemoteError(f"run.remote: expected s3://BUCKET/PREFIX, got '{remote}'")
-    bucket, prefix = s3.split_url(remote)
-    return bucket, prefix.strip("/")
+# The longest wait between two attempts of an upload: one thread of one process retries (not every rank's
+# readers, as storage.py's 60 s cap allows for), and each second of it is one the bucket lags after an outage.
+MAX_WAIT_S = 10.0
 
 
 def _client() -> Any:
-    return s3.client("write")  # botocore's standard retries (uploads and small requests)
-
-
-def _code(e: BaseException) -> str:
-    return str(getattr(e, "response", {}).get("Error", {}).get("Code", "")) if hasattr(e, "response") else ""
-
-
-# ----------------------------------------------------------------------------- the lock
-
-
-class RemoteLock:
-    """One job writes a run prefix at a time (see the module's docstring)."""
-
-    def __init__(self, remote: str, lease_s: float = LEASE_S, renew_s: float = RENEW_S):
-        self.remote = remote
-        self.bucket, prefix = _split(remote)
-        self.key = f"{prefix}/{LOCK_OBJECT}" if prefix else LOCK_OBJECT
-        self.lease_s, self.renew_s = lease_s, renew_s
-        self.etag: str | None = None
-        self.lost = False  # another job took it over (our lease had ended): say so, and stop mirroring
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _me(self) -> dict[str, Any]:
-        return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-                "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "expires": time.time() + self.lease_s}
-
-    def _put(self, **condition: str) -> str:
-        r = _client().put_object(Bucket=self.bucket, Key=self.key, Body=json.dumps(self._me()).encode(),
-                                 ContentType="application/json", **condition)
-        return str(r["ETag"])
-
-    def take(self) -> None:
-        from botocore.exceptions import ClientError
-
-        try:
-            self.etag = self._put(IfNoneMatch="*")
-        except ClientError as e:
-            if _code(e) not in ("PreconditionFailed", "ConditionalRequestConflict"):
-                raise RemoteError(f"run.remote {self.remote}: cannot create {self.key}: {e}") from None
-            got = _client().get_object(Bucket=self.bucket, Key=self.key)
-            holder, etag = json.loads(got["Body"].read() or b"{}"), str(got["ETag"])
-            mine = os.environ.get("SLURM_JOB_ID")
-            if float(holder.get("expires", 0)) > time.time() and not (mine and holder.get("slurm_job_id") == mine):
-                job = f", Slurm job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
-                raise RunDirLocked(
-                    f"run.remote {self.remote} is being written by another job (host {holder.get('host', '?')}, "
-                    f"pid {holder.get('pid', '?')}{job}, since {holder.get('since', '?')}; lease until "
-                    f"{time.strftime('%H:%M:%S', time.localtime(float(holder.get('expires', 0))))}): one job per "
-                    f"run prefix. Wait for it to end (a killed job's lease ends within {self.lease_s:.0f} s), "
-                    f"or use another run.remote") from None
-            try:
-                self.etag = self._put(IfMatch=etag)  # the lease ended: take it over, unless another job just did
-            except ClientError as e2:
-                raise RunDirLocked(f"run.remote {self.remote}: another job took {self.key} over at the same "
-                                   f"moment ({_code(e2)}); one job per run prefix") from None
-            log(f"took over {self.remote}/{LOCK_OBJECT} from host {holder.get('host', '?')}, pid "
-                f"{holder.get('pid', '?')} (its lease had ended)")
-        self._thread = threading.Thread(target=self._renew, name="remote-lock", daemon=True)
-        self._thread.start()
-
-    def _renew(self) -> None:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        while not self._stop.wait(self.renew_s):
-            try:
-                self.etag = self._put(IfMatch=self.etag or "*")
-            except ClientError as e:
-                if _code(e) == "PreconditionFailed":
-                    self.lost = True
-                    log(f"lost the lock on {self.remote}: another job took it over; this job's uploads stop")
-                    return
-                log(f"renewing the lock on {self.remote} failed ({_code(e) or e}); retrying")
-            except BotoCoreError as e:
-                log(f"renewing the lock on {self.remote} failed ({e}); retrying")
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        if self.etag is not None and not self.lost:
-            try:
-                _client().delete_object(Bucket=self.bucket, Key=self.key)
-            except Exception as e:  # noqa: BLE001 - the lease ends by itself
-                log(f"could not release {self.remote}/{LOCK_OBJECT} ({e}); its lease ends within {self.lease_s:.0f} s")
-            self.etag = None
+    return client()
 
 
 # ----------------------------------------------------------------------------- uploads
 
 
 class Mirror:
-    """The background uploader of one run directory (rank 0)."""
+    """The background uploader of one run directory (rank 0). Jobs (a tag, the run's files) go up in the
+    order handed over, each retried (see the module's docstring); `failure` is the current one, or None."""
 
-    def __init__(self, remote: str, run_dir: Path, lock: RemoteLock | None = None):
+    def __init__(self, remote: str, run_dir: Path, lock: RemoteLock | None = None,
+                 policy: RetryPolicy | None = None):
         self.remote = remote.rstrip("/")
-        self.bucket, self.prefix = _split(remote)
+        self.bucket, self.prefix = split_remote(remote)
         self.run_dir = Path(run_dir)
         self.lock = lock
-        self.mirrored: list[str] = []  # tags whose complete.json is up, in order
-        self.error: str | None = None  # the first failure, re-raised by wait()
-        self._jobs: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.policy = policy or RetryPolicy()
+        self.mirrored: list[str] = []  # tags whose complete.json went up, in order
+        self.in_flight: str | None = None  # the tag being uploaded (retries included)
+        self._failed: dict[str, str] = {}  # job kind ('tag', 'files') -> its current failure (`failure`)
+        self._failing_since: float | None = None  # the outage's clock (monotonic), None while uploads succeed
+        self._jobs: list[tuple[str, Any]] = []
+        self._busy = False
+        self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._work, name="run-mirror", daemon=True)
         self._thread.start()
+
+    @property
+    def failure(self) -> str | None:
+        """What the bucket lacks now: a tag given up until a newer tag goes up, the run's files until they do
+        (a success of one kind does not stand for the other: the last tag and the files are both the end)."""
+        with self._cond:
+            return "; ".join(self._failed.values()) or None
 
     def key(self, *parts: str) -> str:
         return "/".join([p for p in (self.prefix, *parts) if p])
 
     def tag(self, tag: str) -> None:
         """Upload complete tag `tag` in the background (returns at once)."""
-        self._jobs.put(("tag", tag))
+        self._put(("tag", tag))
 
     def files(self, names: tuple[str, ...] = RUN_FILES) -> None:
-        self._jobs.put(("files", names))
+        """Upload the run's files after the tags handed over (the end of the run)."""
+        self._put(("files", names))
+
+    def _put(self, job: tuple[str, Any]) -> None:
+        with self._cond:
+            self._jobs.append(job)
+            self._cond.notify_all()
+
+    def protected(self) -> set[str]:
+        """Tags the run directory must keep: the one being uploaded (retries included)."""
+        with self._cond:
+            return {self.in_flight} if self.in_flight else set()
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until everything handed over is up (True), or `timeout_s` passed (False); RemoteError if
-        an upload failed."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._jobs.all_tasks_done:  # queue.Queue's condition for join(), with a time limit
-            while self._jobs.unfinished_tasks:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._jobs.all_tasks_done.wait(left)
-        if self.error:
-            raise RemoteError(self.error)
-        return True
+        """Block until everything handed over is up or given up (True), or `timeout_s` passed (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout_s)
 
     def _work(self) -> None:
         while True:
-            kind, what = self._jobs.get()
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._jobs))
+                kind, what = self._jobs.pop(0)
+                self._busy = True
+                self.in_flight = what if kind == "tag" else None
             try:
-                if self.lock is not None and self.lock.lost:
-                    continue
-                if kind == "tag":
-                    self._upload_tag(what)
-                else:
-                    for name in what:
-                        if (self.run_dir / name).is_file():
-                            _client().upload_file(str(self.run_dir / name), self.bucket, self.key(name))
-            except Exception as e:  # noqa: BLE001 - reported by wait(), at the final export
-                self.error = self.error or f"run.remote {self.remote}: uploading {what} failed: {type(e).__name__}: {e}"
-                log(self.error)
+                self._attempt(kind, what)
             finally:
-                self._jobs.task_done()
+                with self._cond:
+                    self._busy, self.in_flight = False, None
+                    self._cond.notify_all()
 
-    def _upload_tag(self, tag: str) -> None:
+    def _attempt(self, kind: str, what: Any) -> None:
+        """One job, retried until it succeeds or the outage's clock passes data.retry_time_s."""
+        done: set[str] = set()  # what of the job is up: a retry goes on from there
+        failures = 0
+        while True:
+            if self.lock is not None and self.lock.lost:
+                self._set_failed(kind, f"run.remote {self.remote}: another job took the prefix's lock over; "
+                                       f"{what} and what follows were not uploaded")
+                return
+            try:
+                up = self._upload_tag(what, done) if kind == "tag" else self._upload_files(what, done)
+                self._failing_since = None
+                if up:  # a tag pruned before its turn clears nothing: the bucket holds nothing newer
+                    self._set_failed(kind, None)
+                return
+            except Exception as e:  # noqa: BLE001 - any failure of the store or the network: retried
+                failures += 1
+                now = time.monotonic()
+                self._failing_since = self._failing_since or now
+                failure = f"run.remote {self.remote}: uploading {what} failed: {type(e).__name__}: " \
+                          f"{' '.join(str(e).split())[:300]}"
+                self._set_failed(kind, failure)
+                wait = min(MAX_WAIT_S, self.policy.delay(failures))
+                if now + wait - self._failing_since > self.policy.total_s:
+                    log(f"{failure}; gave up after {failures} attempt(s): the store has been failing for "
+                        f"{now - self._failing_since:.0f} s (data.retry_time_s={self.policy.total_s:g})")
+                    return
+                log(f"{failure}; retry {failures} in {wait:.1f} s")
+                time.sleep(wait)
+
+    def _set_failed(self, kind: str, failure: str | None) -> None:
+        with self._cond:
+            if failure is None:
+                self._failed.pop(kind, None)
+            else:
+                self._failed[kind] = failure
+
+    def _upload_tag(self, tag: str, done: set[str]) -> bool:
+        """Upload `tag` (what `done` lacks), complete.json last; False when the tag is gone locally."""
         tag_dir = ckpt.checkpoint_dir(self.run_dir) / tag
         try:
             record = json.loads((tag_dir / ckpt.COMPLETE_FILE).read_text())
-            digests = {}
+            record["files"] = ckpt.recorded_files(tag_dir)  # names checked: only the tag's own files go up
+            digests = record["sha256"] = {}  # of the files as they go up (a local record's own are not taken)
             for name in record["files"]:
                 digests[name] = file_sha256(tag_dir / name)
-                _client().upload_file(str(tag_dir / name), self.bucket, self.key("checkpoints", tag, name))
-        except FileNotFoundError:
-            log(f"{tag} was pruned locally before its upload ended; not mirrored")
-            return
-        # Last, and only now: the bucket's copy of the tag exists for restore from this PUT on.
-        record["sha256"] = digests
-        _client().put_object(Bucket=self.bucket, Key=self.key("checkpoints", tag, ckpt.COMPLETE_FILE),
-                             Body=json.dumps(record).encode(), ContentType="application/json")
-        self.mirrored.append(tag)
+                if name not in done:
+                    _client().upload_file(str(tag_dir / name), self.bucket, self.key("checkpoints", tag, name))
+                    done.add(name)
+        except FileNotFoundError:  # not protected while it waited its turn: pruned by the local retention
+            log(f"{tag} was pruned locally before it went up; a newer tag follows")
+            return False
+        if ckpt.COMPLETE_FILE not in done:  # (a retry after a later step failed does not count it twice)
+            # Last, and only now: the bucket's copy of the tag exists for restore from this PUT on.
+            _client().put_object(Bucket=self.bucket, Key=self.key("checkpoints", tag, ckpt.COMPLETE_FILE),
+                                 Body=json.dumps(record).encode(), ContentType="application/json")
+            done.add(ckpt.COMPLETE_FILE)
+            with self._cond:
+                self.mirrored.append(tag)
         for name in ("config.yaml", "metrics.jsonl"):  # small: a restored tag comes with what led to it
             if (self.run_dir / name).is_file():
                 _client().upload_file(str(self.run_dir / name), self.bucket, self.key(name))
-        self._prune(tag)
+        try:
+            self._prune(tag)
+        except Exception as e:  # noqa: BLE001 - the tag is up; the bucket's old tags go at the next one
+            log(f"pruning the bucket's tags older than {tag} failed ({type(e).__name__}: {e}); the next tag tries again")
+        return True
+
+    def _upload_files(self, names: tuple[str, ...], done: set[str]) -> bool:
+        for name in names:
+            if name not in done and (self.run_dir / name).is_file():
+                _client().upload_file(str(self.run_dir / name), self.bucket, self.key(name))
+            done.add(name)
+        log(f"{len(self.mirrored)} tag(s) and the run's files are in {self.remote}")
+        return True
 
     def _prune(self, current: str) -> None:
         """Bucket tags older than `current` that the run directory no longer keeps (its retention ran)."""
@@ -254,7 +235,7 @@ def remote_tags(bucket: str, prefix: str) -> list[str]:
     for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base, Delimiter="/"):
         for p in page.get("CommonPrefixes", []):
             name = p["Prefix"][len(base):].strip("/")
-            if name.startswith(ckpt.TAG_PREFIX) and name[len(ckpt.TAG_PREFIX):].isdigit():
+            if ckpt.is_tag(name):  # anything else under checkpoints/ is not ours to restore or prune
                 found.append(name)
     return sorted(found, key=ckpt.tag_step, reverse=True)
 
@@ -273,7 +254,7 @@ def _remote_record(bucket: str, key: str) -> dict[str, Any] | None:
     try:
         record = json.loads(_client().get_object(Bucket=bucket, Key=key)["Body"].read())
     except ClientError as e:
-        if _code(e) in ("NoSuchKey", "404"):
+        if error_code(e) in ("NoSuchKey", "404"):
             return None
         raise
     except ValueError:
@@ -284,10 +265,33 @@ def _remote_record(bucket: str, key: str) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------- restore
 
 
+def checked_record(record: dict[str, Any], source: str) -> tuple[dict[str, int], dict[str, str]]:
+    """(file name -> size, file name -> sha256) of a bucket's complete.json, every name checked before any
+    is joined to a local folder (pipeline/remote/names.py: relative, no '..', inside the tag's folder), every
+    size a byte count and every digest hex: RemoteError naming `source` otherwise, before anything is written."""
+    files, digests = record["files"], record.get("sha256", {})
+    if not isinstance(digests, dict):
+        raise RemoteError(f"{source}: 'sha256' is not an object of file names and digests; nothing was restored")
+    try:
+        for name in files:
+            relative_name(name, source)
+    except UnsafeName as e:
+        raise RemoteError(str(e)) from None
+    for name, size in files.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise RemoteError(f"{source}: the size of {name!r} is {size!r}, not a byte count; nothing was restored")
+        digest = digests.get(name)
+        if digest is not None and not (isinstance(digest, str) and len(digest) == 64
+                                       and all(c in "0123456789abcdef" for c in digest)):
+            raise RemoteError(f"{source}: the sha256 of {name!r} is {str(digest)[:80]!r}, not 64 hex digits; "
+                              f"nothing was restored")
+    return dict(files), {k: v for k, v in digests.items() if k in files}
+
+
 def restore(remote: str, run_dir: Path, policy: RetryPolicy | None = None) -> str | None:
     """Download the bucket's newest complete tag into RUN_DIR/checkpoints when the run directory has no
     complete tag at least as new (and config.yaml, metrics.jsonl when missing); the tag restored, or None."""
-    bucket, prefix = _split(remote)
+    bucket, prefix = split_remote(remote)
     run_dir = Path(run_dir)
     local = ckpt.newest_complete_tag(run_dir)
     for tag in remote_tags(bucket, prefix):
@@ -298,15 +302,15 @@ def restore(remote: str, run_dir: Path, policy: RetryPolicy | None = None) -> st
         if record is None:
             log(f"skipping {remote}/checkpoints/{tag}: no {ckpt.COMPLETE_FILE} (its upload did not finish)")
             continue
+        files, digests = checked_record(record, f"{remote}/checkpoints/{tag}/{ckpt.COMPLETE_FILE}")
         tag_dir = ckpt.checkpoint_dir(run_dir) / tag
         partial = tag_dir.with_name(f".{tag}.restoring")  # renamed into place whole: a killed restore leaves no tag
         shutil.rmtree(partial, ignore_errors=True)
-        digests = record.get("sha256", {})
-        for name, size in record["files"].items():
-            out = partial / name
+        for name, size in files.items():
+            out = partial / name  # a checked name: inside the tag's folder
             out.parent.mkdir(parents=True, exist_ok=True)
-            fetch(f"s3://{bucket}/{base}{name}", out, Expected(int(size), digests.get(name)), policy)
-        atomic.write_text(partial / ckpt.COMPLETE_FILE, json.dumps({"tag": tag, "files": record["files"]}))
+            fetch(f"s3://{bucket}/{base}{name}", out, Expected(size, digests.get(name)), policy)
+        atomic.write_text(partial / ckpt.COMPLETE_FILE, json.dumps({"tag": tag, "files": files}))
         shutil.rmtree(tag_dir, ignore_errors=True)  # an incomplete local tag of that name
         os.replace(partial, tag_dir)
         atomic.fsync_dir(tag_dir.parent)
@@ -326,6 +330,7 @@ def restore(remote: str, run_dir: Path, policy: RetryPolicy | None = None) -> st
 # ----------------------------------------------------------------------------- the trainer's hooks
 
 _active: dict[str, tuple[RemoteLock, Mirror]] = {}  # run dir -> its lock and mirror (rank 0 of a job)
+_outcome: dict[str, str | None] = {}  # run dir -> the failure current when its mirror was drained
 
 
 def start(cfg: Any, run_dir: Path) -> None:
@@ -342,24 +347,26 @@ def start(cfg: Any, run_dir: Path) -> None:
         raise
     except Exception as e:  # noqa: BLE001 - credentials, no such bucket, an unreachable endpoint: one line
         raise RemoteError(f"run.remote {remote}: cannot take {LOCK_OBJECT}: {type(e).__name__}: {e}") from None
+    policy = RetryPolicy.from_config(cfg.data)
     try:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        restore(remote, Path(run_dir), RetryPolicy.from_config(cfg.data))
+        restore(remote, Path(run_dir), policy)
     except BaseException as e:
         lock.release()
         if isinstance(e, Exception) and not isinstance(e, RemoteError):
             raise RemoteError(f"run.remote {remote}: restoring from the bucket failed: {e}") from None
         raise
-    _active[key] = (lock, Mirror(remote, Path(run_dir), lock))
-    # A run that stops early (preemption, an error) exits without `finish`: the tags handed over still go
+    _active[key] = (lock, Mirror(remote, Path(run_dir), lock, policy))
+    _outcome.pop(key, None)
+    # A run that stops early (preemption, an error) exits without `drain`: the tags handed over still go
     # up, then the lock is released, before the process ends.
     atexit.register(_drain, key)
 
 
 def drain(run_dir: Path, timeout_s: float | None = None) -> bool:
-    """Rank 0, before a run that stops early exits (preemption): wait up to `timeout_s` for the tags handed
-    over; once they are up, release the lock and return True (also when run.remote is unset). An upload
-    that failed is logged (the local tag stays complete; the bucket lags it by a tag)."""
+    """Rank 0, before the run exits (the end, a preemption): wait up to `timeout_s` for what was handed over;
+    once it is up or given up, release the lock and return True (also when run.remote is unset). The failure
+    then current, if any, is logged and kept for `raise_unless_up`."""
     return _drain(str(Path(run_dir).resolve()), timeout_s)
 
 
@@ -368,12 +375,12 @@ def _drain(key: str, timeout_s: float | None = None) -> bool:
     if entry is None:
         return True
     lock, mirror = entry
-    try:
-        if not mirror.wait(timeout_s):
-            return False
-    except RemoteError as e:
-        log(str(e))
+    if not mirror.wait(timeout_s):
+        return False
     _active.pop(key, None)
+    _outcome[key] = mirror.failure
+    if mirror.failure:
+        log(f"{mirror.failure} (the bucket does not hold what this run handed over last)")
     lock.release()
     return True
 
@@ -385,15 +392,25 @@ def saved(run_dir: Path, tag: str) -> None:
         entry[1].tag(tag)
 
 
-def finish(run_dir: Path) -> None:
-    """Rank 0, after the final export: upload the run's files, wait for every upload, release the lock."""
-    entry = _active.pop(str(Path(run_dir).resolve()), None)
-    if entry is None:
-        return
-    lock, mirror = entry
-    mirror.files()
-    try:
-        mirror.wait()
-        log(f"{len(mirror.mirrored)} tag(s) and the run's files are in {mirror.remote}")
-    finally:
-        lock.release()
+def protected(run_dir: Path) -> set[str]:
+    """Rank 0, at a save: the tags the local retention must keep for the mirror (Mirror.protected)."""
+    entry = _active.get(str(Path(run_dir).resolve()))
+    return entry[1].protected() if entry is not None else set()
+
+
+def final_files(run_dir: Path) -> None:
+    """Rank 0, after the final export: upload config, metrics and the weights after every tag."""
+    entry = _active.get(str(Path(run_dir).resolve()))
+    if entry is not None:
+        entry[1].files()
+
+
+def raise_unless_up(run_dir: Path, is_main: bool, group: Any = None) -> None:
+    """Every rank, after the drain: RemoteError on every rank when the bucket does not hold the run's final
+    state (rank 0's current failure, said once by rank 0), so that no rank outlives another's error."""
+    failure = _outcome.get(str(Path(run_dir).resolve())) if is_main else None
+    failed = torch.tensor([1 if failure else 0], dtype=torch.int32)
+    if group is not None:  # the preemption's CPU group (None: one process)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if failed.item():
+        raise RemoteError(failure or "run.remote: rank 0's uploads did not reach the bucket (its line says why)")

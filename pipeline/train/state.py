@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from pipeline.data import merge_counters
 from pipeline.dist import DistEnv, say
-from pipeline.train.checkpoint import gather_to_all, rng_state, set_rng_state
+from pipeline.train.checkpoint import CLIENT_PARTS, gather_to_all, rng_state, set_rng_state
 
 
 class Stateful(Protocol):
@@ -84,7 +84,8 @@ class ClientState:
             raise KeyError(f"{where}: its client state has no {', '.join(missing)} (has {', '.join(client)})")
         for name, part in self.parts.items():
             part.load_state_dict(client.get(name, {}))
-        for name in [n for n in client if n not in self.parts]:  # a part this run turned off
+        # A part this run turned off; DeepSpeed's own keys beside the parts (ds_config, ...) are not parts.
+        for name in [n for n in client if n in CLIENT_PARTS and n not in self.parts]:
             say(f"note: {where} holds the part '{name}', which this run does not keep{DROPPED_BECAUSE.get(name, '')}: "
                 "it is not restored, and the next checkpoint will not have it")
 

@@ -16,6 +16,9 @@ returns one of FAULTS or None (pass through). The faults:
     stall_forever headers, then nothing until the server is shut down
     403, 404      that status with a short body
 
+`throttle_bps` slows every request body (an upload) to that many bytes per second, as a slow link would:
+the proxy reads it, then waits its length / throttle_bps before passing it on.
+
 `faults` lists (n, method, path, fault) of what was done, `log` (n, method, path, Range) every request,
 `arrived[n]` the time.monotonic() at which request n came in.
 """
@@ -76,8 +79,9 @@ class FaultServer(ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, folder: Path | None = None, upstream: str | None = None, plan: Plan | None = None,
-                 stall_s: float | None = 30.0):
+                 stall_s: float | None = 30.0, throttle_bps: float | None = None):
         self.folder, self.upstream = folder, upstream
+        self.throttle_bps = throttle_bps
         self.plan: Plan = plan or (lambda n, method, path: None)
         self.stall_s = stall_s
         self.requests = 0
@@ -134,6 +138,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, method: str) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body_in = self.rfile.read(length) if length else b""
+        if self.server.throttle_bps and body_in:
+            self.server.closing.wait(len(body_in) / self.server.throttle_bps)  # a slow link's upload
         with self.server.lock:
             self.server.requests += 1
             n = self.server.requests

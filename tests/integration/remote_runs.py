@@ -74,7 +74,7 @@ def remote_dataset(shards: Path, base_url: str, out: Path) -> Path:
 
 
 def assert_cache_holds_only_good_copies(cache: Path, shards: Path, base_url: str) -> None:
-    from pipeline.data.index import cache_name
+    from pipeline.data.cache import cache_name
 
     names = {cache_name(f"{base_url}/{p.name}"): p for p in shards.glob("*.tar")}
     for copy in cache.glob("*.tar"):

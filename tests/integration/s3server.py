@@ -4,6 +4,7 @@ in the dev extra) on loopback, on free ports, its data in a temporary folder, wi
     with SeaweedS3(tmp_path) as s3:
         s3.env()     # AWS_ENDPOINT_URL_S3, the credentials, a region: what boto3's standard chain reads
         s3.client()  # a boto3 client on it
+        s3.stop(); s3.start()  # the store down, then back on the same ports with the same data (an outage)
 
 Only the process it started is stopped (by its pid), and its data folder is removed by the caller's tmp.
 Without `weed` the S3 tests skip (`weed_or_skip`), except with VIT_PIPELINE_REQUIRE_S3=1 (CI, .ci/run):
@@ -75,22 +76,45 @@ class SeaweedS3:
                 "-s3", f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0"]
         for k in ports:
             argv += [f"-{k}.port={ports[k]}", f"-{k}.port.grpc={grpc[k]}"]
-        self.log = open(self.root / "weed.log", "wb")  # noqa: SIM115 (closed in __exit__)
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.argv = argv
+        self.log = open(self.root / "weed.log", "ab")  # noqa: SIM115 (closed in __exit__)
         try:
-            wait_port("127.0.0.1", self.port, timeout=60)
-            self._wait_ready()
+            self.start()
         except BaseException:
             self.__exit__()
             raise
         return self
 
+    def start(self) -> None:
+        """Start the server (again, after `stop`: the same ports, the same data)."""
+        self.restarted = self.proc is not None
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_port("127.0.0.1", self.port, timeout=60)
+        self._wait_ready()
+
+    def stop(self, probe: bool = True) -> None:
+        """Stop the server (the process it started, by its group): every request refused until `start`. An
+        object written first (`probe`) tells when the store serves its data again."""
+        if probe and self.proc is not None and self.proc.poll() is None:
+            self.client().put_object(Bucket="ready", Key="probe", Body=b"ok")
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the weed process and only it
+            try:
+                self.proc.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
     def _wait_ready(self, timeout: float = 60) -> None:
-        """The S3 port opens before the filer behind it serves: create a bucket until it works."""
+        """The S3 port opens before the filer behind it serves: create a bucket until it works. Started again
+        after `stop` (the bucket is there), read an object the store held before, until it can."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.client().create_bucket(Bucket="ready")
+                if self.restarted:
+                    assert self.client().get_object(Bucket="ready", Key="probe")["Body"].read() == b"ok"
+                else:
+                    self.client().create_bucket(Bucket="ready")
                 return
             except Exception:
                 if time.monotonic() > deadline or (self.proc and self.proc.poll() is not None):
@@ -115,11 +139,5 @@ class SeaweedS3:
                             aws_secret_access_key=SECRET_KEY, region_name=REGION)
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the weed process and only it
-            try:
-                self.proc.wait(timeout=3)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        self.stop(probe=False)
         self.log.close() if hasattr(self, "log") else None

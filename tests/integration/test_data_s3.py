@@ -15,11 +15,12 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from pipeline.data.index import cache_name
+from pipeline.data.cache import cache_name
 from tests.integration import mix_runs
 from tests.integration.faults import FaultServer, every_nth_plan
 from tests.integration.remote_runs import (
     assert_cache_holds_only_good_copies,
+    finish,
     overrides,
     reference_weights,
     torchrun,
@@ -31,6 +32,7 @@ from tests.integration.runs import (
     env,
     free_port,
     make_synthetic_shards,
+    metrics,
     rank_proc,
     weights,
 )
@@ -268,3 +270,42 @@ def test_a_mixture_with_a_source_in_the_bucket_preempted_on_2_ranks_resumes_on_1
     assert faults and (first + out).count("storage: retry ") >= len(faults), (faults, out[-2000:])
     assert "layout changed (world size 2 -> 1)" not in out  # ZeRO-0: the tag loads as written on any world size
     assert_same_weights(weights(run_dir), reference)
+
+
+def test_a_cache_just_above_its_minimum_turns_no_good_shard_bad(s3: SeaweedS3, tmp_path: Path) -> None:
+    """Shards of 4 samples in the bucket (train and val), a shuffle span of 8, 2 ranks with 2 loader workers
+    each and their fetch-ahead processes on one node's cache, its limit one page above what the start-up check
+    asks: copies are evicted and fetched again all through the run. Not one is taken from a reader that holds
+    it, none missing is counted bad (0 bad samples, every validation sample evaluated), and the weights are the
+    local disk's. (Before copies were held: 56 and 60 of the 64 validation samples evaluated.)"""
+    from pipeline.data.loader import cache_needed_bytes
+    from pipeline.data.order import GlobalOrder
+
+    local = make_synthetic_shards(tmp_path / "small", samples=320, per_shard=4)
+    c = s3.client()
+    for shard in local.glob("*.tar"):
+        c.upload_file(str(shard), BUCKET, f"small/{shard.name}")
+    info = json.loads((local / "dataset.json").read_text())
+    c.put_object(Bucket=BUCKET, Key="small/dataset.json", Body=json.dumps(info).encode())
+    train = info["splits"]["train"]["shards"]
+    order = GlobalOrder([e["num_samples"] for e in train], seed=0, global_batch=16, span=8)
+    limit_gib = (cache_needed_bytes(order, [e["bytes"] for e in train], 0, 1) + 4096) / 2**30
+    tight = ["data.num_workers=2", "data.shuffle_span=8", "train.eval_every=8"]
+    ref = torchrun(1, 0, 2, free_port(), [*overrides(local, tmp_path / "local", tmp_path / "c0"), *tight])
+    finish([ref])
+    with FaultServer(upstream=s3.url) as proxy:  # fails nothing: counts the GETs
+        p = torchrun(1, 0, 2, free_port(), [*overrides(f"s3://{BUCKET}/small", tmp_path / "s3run",
+                                                       tmp_path / "cache"), *tight, f"data.cache_limit_gb={limit_gib!r}"],
+                     extra_env=s3.env(endpoint=proxy.url))
+        out, _ = p.communicate(timeout=900)
+        gets = [urlsplit(path).path for _, method, path, _ in proxy.log if method == "GET"]
+    assert p.returncode == 0, out[-4000:]
+    # The limit bit: copies were evicted and fetched again (without it each shard is fetched once per node)
+    shards_got = [g for g in gets if g.endswith(".tar")]
+    assert len(shards_got) > len(set(shards_got)), f"{len(shards_got)} GETs of {len(set(shards_got))} shards"
+    print(f"{len(shards_got)} GETs of {len(set(shards_got))} shards")
+    rows = metrics(tmp_path / "s3run")
+    assert [r["metrics"]["data/bad_samples"] for r in rows if "data/bad_samples" in r["metrics"]][-1] == 0, rows
+    evals = [r["metrics"]["eval/samples"] for r in rows if "eval/samples" in r["metrics"]]
+    assert evals == [info["splits"]["val"]["num_samples"]] * 2, evals
+    assert_same_weights(weights(tmp_path / "s3run"), weights(tmp_path / "local"))

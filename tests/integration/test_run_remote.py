@@ -5,11 +5,13 @@ with SIGKILL halfway leaves no tag that looks complete, and restore takes the pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -102,6 +104,135 @@ def test_a_restored_file_that_differs_from_its_record_is_refused(s3: SeaweedS3, 
     assert ckpt.newest_complete_tag(tmp_path / "fresh") is None  # nothing half restored under a tag's name
 
 
+@pytest.mark.parametrize("name", ["ABSOLUTE", "../../escaped.pth"])
+def test_a_complete_json_naming_a_file_outside_the_tag_is_refused_and_nothing_is_written(
+        s3: SeaweedS3, tmp_path: Path, name: str) -> None:
+    """Whoever can write the prefix edits a tag's complete.json to name a file outside the run directory (an
+    absolute path; a climb with '..'), the object there holding their bytes: the start is refused with one
+    line naming that complete.json, and nothing lands outside the run directory, or in it under the tag."""
+    remote = f"s3://{BUCKET}/names{len(name)}"
+    prefix = remote.split("/", 3)[3]
+    m = mirror.Mirror(remote, tmp_path / "writer")
+    m.tag(fake_tag(tmp_path / "writer", 7, mib=0))
+    m.wait()
+    run = tmp_path / "node" / "run"
+    target = tmp_path / "node" / "owned.pth" if name == "ABSOLUTE" else run / "checkpoints" / "step_0000007" / name
+    name = str(target) if name == "ABSOLUTE" else name
+    base = f"{prefix}/checkpoints/step_0000007/"
+    record = json.loads(s3.client().get_object(Bucket=BUCKET, Key=base + ckpt.COMPLETE_FILE)["Body"].read())
+    payload = b"import os; os.system('touch /tmp/pwned')\n"
+    record["files"][name] = len(payload)
+    record["sha256"][name] = __import__("hashlib").sha256(payload).hexdigest()
+    try:  # AWS S3 keeps '..' in a key as it is; SeaweedFS refuses such a key (the name is refused first anyway)
+        s3.client().put_object(Bucket=BUCKET, Key=base + name.lstrip("/"), Body=payload)
+    except Exception:  # noqa: BLE001
+        assert ".." in name
+    s3.client().put_object(Bucket=BUCKET, Key=base + ckpt.COMPLETE_FILE, Body=json.dumps(record).encode())
+    run.mkdir(parents=True)
+    with pytest.raises(mirror.RemoteError) as e:
+        mirror.restore(remote, run)
+    assert str(e.value).startswith(f"{remote}/checkpoints/step_0000007/{ckpt.COMPLETE_FILE}: the name "), e.value
+    assert "\n" not in str(e.value)
+    assert not target.resolve().exists()
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "node").rglob("*")) == [Path("node/run")]
+
+
+def test_a_listed_folder_that_is_not_a_tag_is_neither_restored_nor_a_traceback(s3: SeaweedS3, tmp_path: Path) -> None:
+    """'step_²' passes str.isdigit() and not int(): a listing is data; only step_ + ASCII digits is a tag."""
+    remote = f"s3://{BUCKET}/listing"
+    m = mirror.Mirror(remote, tmp_path / "writer")
+    m.tag(fake_tag(tmp_path / "writer", 3, mib=0))
+    m.wait()
+    s3.client().put_object(Bucket=BUCKET, Key=f"listing/checkpoints/step_\u00b2/{ckpt.COMPLETE_FILE}", Body=b"{}")
+    assert mirror.remote_tags(BUCKET, "listing") == ["step_0000003"]
+    assert mirror.restore(remote, tmp_path / "fresh") == "step_0000003"
+
+
+def complete_tags(s3: SeaweedS3, prefix: str) -> list[str]:
+    """Tags the bucket holds complete at this moment: complete.json there, and every file it names."""
+    listed = keys(s3, prefix)
+    found = []
+    for key in sorted(k for k in listed if k.endswith("/" + ckpt.COMPLETE_FILE)):
+        tag = key.split("/")[1]
+        try:
+            record = json.loads(s3.client().get_object(Bucket=BUCKET, Key=f"{prefix}/{key}")["Body"].read())
+        except Exception:  # noqa: BLE001 - deleted since the LIST (the bucket's retention)
+            continue
+        if all(f"checkpoints/{tag}/{name}" in listed for name in record["files"]):
+            found.append(tag)
+    return found
+
+
+@pytest.fixture
+def proxied(s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch):
+    """The mirror's uploads through a fault proxy (its plan and throttle set by the test)."""
+    from tests.integration.faults import FaultServer
+
+    with FaultServer(upstream=s3.url) as proxy:
+        monkeypatch.setattr(mirror, "_client", lambda: s3.client(endpoint=proxy.url))
+        yield proxy
+
+
+def test_a_failed_upload_is_retried_and_only_a_current_failure_is_kept(proxied, s3: SeaweedS3,
+                                                                       tmp_path: Path, capfd) -> None:
+    """PUTs refused for a while (a tag's file once, config.yaml twice after its complete.json): the tag goes
+    up at later attempts, counted once, and nothing failed remains. A tag whose
+    uploads keep failing past data.retry_time_s is given up, and its failure is the current one until the next
+    tag goes up: then none is (the bucket holds the newer state)."""
+    from pipeline.remote import RetryPolicy
+
+    run = tmp_path / "run"
+    m = mirror.Mirror(f"s3://{BUCKET}/retry", run, policy=RetryPolicy(backoff_s=0.05, total_s=1.5))
+    refused = {"/step_0000001/": 1, "/config.yaml": 2}  # PUTs of a path holding KEY refused VALUE times
+    (run / "config.yaml").parent.mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+
+    def plan(n: int, method: str, path: str) -> str | None:
+        hit = next((k for k, left in refused.items() if k in path and left and method == "PUT"), None)
+        if hit:
+            refused[hit] -= 1
+        return "403" if hit else None
+
+    proxied.plan = plan
+    m.tag(fake_tag(run, 1, mib=0))
+    m.wait()
+    assert m.mirrored == ["step_0000001"] and m.failure is None, m.failure
+    said = capfd.readouterr().err
+    assert said.count("uploading step_0000001 failed: ") == 3 and said.count("(403)") == 3, said
+    proxied.plan = lambda n, method, path: "403" if "step_0000002" in path else None
+    m.tag(fake_tag(run, 2, mib=0))
+    m.wait()
+    assert m.mirrored == ["step_0000001"] and "uploading step_0000002 failed" in (m.failure or ""), m.failure
+    assert "gave up after" in capfd.readouterr().err
+    m.tag(fake_tag(run, 3, mib=0))
+    m.wait()
+    assert m.mirrored == ["step_0000001", "step_0000003"] and m.failure is None, m.failure
+    assert complete_tags(s3, "retry")[-1] == "step_0000003"
+
+
+def test_on_a_slow_link_the_bucket_holds_a_complete_tag_from_the_first_on(proxied, s3: SeaweedS3,
+                                                                          tmp_path: Path) -> None:
+    """Uploads at 1 MiB/s, a 1 MiB tag saved every 0.3 s, train.keep_last=1: the tag being uploaded is kept
+    locally (Mirror.protected), so the first tag goes up whole and from then on the bucket always holds a
+    complete tag (without: each upload is pruned under it, and the bucket never holds one)."""
+    proxied.throttle_bps = 1 << 20
+    run = tmp_path / "run"
+    m = mirror.Mirror(f"s3://{BUCKET}/slow", run)
+    seen: list[list[str]] = []  # the bucket's complete tags after each save
+    step = 0
+    while sum(map(bool, seen)) < 3 and step < 40:  # on until 3 saves after the first tag is up (load-proof)
+        step += 1
+        tag = fake_tag(run, step)
+        ckpt.prune(ckpt.checkpoint_dir(run), keep_last=1, keep_every=0, current=tag, protect=m.protected())
+        m.tag(tag)
+        assert len(ckpt.all_tags(run)) <= 2  # train.keep_last, and the tag being uploaded
+        time.sleep(0.3)
+        seen.append(complete_tags(s3, "slow"))
+    m.wait()
+    first = next((i for i, tags in enumerate(seen) if tags), len(seen))
+    assert m.mirrored[0] == "step_0000001" and seen[first:] and all(seen[first:]), (seen, m.mirrored)
+
+
 def end_lease(s3: SeaweedS3, key: str) -> None:
     """The lock object at `key` as a job killed more than its lease ago left it: its lease end in the past.
     (Not a short lease and a sleep: a PUT to the store took 5 s on the 2-core machine under load, longer
@@ -129,7 +260,7 @@ def test_one_job_per_prefix_and_an_ended_lease_is_taken_over(s3: SeaweedS3) -> N
     third.release()
 
 
-def test_a_requeue_of_the_same_slurm_job_takes_its_own_lock_over_at_once(s3: SeaweedS3,
+def test_a_requeue_of_the_same_slurm_job_takes_its_own_lock_over_at_once(s3: SeaweedS3, capfd,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A lease still running, held by this Slurm job's previous attempt (a requeue keeps SLURM_JOB_ID), is
     taken over at once; the same lease held by another job is refused."""
@@ -144,9 +275,12 @@ def test_a_requeue_of_the_same_slurm_job_takes_its_own_lock_over_at_once(s3: Sea
         mirror.RemoteLock(remote).take()
     monkeypatch.setenv("SLURM_JOB_ID", "777")
     t0 = time.monotonic()
+    capfd.readouterr()
     requeued = mirror.RemoteLock(remote)
     requeued.take()
     assert time.monotonic() - t0 < 30  # at once: not the lease's 600 s
+    said = capfd.readouterr().err  # the lease had not ended: the line says why it was taken
+    assert "(an earlier attempt of this Slurm job, 777: a requeue takes its own lock at once)" in said, said
     holder = json.loads(s3.client().get_object(Bucket=BUCKET, Key=f"g/{mirror.LOCK_OBJECT}")["Body"].read())
     assert holder["slurm_job_id"] == "777" and holder["expires"] > time.time() + 500
     requeued.release()
@@ -214,7 +348,7 @@ def test_drain_waits_in_rounds_then_releases_the_lock(s3: SeaweedS3, tmp_path: P
     cfg = SimpleNamespace(run=SimpleNamespace(remote=f"s3://{BUCKET}/f"), data=DataConfig())
     mirror.start(cfg, run)
     real = mirror.Mirror._upload_tag
-    monkeypatch.setattr(mirror.Mirror, "_upload_tag", lambda self, tag: (time.sleep(1.5), real(self, tag)))
+    monkeypatch.setattr(mirror.Mirror, "_upload_tag", lambda self, tag, done: (time.sleep(1.5), real(self, tag, done)))
     mirror.saved(run, fake_tag(run, 1, mib=0))
     assert mirror.drain(run, timeout_s=0.2) is False
     assert mirror.LOCK_OBJECT in keys(s3, "f")
@@ -264,9 +398,54 @@ def test_an_upload_killed_halfway_never_looks_complete_and_restore_takes_the_pre
     assert mirror.restore(remote, tmp_path / "fresh") == "step_0000100"
 
 
+@contextlib.contextmanager
+def outage_once_up(s3: SeaweedS3, key: str, seconds: float = 40):
+    """Stop the store (connections refused) once `key` is in the bucket, for `seconds`; the time it stopped
+    is appended to the list this yields."""
+    ended, stopped = threading.Event(), []
+
+    def outage() -> None:
+        prefix, name = key.split("/", 1)
+        while name not in keys(s3, prefix):
+            if ended.wait(0.2):
+                return
+        s3.stop()
+        stopped.append(time.monotonic())
+        try:
+            time.sleep(seconds)
+        finally:
+            s3.start()
+
+    thread = threading.Thread(target=outage)
+    thread.start()
+    try:
+        yield stopped
+    finally:
+        ended.set()
+        thread.join()
+
+
+def assert_bucket_holds(s3: SeaweedS3, prefix: str, run_dir: Path) -> None:
+    """The bucket holds exactly the run directory's tags, each file byte for byte (complete.json: its own
+    files plus their digests), and the run's files."""
+    local = {f.relative_to(run_dir).as_posix() for f in (run_dir / "checkpoints").glob("step_*/**/*") if f.is_file()}
+    local |= set(mirror.RUN_FILES)
+    assert keys(s3, prefix) == local, sorted(keys(s3, prefix) ^ local)
+    for name in local:
+        got = s3.client().get_object(Bucket=BUCKET, Key=f"{prefix}/{name}")["Body"].read()
+        if name.endswith(ckpt.COMPLETE_FILE):
+            assert json.loads(got)["files"] == json.loads((run_dir / name).read_text())["files"], name
+        else:
+            assert got == (run_dir / name).read_bytes(), name
+
+
 @pytest.mark.dist
-def test_a_stopped_run_whose_run_dir_is_lost_resumes_from_the_bucket_bit_exact(s3: SeaweedS3, shards,
-                                                                               tmp_path: Path) -> None:
+def test_a_stopped_run_whose_run_dir_is_lost_resumes_from_the_bucket_through_an_outage(s3: SeaweedS3, shards,
+                                                                                        tmp_path: Path) -> None:
+    """Stopped with SIGUSR1, its run directory deleted, started again: restored from the bucket, the
+    uninterrupted run's weights. The store is stopped (connections refused) for 40 s once the resumed run's
+    first tag is up: the uploads retry through it, the run exits 0 with no traceback on either rank, and the
+    bucket ends holding exactly the run directory (before: exit 1 with the first upload error)."""
     import shutil
 
     from tests.integration.runs import TINY, assert_same_weights, run, run_and_signal, weights
@@ -289,12 +468,14 @@ def test_a_stopped_run_whose_run_dir_is_lost_resumes_from_the_bucket_bit_exact(s
     up = keys(s3, "e2e")
     assert f"checkpoints/{stopped}/{ckpt.COMPLETE_FILE}" in up and mirror.LOCK_OBJECT not in up, (up, out[-3000:])
     shutil.rmtree(run_dir)  # a fresh node
-    resumed = run("pretrain.py", config, args(run_dir, remote))
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    with outage_once_up(s3, f"e2e/checkpoints/step_0000016/{ckpt.COMPLETE_FILE}") as outage:
+        resumed = run("pretrain.py", config, args(run_dir, remote))
+    said = resumed.stdout + resumed.stderr
+    assert outage and resumed.returncode == 0 and "Traceback" not in said, said[-4000:]
     assert f"restored {stopped} from {remote}" in resumed.stderr and "resumed from" in resumed.stdout
+    assert "retry 1 in" in resumed.stderr, resumed.stderr[-3000:]  # the outage was met, and outlived
     assert_same_weights(weights(tmp_path / "ref"), weights(run_dir))
-    up = keys(s3, "e2e")
-    assert {"config.yaml", "metrics.jsonl", "model.safetensors"} <= up and mirror.LOCK_OBJECT not in up, up
+    assert_bucket_holds(s3, "e2e", run_dir)  # no lock.json either: released
 
 
 @pytest.mark.dist

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.data.index import INDEX_SUFFIX, build_index, cache_name, local_copy, write_index
+from pipeline.data.cache import cache_name, local_copy
+from pipeline.data.index import INDEX_SUFFIX, build_index, write_index
 from pipeline.remote.storage import Expected, RetryPolicy, StorageError, fetch, read_bytes
 from tests.integration.faults import FaultServer, every_nth_plan
 

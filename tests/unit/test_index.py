@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
+import re
 import shutil
 from pathlib import Path
 
@@ -97,8 +99,13 @@ def test_a_cache_too_small_for_the_shuffle_span_stops_before_training(shards: Pa
     cfg = DataConfig(path=str(piped), num_workers=0, cache_dir=str(tmp_path / "c"), cache_limit_gb=1e-6,
                      allow_pipe_shards=True)
     with pytest.raises(DataError, match=r"data.cache_limit_gb=1e-06 is too small: node 0 of 1 reads 2 partitions "
-                                        r"whose shuffle spans .data.shuffle_span=262144. need 0.0 GiB"):
+                                        r"whose shuffle spans .data.shuffle_span=262144. need ") as e:
         build_train_loader(cfg, 16, 8, seed=0, global_batch_size=16)
+    # The need in a unit that does not round it to 0, and a limit to set that is not below it
+    need_kib = -(-6 * shard_bytes * 10 // 1024) / 10
+    said = re.search(r"need (\S+) KiB of shards at once; set data.cache_limit_gb to at least (\S+) or", str(e.value))
+    assert said and float(said[1]) == need_kib, str(e.value)
+    build_train_loader(dataclasses.replace(cfg, cache_limit_gb=float(said[2])), 16, 8, seed=0, global_batch_size=16)
     # 2 partitions of 3 shards: the span covers each whole partition
     from pipeline.data.loader import cache_needed_bytes
     from pipeline.data.order import GlobalOrder
@@ -109,6 +116,35 @@ def test_a_cache_too_small_for_the_shuffle_span_stops_before_training(shards: Pa
     assert cache_needed_bytes(order, [None] * 6, 0, 1) is None
     cfg.cache_limit_gb = 6 * shard_bytes / 2**30
     build_train_loader(cfg, 16, 8, seed=0, global_batch_size=16)  # just enough
+    cfg.cache_limit_gb = (6 * shard_bytes - 1) / 2**30
+    with pytest.raises(DataError, match="is too small"):  # a byte less is refused
+        build_train_loader(cfg, 16, 8, seed=0, global_batch_size=16)
+
+
+def test_a_held_copy_is_never_evicted_and_one_evicted_while_released_is_fetched_again(shards: Path,
+                                                                                     tmp_path: Path) -> None:
+    """Two readers of one node's cache (two Indexes: what two loader workers have) under a limit of one copy.
+    A copy a reader holds stays (the cache goes over its limit rather than take it); a released one is
+    evicted for the next copy, and read again it is fetched again: the same bytes, never a bad sample."""
+    from pipeline.data.cache import cache_name
+    from pipeline.data.reader import Indexes
+
+    tars = sorted(shards.glob("train-*.tar"))
+    names = [f"pipe:cat {t}" for t in tars[:3]]  # copied into the cache before reading
+    size = tars[0].stat().st_size
+    cache = tmp_path / "cache"
+    first, second = (Indexes(str(cache), 1.5 * size / 2**30) for _ in range(2))
+    want = first.load(names[0], 3).members
+    second.load(names[1], 0)  # needs room: the held copy of names[0] is not taken
+    assert (cache / cache_name(names[0])).exists() and (cache / cache_name(names[1])).exists()
+    assert first.load(names[0], 3).members == want
+    first.keep_only([])  # released: free to evict
+    second.load(names[2], 0)  # second still holds names[1]: names[0] goes
+    assert not (cache / cache_name(names[0])).exists() and (cache / cache_name(names[1])).exists()
+    assert first.load(names[0], 3).members == want  # fetched again, read as before
+    assert (cache / cache_name(names[0])).exists() and not first.errors
+    first.close()
+    second.close()
 
 
 @pytest.mark.parametrize("env,expected", [

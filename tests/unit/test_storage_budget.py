@@ -1,5 +1,5 @@
 """One retry budget per shard for a rank: its fetch-ahead process and its readers do not each spend
-data.retry_time_s on the same dead shard (index.local_copy's budget record)."""
+data.retry_time_s on the same dead shard (cache.py's budget record)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.data.index import BUDGET_SUFFIX, cache_name, local_copy
+from pipeline.data.cache import BUDGET_SUFFIX, cache_name, local_copy
 from pipeline.remote.storage import RetryPolicy, StorageError
 
 BUDGET_S = 2.0
@@ -80,20 +80,20 @@ def test_a_budget_half_spent_leaves_the_next_caller_only_the_rest(dead_server: t
     url = f"{base}/train-000001.tar"
     # a fetch that started 1.9 s ago (the record a fetch-ahead process killed mid-fetch would leave): the
     # next caller's retries are handed that record's deadline, not a budget of its own...
-    import pipeline.data.index as index
+    import pipeline.data.cache as cache
 
     until = time.time() + BUDGET_S - 1.9
     record = tmp_path / (cache_name(url) + BUDGET_SUFFIX)
     record.write_text(f'{{"key": "k", "until": {until}}}')
     deadlines: list[float | None] = []
-    real = index._fetch
+    real = cache._fetch
 
     def fetch(shard: str, out: Path, expected: object, policy: object, until: float | None = None) -> None:
         deadlines.append(until)
         real(shard, out, expected, policy, until)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(index, "_fetch", fetch)
+        mp.setattr(cache, "_fetch", fetch)
         spent, _ = _timed_copy(url, tmp_path, "k")
     assert deadlines == [until]
     # ...and stop there: the 0.1 s left (or less: the last backoff that fits) plus a request, under what a
@@ -102,7 +102,7 @@ def test_a_budget_half_spent_leaves_the_next_caller_only_the_rest(dead_server: t
 
 
 def test_a_fetched_shard_clears_its_budget_record(tmp_path: Path) -> None:
-    import pipeline.data.index as index
+    import pipeline.data.cache as cache
 
     url = "http://127.0.0.1:1/ok.tar"
     record = tmp_path / (cache_name(url) + BUDGET_SUFFIX)
@@ -119,7 +119,7 @@ def test_a_fetched_shard_clears_its_budget_record(tmp_path: Path) -> None:
             tar.addfile(info, io.BytesIO(data))
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(index, "_fetch", fake_fetch)
+    mp.setattr(cache, "_fetch", fake_fetch)
     try:
         path = local_copy(url, str(tmp_path), 1 << 30, None, POLICY, "k")
     finally:

@@ -20,8 +20,9 @@ from PIL import Image
 
 from pipeline.config import DataConfig
 from pipeline.data import DataError, build_eval_loader, build_train_loader, tario
-from pipeline.data.index import INDEX_SUFFIX, Indexes
+from pipeline.data.index import INDEX_SUFFIX
 from pipeline.data.info import check_shard_names, read_dataset_info
+from pipeline.data.reader import Indexes
 from pipeline.data.shards import ShardWriter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,13 +118,60 @@ def test_a_url_of_a_scheme_we_read_passes_the_check_at_start(tmp_path: Path, nam
     assert info.splits["train"].shards[1] == name  # a URL is kept as written, not joined to the folder
 
 
+@pytest.mark.parametrize("name", ["../elsewhere/train-000000.tar", "sub/../../train-000000.tar", "sub\\x.tar",
+                                  "./train-000000.tar", "sub//train-000000.tar"])
+def test_a_shard_name_that_leaves_the_data_folder_is_one_line_at_start(tmp_path: Path, name: str) -> None:
+    dataset(tmp_path, names=[name])
+    with pytest.raises(DataError) as e:
+        read_dataset_info(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'dataset.json'}: the name {name!r} is refused ("), str(e.value)
+    assert "\n" not in str(e.value) and "absolute path" in str(e.value)
+
+
+def test_a_dataset_json_from_a_url_names_no_file_of_this_machine(tmp_path: Path) -> None:
+    """A data set read over http(s) or s3 names its shards under its prefix, or by URL: an absolute local path
+    (a key, a credentials file read as a shard) or a climb out of the prefix is refused before any read."""
+    from tests.integration.faults import FaultServer
+
+    for name in ("/etc/passwd", "../other/train-000000.tar"):
+        folder = tmp_path / name.strip("/").replace("/", "_")
+        folder.mkdir()
+        dataset(folder, names=[name])
+        with FaultServer(folder=folder) as server, pytest.raises(DataError) as e:
+            read_dataset_info(server.url)
+        assert str(e.value).startswith(f"{server.url}/dataset.json: "), str(e.value)
+        assert ("is a path on this machine" if name.startswith("/") else "climbs out with '..'") in str(e.value)
+
+
+def test_a_tar_members_name_is_a_sample_key_never_a_path(tmp_path: Path) -> None:
+    """Members named '/.../000000.png' and '../../000001.png' (with their labels) are read as samples; the
+    index goes to the cache; nothing is written where the names point."""
+    import tarfile
+
+    shard = tmp_path / "data" / "odd.tar"
+    shard.parent.mkdir()
+    target = tmp_path / "elsewhere"
+    with tarfile.open(shard, "w") as tar:
+        for key in (f"{target}/000000", "../../000001"):
+            for ext, data in (("png", png(1)), ("cls", b"1")):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    indexes = Indexes(str(tmp_path / "cache"), 1)
+    samples = [indexes.load(str(shard), i).members for i in range(2)]
+    indexes.close()
+    assert samples == [{"png": png(1), "cls": b"1"}] * 2
+    assert not target.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["cache", "data"]
+    assert [p.name for p in shard.parent.iterdir()] == ["odd.tar"]
+
+
 # ----------------------------------------------------------------------------- decompression bombs
 
 
 DECODE = """
 import resource, sys
 from pipeline.data import tario
-from pipeline.data.index import Indexes
+from pipeline.data.reader import Indexes
 raw = Indexes(None, 1).load(sys.argv[1], int(sys.argv[2]))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
@@ -224,7 +272,8 @@ def _evil(path: Path, marker: Path) -> None:
 
 def _steps(stdout: str) -> list[str]:
     """ds_tag.py's own lines (DeepSpeed prints around them)."""
-    return [line for line in stdout.splitlines() if line.split(" ")[0] in ("write", "load", "consolidate", "universal")]
+    return [line for line in stdout.splitlines()
+            if line.split(" ")[0] in ("write", "load", "consolidate", "rename", "universal")]
 
 
 def _free_port() -> int:
@@ -254,6 +303,21 @@ def test_deepspeed_files_carrying_code_are_never_unpickled(tmp_path: Path) -> No
                                                        ["universal", "refused:"]], bad.stdout + bad.stderr[-3000:]
     assert "loading it could run code from the file" in lines[0] and "posix.system" in lines[0], lines[0]
     assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_parameter_name_that_climbs_out_is_refused_before_the_universal_conversion(tmp_path: Path) -> None:
+    """DeepSpeed's ds_to_universal makes a folder per parameter named as the tag says (a tag restored from a
+    bucket, converted on a resume with another world size): '../../../../escaped' is refused, nothing written."""
+    run = tmp_path / "node" / "run"
+    script = [sys.executable, str(ROOT / "tests/unit/fixtures/ds_tag.py"), str(run), "1", str(_free_port())]
+    p = subprocess.run([*script, "write,rename,universal"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = _steps(p.stdout)
+    assert lines[:2] == ["write ok", "rename ok"] and lines[2].startswith("universal refused: "), p.stdout + p.stderr[-3000:]
+    assert "names a parameter '../../../../escaped', not a module's dotted attribute path" in lines[2], lines[2]
+    assert [x.name for x in (tmp_path / "node").iterdir()] == ["run"]  # nothing beside the run directory
+    assert not (run / "universal").exists()
 
 
 @pytest.mark.slow

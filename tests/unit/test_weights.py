@@ -158,6 +158,32 @@ def test_torch_zip_legacy_pickle_and_what_is_neither(tmp_path):
         load_weights(tmp_path / "empty.pth")
 
 
+@pytest.mark.parametrize("header, says", [
+    (b'{"w":{"dtype":"XX","shape":[1],"data_offsets":[0,4]}}', "unknown variant `XX`"),  # safetensors' parser refuses
+    (b'{"__metadata__":{"step":1},"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', "expected a string"),
+    (b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}', "invalid shape, data type, or offset"),
+    (b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}', "whose header is not JSON"),  # ours refuses
+])
+def test_a_malformed_safetensors_header_is_one_line_naming_the_file_from_every_reader(tmp_path, header, says):
+    from pipeline.model.weights import weights_metadata
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    for read in (load_weights, weights_metadata):
+        with pytest.raises(WeightsError) as e:
+            read(path)
+        assert str(e.value).startswith(f"'{path}' is not a weights file: ") and says in str(e.value), str(e.value)
+        assert "\n" not in str(e.value)
+
+
+def test_an_oversized_header_length_is_called_what_it_is(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes((1 << 40).to_bytes(8, "little") + b'{"w": 1}' + bytes(100))  # 2^40: NUL bytes read as text
+    with pytest.raises(WeightsError, match=r"a header length of 1,099,511,627,776 bytes, over safetensors' limit of "
+                                           r"100,000,000: damaged, or not safetensors$"):
+        load_weights(path)
+
+
 def test_maes_training_args_load_but_code_inside_them_does_not_run(tmp_path):
     """main_pretrain.py saves its argparse.Namespace beside the model: rebuilt from plain values, nothing else."""
     torch.save({"model": {"w": torch.ones(2)}, "args": argparse.Namespace(lr=1e-3, model="mae")}, tmp_path / "ok.pth")
