@@ -282,10 +282,14 @@ def check_data(path: str, config: str) -> None:
 
 def check_variant(cfg: Config) -> None:
     """An unknown model.variant is a config error: say so before distributed init, with the valid ones."""
-    from pipeline.model.vit import VARIANTS  # here, not at the top: the command reads its config before torch
+    # here, not at the top: the command reads its config before torch (variants.py is torch-free)
+    from pipeline.model.variants import DINOV3_VARIANTS, VARIANTS  # the ViT's and DINOv3's
 
     if cfg.model.variant not in VARIANTS:
         _fail(f"model.variant='{cfg.model.variant}' is not a known variant; choose one of: {', '.join(VARIANTS)}")
+    if cfg.model.variant in DINOV3_VARIANTS and cfg.model.objective != "supervised":
+        _fail(f"model.variant='{cfg.model.variant}' with model.objective={cfg.model.objective}: a DINOv3 ViT trains "
+              f"with the supervised objective and fine-tunes (--from); MAE and DINOv2 build the ViT of vit.py")
 
 
 def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None, files: ConfigFiles | None = None) -> int:

@@ -15,19 +15,24 @@ not that layout:
   timm's VisionTransformer            timm's names, with or without registers, LayerScale, head: no
                                       mask_token, no decoder (Meta's released mae_pretrain_vit_*.pth, which
                                       hold the encoder only, are in this layout)
+  timm's DINOv3 ViT                   timm's Eva as vit_*_patch16_dinov3[_qkvb] saves it (our DINOv3ViT's
+                                      names): no pos_embed (RoPE; timm does not save its periods),
+                                      reg_token, blocks with gamma_1/gamma_2, attn.qkv.weight and optional
+                                      attn.q_bias/v_bias, mlp.fc1/fc2 or SwiGLU's mlp.fc1_g/fc1_x/fc2
   ours                                a run directory's weights, or a safetensors file our trainer or
                                       launch/export_weights.py wrote (its metadata has a 'step'):
                                       VisionTransformer's names (a DINOv2 run's backbone adds iBOT's
-                                      mask_token (1, D)) or, from an MAE run, MaskedAutoencoderViT's
+                                      mask_token (1, D)), from an MAE run MaskedAutoencoderViT's, or DINOv3ViT's
 
-The first three cannot match the same keys (mask_token's presence and shape, the decoder tell them apart);
+The first four cannot match the same keys (mask_token's presence and shape, the decoder, pos_embed and the
+block's names tell them apart);
 ours names itself, since its DINOv2 backbones can hold exactly the keys of Meta's. A state dict that matches
 none, or more than one, is refused in one line that says what each layout looked for.
 
 What the file says of the architecture (patch, width, depth) is read from it; what it cannot say comes
 from the fine-tune's config: the head count above all (Meta's MAE ViT-H/14 has 80-wide heads, our demos
-other widths). Meta's DINOv2 backbones are the exception: all of Meta's models have 64-wide heads, so the
-file decides the whole architecture (`Recognised.complete`).
+other widths). Meta's DINOv2 backbones and the DINOv3 ViTs are the exception: all of Meta's models have 64-wide
+heads (DINOv3's 7B 128-wide), so the file decides the whole architecture (`Recognised.complete`).
 """
 
 from __future__ import annotations
@@ -121,10 +126,11 @@ def _need(state: dict[str, torch.Tensor], key: str, shape: tuple, shown: str) ->
 
 
 def _blocks(state: dict[str, torch.Tensor], prefix: str, dim: int, mlps: tuple = (_FC,), chunked: bool = False,
-            layer_scale: bool = True) -> tuple[int, dict[str, str]]:
+            layer_scale: bool = True, optional: tuple[set[str], ...] | None = None) -> tuple[int, dict[str, str]]:
     """The blocks under `prefix` ('blocks.', 'decoder_blocks.'), all with the same keys, numbered 0..depth-1:
     (depth, {file key: blocks.I.suffix}). `chunked`: Meta's BlockChunk layout, prefix.CHUNK.I.suffix (I counts
-    across the chunks)."""
+    across the chunks). `optional`: the groups of keys a block may have, each all or none (default: the qkv
+    bias, and LayerScale's gammas where `layer_scale`)."""
     pattern = re.compile(rf"^{re.escape(prefix)}(\d+)\.(?:(\d+)\.)?(.+)$")
     by_block: dict[int, set[str]] = {}
     names: dict[str, str] = {}
@@ -154,13 +160,15 @@ def _blocks(state: dict[str, torch.Tensor], prefix: str, dim: int, mlps: tuple =
     if mlp is None:
         raise _NotThis(f"no {prefix}0.{mlps[0][0]}.weight" + (f" or {mlps[1][0]}.weight" if len(mlps) > 1 else ""))
     expected = _BLOCK | {f"{n}.{p}" for n in mlp for p in ("weight", "bias")}
-    optional = {_QKV_BIAS} | (_LAYER_SCALE if layer_scale else set())
-    missing, extra = sorted(expected - first), sorted(first - expected - optional)
+    if optional is None:
+        optional = ({_QKV_BIAS},) + ((_LAYER_SCALE,) if layer_scale else ())
+    missing, extra = sorted(expected - first), sorted(first - expected - set().union(*optional))
     if missing or extra:
         raise _NotThis(f"{prefix}0.* " + ", ".join(
             ([f"lacks {', '.join(missing[:3])}"] if missing else []) + ([f"has {', '.join(extra[:3])}"] if extra else [])))
-    if len(first & _LAYER_SCALE) == 1:
-        raise _NotThis(f"{prefix}0.* has one of ls1.gamma, ls2.gamma")
+    for group in optional:
+        if 0 < len(first & group) < len(group):
+            raise _NotThis(f"{prefix}0.* has {', '.join(sorted(first & group))} without {', '.join(sorted(group - first))}")
     qkv = state[next(k for k, v in names.items() if v == "blocks.0.attn.qkv.weight")]
     if tuple(qkv.shape) != (3 * dim, dim):
         raise _NotThis(f"{prefix}0.attn.qkv.weight is {tuple(qkv.shape)}, not ({3 * dim}, {dim})")
@@ -279,6 +287,65 @@ def _timm(state: dict[str, torch.Tensor], mask_token: bool = False, name: str = 
     return Recognised(name, {k: state[k] for k in keys | head}, _arch(stem, depth), left_out=left_out)
 
 
+# ----------------------------------------------------------------------------- DINOv3 (pipeline/model/dinov3.py)
+
+# timm's Eva block as its vit_*_patch16_dinov3[_qkvb] models have it: LayerScale as gamma_1/gamma_2 on the block, qkv
+# without a bias (query and value biases apart, the key's a zero buffer that is not saved), the MLP as fc1/fc2 or
+# SwiGLU's separate fc1_g/fc1_x/fc2.
+_SWIGLU_SPLIT = ("mlp.fc1_g", "mlp.fc1_x", "mlp.fc2")
+_EVA_OPTIONAL = ({"attn.q_bias", "attn.v_bias"}, {"gamma_1", "gamma_2"})
+# What each released DINOv3 width is called (pipeline.model.dinov3.VARIANTS), by (width, SwiGLU or not).
+_DINOV3_NAMES = {(384, False): "dinov3_vits16", (384, True): "dinov3_vits16plus", (768, False): "dinov3_vitb16",
+                 (1024, False): "dinov3_vitl16", (1280, True): "dinov3_vith16plus", (4096, True): "dinov3_vit7b16"}
+
+
+def _mlp_ratio(hidden: int, dim: int) -> float:
+    """The mlp_ratio whose int(dim * ratio) is `hidden` (hidden / dim, unless float rounding takes it below)."""
+    ratio = hidden / dim
+    return ratio if int(dim * ratio) == hidden else (hidden + 0.5) / dim
+
+
+def dinov3_arch(state: dict[str, torch.Tensor], dim: int, depth: int, patch: int, heads: int | None = None) -> dict:
+    """A DINOv3 ViT's model config (pipeline.config.ModelConfig's architecture keys, variant included) from its
+    tensors in timm's names. The heads are not stored: 64-wide as in every released DINOv3 ViT but the 7B's
+    (128-wide: 32 heads at 4096), unless `heads` is known (Meta's files store the RoPE periods, d/4 of them)."""
+    swiglu = "blocks.0.mlp.fc1_g.weight" in state
+    hidden = state["blocks.0.mlp.fc1_g.weight" if swiglu else "blocks.0.mlp.fc1.weight"].shape[0]
+    # A released width keeps its variant's SwiGLU rounding; another one is dinov3_vits16's shape with overrides.
+    variant = _DINOV3_NAMES.get((dim, swiglu), "dinov3_vits16")
+    return dict(variant=variant, patch_size=patch, embed_dim=dim, depth=depth,
+                num_heads=heads or (32 if dim == 4096 else max(dim // 64, 1)), mlp_ratio=_mlp_ratio(hidden, dim),
+                qkv_bias="blocks.0.attn.q_bias" in state,
+                init_values=1e-5 if "blocks.0.gamma_1" in state else None,  # a loaded file overwrites every gamma
+                reg_tokens=state["reg_token"].shape[1] if "reg_token" in state else 0, no_embed_class=None,
+                mlp_layer="swiglu" if swiglu else "mlp")
+
+
+def _timm_dinov3(state: dict[str, torch.Tensor], mask_token: bool = False, name: str = "timm's DINOv3 ViT",
+                 complete: bool = True) -> Recognised:
+    """timm's Eva as `vit_*_patch16_dinov3[_qkvb]` saves it (our DINOv3ViT's names): no position table (RoPE, whose
+    periods timm does not save), reg_token, the Eva block, the final norm, a head of any shape or none.
+    `mask_token`: iBOT's (1, D) too, as a DINOv3 run's backbone may have it. `complete`: the file decides the
+    architecture (not for ours, whose run's config does, heads included)."""
+    if "pos_embed" in state:
+        raise _NotThis("it has pos_embed: a learned position table, not RoPE")
+    stem, keys = _stem(state, pos_embed=False)
+    dim = stem["embed_dim"]
+    if "reg_token" in state:
+        _need(state, "reg_token", (1, None, dim), f"(1, R, {dim})")
+        keys.add("reg_token")
+    depth, names = _blocks(state, "blocks.", dim, mlps=(_FC, _SWIGLU_SPLIT), optional=_EVA_OPTIONAL)
+    keys |= set(names) | _norm(state, "norm", dim)
+    left_out = ""
+    if mask_token and "mask_token" in state:
+        _need(state, "mask_token", (1, dim), f"(1, {dim}), iBOT's")
+        left_out = "mask_token (iBOT's, used in pretraining only)"
+    head = {k for k in state if k.startswith("head.")}  # replaced by the fine-tune's
+    _nothing_else(state, keys | head | ({"mask_token"} if mask_token else set()))
+    return Recognised(name, {k: state[k] for k in keys | head},
+                      dinov3_arch(state, dim, depth, stem["patch_size"]), complete=complete, left_out=left_out)
+
+
 def _ours(state: dict[str, torch.Tensor]) -> Recognised:
     try:
         return _timm(state, mask_token=True, name="ours (VisionTransformer's names)")
@@ -286,7 +353,11 @@ def _ours(state: dict[str, torch.Tensor]) -> Recognised:
         try:
             return _meta_mae(state, tables=False, name="ours (an MAE run's MaskedAutoencoderViT)")
         except _NotThis as mae:
-            raise _NotThis(f"VisionTransformer's names: {vit}; MaskedAutoencoderViT's: {mae}") from None
+            try:
+                return _timm_dinov3(state, mask_token=True, name="ours (DINOv3ViT's names)", complete=False)
+            except _NotThis as v3:
+                raise _NotThis(f"VisionTransformer's names: {vit}; MaskedAutoencoderViT's: {mae}; "
+                               f"DINOv3ViT's: {v3}") from None
 
 
 LAYOUTS = (
@@ -296,9 +367,12 @@ LAYOUTS = (
            "blocks.N.* or blocks.C.N.* with mlp.fc1/fc2 or mlp.w12/w3, norm; no head", _meta_dinov2),
     Layout("timm's VisionTransformer", "patch_embed, cls_token, pos_embed, optional reg_token, blocks.N.*, norm or "
            "fc_norm, optional head; no mask_token, no decoder", _timm),
+    Layout("timm's DINOv3 ViT", "patch_embed, cls_token, optional reg_token, no pos_embed, blocks.N.* with "
+           "attn.qkv.weight, optional attn.q_bias/v_bias and gamma_1/gamma_2, mlp.fc1/fc2 or mlp.fc1_g/fc1_x/fc2, "
+           "norm, optional head", _timm_dinov3),
 )
-OURS = Layout("ours", "VisionTransformer's keys, with mask_token (1, D) for a DINOv2 backbone, or "
-              "MaskedAutoencoderViT's", _ours)
+OURS = Layout("ours", "VisionTransformer's keys, with mask_token (1, D) for a DINOv2 backbone, "
+              "MaskedAutoencoderViT's, or DINOv3ViT's", _ours)
 OURS_METADATA = "step"  # what our trainer and launch/export_weights.py write into every model.safetensors
 
 
