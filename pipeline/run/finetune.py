@@ -184,9 +184,9 @@ def meta_arch_config(arch: dict) -> dict:
     architecture key explicit, and the variant of `VARIANTS` that has that architecture (for the name in
     config.yaml); a file no variant matches (a width Meta did not release) is named after the variant of its
     patch size and registers nearest in width, which its explicit keys override. A DINOv3 ViT's architecture
-    (`layouts.dinov3_arch`) names its variant already."""
+    (`layouts_dinov3.dinov3_arch`) names its variant already."""
     keys = [k for k in ARCH_KEYS if k != "variant"]
-    if "variant" in arch:  # a DINOv3 ViT's (layouts.dinov3_arch) names its variant already
+    if "variant" in arch:  # a DINOv3 ViT's (layouts_dinov3.dinov3_arch) names its variant already
         return {k: arch[k] for k in ARCH_KEYS}
 
     def same(a: Any, b: Any) -> bool:  # mlp_ratio is a ratio of integers: ViT-g's 5.33333 vs the preset's 5.33334
