@@ -81,6 +81,10 @@ class DinoConfig:
     """Evaluation: labelled training samples (the first of the train split) that make the k-NN memory."""
     pca_images: int = 4
     """Evaluation: validation images whose teacher patch features' first 3 principal components are drawn as RGB in the MLflow image artifact (0: none)."""
+    collapse_evals: int = 2
+    """Evaluation: warn (in the log, and in MLflow as eval/collapse_warning = 1 and a file under Artifacts, warnings/) when the teacher's target entropy has been at the uniform log K, or the effective rank of its class tokens at 1, for this many evaluations in a row (0: never; pipeline/objectives/dino/collapse.py)."""
+    collapse_tolerance: float = 0.01
+    """Evaluation: how near its collapse value a figure counts as there, relatively: entropy >= (1 - tol) log K, effective rank <= 1 + tol (D - 1)."""
 
 
 def dino_checks(cfg: Config) -> list[Check]:
@@ -114,6 +118,8 @@ def dino_checks(cfg: Config) -> list[Check]:
         ("dino.patch_embed_lr_mult", d.patch_embed_lr_mult >= 0, ">= 0"),
         ("dino.knn_k", d.knn_k >= 0, ">= 0"),
         ("dino.pca_images", d.pca_images >= 0, ">= 0"),
+        ("dino.collapse_evals", d.collapse_evals >= 0, ">= 0"),
+        ("dino.collapse_tolerance", 0 <= d.collapse_tolerance < 1, "in [0, 1)"),
     ]
 
 

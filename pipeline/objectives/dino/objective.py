@@ -22,12 +22,13 @@ from torch import nn
 from pipeline.config import Config, ConfigError
 from pipeline.data import label_free
 from pipeline.data.multicrop import MultiCropConfig
-from pipeline.dist import DistEnv
+from pipeline.dist import DistEnv, is_rank0
 from pipeline.eval import knn_loaders
 from pipeline.model.dino import HEAD_KEYS, DINOv2Model, backbone_state
 from pipeline.model.dino_head import dino_head_flops
 from pipeline.model.vit import VisionTransformer, architecture, model_flops, model_kwargs_from_config
 from pipeline.objectives.base import EvalResult, Objective, TrainView
+from pipeline.objectives.dino.collapse import CollapseMonitor
 from pipeline.objectives.dino.evaluate import evaluate_teacher
 from pipeline.objectives.dino.loss import DINOLoss, KoLeoLoss, iBOTPatchLoss
 from pipeline.objectives.dino.view import MultiCropView
@@ -65,7 +66,8 @@ class DINOv2(Objective):
     trains; the teacher, an EMA of it (momentum cosine from dino.momentum_teacher to 1 over train.steps),
     built beside it and kept here, gives the targets: DINO on the class tokens of 2 global and n local
     crops, iBOT on the masked patches of the global crops, KoLeo on the student's global class tokens.
-    The teacher is what is evaluated (k-NN of its class token, PCA of its patch features) and exported.
+    The teacher is what is evaluated (k-NN of its class token, PCA of its patch features, the collapse
+    figures of collapse.py) and exported.
 
     Layout-free, as every guarantee asks: crops and masks come from each sample's seed; the centres move once
     per optimizer step from the teacher outputs of the whole global batch (sums all-reduced in `after_step`;
@@ -88,6 +90,10 @@ class DINOv2(Objective):
         self.step = 0  # optimizer steps done (the schedules' position)
         self._sums: dict[str, torch.Tensor] = {}  # this step's teacher outputs for the centres: sum, count
         self._window: torch.Tensor | None = None  # train_metrics: per-term sums on the device since the last log
+        # The teacher's target entropy since the last evaluation, summed on the device (sum, micro batches):
+        # the collapse monitor's figure. Rank 0 holds a resumed run's saved sum (state_dict all-reduces it).
+        self._entropy: torch.Tensor | None = None
+        self.collapse = CollapseMonitor(d.head_n_prototypes, d.collapse_evals, d.collapse_tolerance)
         self._window_names: list[str] = []  # what each entry of _window is (its last: the micro batch count)
         self.val_loader: Any = None  # the evaluation's loaders (build_eval)
         self.knn_loader: Any = None
@@ -241,6 +247,8 @@ class DINOv2(Objective):
                               torch.special.entr(t_dino).sum(-1).mean(), torch.ones_like(total)])
         values = torch.where(torch.isfinite(total), values, 0.0)
         self._window = values if self._window is None else self._window + values
+        since = values[-2:].double()  # (entropy, 1), or zeros: the collapse monitor's, until the next evaluation
+        self._entropy = since if self._entropy is None else self._entropy.to(since.device) + since
 
     def train_metrics(self) -> dict[str, torch.Tensor]:
         if self._window is None:
@@ -269,9 +277,32 @@ class DINOv2(Objective):
     def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:  # noqa: ARG002 - the interface (the teacher's own dtype)
         metrics, image = evaluate_teacher(self.teacher, self.val_loader, self.knn_loader, self.cfg, engine.device,
                                           run_dir, step)
+        since = self._entropy_sum(engine.device)
+        entropy = float(since[0] / since[1]) if since[1] > 0 else None
+        if entropy is not None:
+            metrics["eval/teacher_entropy"] = entropy
+        warning = self.collapse.update(entropy, metrics["eval/effective_rank"], self.teacher.backbone.embed_dim)
+        metrics["eval/collapse_warning"] = float(warning is not None)
         knn = f" | k-NN top-1 {100 * metrics['eval/knn_top1']:.2f}%" if "eval/knn_top1" in metrics else ""
-        return EvalResult(metrics, f"eval step {step} | teacher{knn or ': no labels, no k-NN'}",
-                          [(image, "pca")] if image is not None else [])
+        line = (f"eval step {step} | teacher{knn or ': no labels, no k-NN'} | effective rank "
+                f"{metrics['eval/effective_rank']:.2f}")
+        artifacts = [(image, "pca")] if image is not None else []
+        if warning is not None:
+            line += f"\nwarning: {warning}"
+            if run_dir is not None:  # MLflow shows it under Artifacts, warnings/, beside eval/collapse_warning = 1
+                path = run_dir / "warnings" / f"collapse_step{step:08d}.txt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(f"step {step}: {warning}\n")
+                artifacts.append((path, "warnings"))
+        return EvalResult(metrics, line, artifacts)
+
+    def _entropy_sum(self, device: torch.device) -> torch.Tensor:
+        """(entropy sum, micro batches) since the last evaluation over every rank (collective); forgets it."""
+        since = (self._entropy if self._entropy is not None else torch.zeros(2, dtype=torch.float64)).to(device)
+        if dist.is_initialized():
+            dist.all_reduce(since)
+        self._entropy = None
+        return since
 
     def expected_masked_patches(self, model_kwargs: dict[str, Any]) -> float:
         """iBOT's masked patches per image on average: 2 global crops, each masked with probability
@@ -325,8 +356,15 @@ class DINOv2(Objective):
         return self.teacher_ema.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
+        """Collective (every rank: the teacher is gathered, the entropy sum all-reduced); rank 0's is saved."""
+        # The collectives' device: the engine's (NCCL takes CUDA tensors only), the CPU under gloo.
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        entropy = self._entropy_sum(device).cpu()
+        self._entropy = entropy if is_rank0() else None  # the sum goes on, held by rank 0
         return {"step": self.step, "teacher": self._teacher_state(), "dino_center": self.dino_loss.center.cpu(),
-                "ibot_center": self.ibot_loss.center.cpu()}
+                "ibot_center": self.ibot_loss.center.cpu(), "collapse": self.collapse.state_dict(),
+                "entropy_since_eval": entropy}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -337,3 +375,6 @@ class DINOv2(Objective):
         self.teacher_ema.load_state_dict(state["teacher"])
         self.dino_loss.center = state["dino_center"].clone()
         self.ibot_loss.center = state["ibot_center"].clone()
+        self.collapse.load_state_dict(state.get("collapse"))  # absent from a checkpoint written before it
+        since = state.get("entropy_since_eval")
+        self._entropy = since.clone() if since is not None and is_rank0() else None  # summed once over the ranks
