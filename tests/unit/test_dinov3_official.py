@@ -1,5 +1,5 @@
 """DINOv3 against Meta's: a file in Meta's release layout (dinov3/models/vision_transformer.py's names) fine-tunes
-and gives the reference's features.
+and gives the reference's features, and the Gram loss and the Sinkhorn-Knopp targets are Meta's.
 
 Always: the file is written from a table of Meta's keys and shapes (META_TOP, META_BLOCK) out of a timm
 `vit_*_patch16_dinov3` model's random tensors, so timm's features are the reference. With a checkout of
@@ -7,8 +7,9 @@ facebookresearch/dinov3 (not vendored here; Meta's DINOv3 License):
 
     DINOV3_OFFICIAL_REPO=/path/to/dinov3 .venv/bin/python -m pytest tests/unit/test_dinov3_official.py
 
-the table is checked against the official model's state dict, and a file made by the official code from random
-weights fine-tunes with the official model's features.
+the table is checked against the official model's state dict, a file made by the official code from random
+weights fine-tunes with the official model's features, and GramLoss, DINOLoss's and iBOTPatchLoss's
+Sinkhorn-Knopp are compared with the official classes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import pytest
 import torch
 
 from pipeline.model.layouts import LayoutError, recognise
+from pipeline.objectives.dino.loss import DINOLoss, iBOTPatchLoss
+from pipeline.objectives.dinov3 import GramLoss
+from tests.unit.test_dino_official import one_rank_group
 from tests.unit.test_dinov3 import TINY
 from tests.unit.test_dinov3_weights import fine_tune, timm_file
 
@@ -128,6 +132,7 @@ def test_what_metas_layout_holds_that_dinov3vit_cannot_is_refused_with_the_reaso
 def official():
     sys.path.insert(0, REPO)
     try:
+        import dinov3.loss
         import dinov3.models.vision_transformer
 
         yield dinov3
@@ -167,3 +172,33 @@ def test_a_file_made_by_the_official_code_fine_tunes_with_the_official_features(
     torch.testing.assert_close(ours.cls_token, ref["x_norm_clstoken"], atol=1e-5, rtol=0)
     torch.testing.assert_close(ours.reg_tokens, ref["x_storage_tokens"], atol=1e-5, rtol=0)
     torch.testing.assert_close(ours.patch_tokens, ref["x_norm_patchtokens"], atol=1e-5, rtol=0)
+
+
+@official_only
+@pytest.mark.parametrize("kwargs", [dict(remove_neg=False), dict(remove_neg=True), dict(apply_norm=False, remove_neg=False),
+                                    dict(remove_neg=False, remove_only_teacher_neg=True)])
+@pytest.mark.parametrize("img_level", [True, False])
+def test_gram_loss_and_its_gradient_are_metas(official, kwargs, img_level):
+    torch.manual_seed(0)
+    s = torch.randn(3, 10, 16, requires_grad=True)
+    t = torch.randn(3, 10, 16)
+    theirs = official.loss.GramLoss(**kwargs)(s, t, img_level=img_level)
+    (grad_theirs,) = torch.autograd.grad(theirs, s)
+    mine = GramLoss(**kwargs)(s, t, img_level=img_level)
+    (grad_mine,) = torch.autograd.grad(mine, s)
+    torch.testing.assert_close(mine, theirs, atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(grad_mine, grad_theirs, atol=1e-8, rtol=1e-5)
+
+
+@official_only
+def test_sinkhorn_knopp_targets_are_metas(official):
+    torch.manual_seed(0)
+    teacher = torch.randn(12, 40) * 0.5
+    theirs = official.loss.DINOLoss(40).sinkhorn_knopp_teacher(teacher, teacher_temp=0.05)
+    torch.testing.assert_close(DINOLoss(40).sinkhorn_knopp_teacher(teacher, teacher_temp=0.05), theirs, atol=1e-6, rtol=0)
+    patches = torch.randn(30, 40) * 0.5
+    with one_rank_group():  # Meta's iBOT Sinkhorn-Knopp all-reduces without asking
+        # The module uncompiled (iBOTPatchLoss compiles it, which needs a C compiler here for nothing).
+        theirs = official.loss.ibot_patch_loss.SinkhornKnoppTeacher()(patches, 0.05, torch.tensor(30))
+        mine = iBOTPatchLoss(40).sinkhorn_knopp_teacher(patches, 0.05, torch.tensor(30))
+    torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
