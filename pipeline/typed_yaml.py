@@ -58,6 +58,9 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             rows.append((prefix + f.name, repr(default), docs.get(f.name, "")))
+            item = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) is list else None
+            if dataclasses.is_dataclass(item):  # a list of sections: each item's keys
+                rows += describe(item, f"{prefix}{f.name}[].")
     return rows
 
 
@@ -71,6 +74,8 @@ def _type_name(tp: Any) -> str:
         return "[" + ", ".join(_type_name(a) for a in typing.get_args(tp)) + "]"
     if origin is dict:
         return "mapping"
+    if origin is list:
+        return f"list of {_type_name(args[0]) if (args := typing.get_args(tp)) else 'values'}"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -106,6 +111,13 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
         if not isinstance(value, dict):
             raise bad
         return dict(value)
+    if origin is list:  # a list of sections (data.sources): each item checked as its section, named by index
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        item = args[0]
+        if dataclasses.is_dataclass(item):
+            return [from_tree(item, v, where, f"{key}[{i}].") for i, v in enumerate(value)]
+        return [_coerce(v, item, f"{key}[{i}]", where) for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
             return value

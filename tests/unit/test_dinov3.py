@@ -278,7 +278,7 @@ def test_dinov3_variant_builds_under_zero3_init_with_the_seed_weights(tmp_path):
     torch.testing.assert_close(torch.tensor(result["logits"]), expected)
 
 
-def test_model_variant_names_a_dinov3_vit_for_the_supervised_objective_only(capsys):
+def test_model_variant_names_a_dinov3_vit_for_the_supervised_and_dinov3_objectives_only(capsys):
     from pipeline.commands import check_variant
     from pipeline.config import ConfigError, load_config
     from pipeline.model.dinov3 import build_backbone as build_model
@@ -290,7 +290,8 @@ def test_model_variant_names_a_dinov3_vit_for_the_supervised_objective_only(caps
     model = build_model(kwargs)
     assert type(model) is DINOv3ViT and model.head.out_features == 10 and model.blocks[0].attn.q_bias is not None
     assert model_flops(kwargs) == dinov3_flops(kwargs)
-    for wrong, said in ((["model.objective=mae"], "a DINOv3 ViT trains with the supervised objective"),
+    check_variant(load_config(None, ["model.variant=dinov3_vitb16", "model.objective=dinov3"]))
+    for wrong, said in ((["model.objective=mae"], "a DINOv3 ViT trains with the supervised or the dinov3 objective"),
                         (["model.variant=dinov3_vitq16"], "choose one of: .*dinov3_vits16")):
         with pytest.raises(SystemExit):
             check_variant(load_config(None, ["model.variant=dinov3_vitb16", *wrong]))

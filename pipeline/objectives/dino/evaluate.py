@@ -25,12 +25,13 @@ def class_token(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
 
 
 def evaluate_teacher(teacher: nn.Module, val_loader: Any, knn_loader: Any, cfg: Config, device: torch.device,
-                     run_dir: Path | None, step: int) -> tuple[dict[str, float], Path | None]:
+                     run_dir: Path | None, step: int, section: Any = None) -> tuple[dict[str, float], Path | None]:
     """The teacher over the validation split: k-NN top-1 of its L2-normalised class token against the
     labelled train subset (where there are labels; `pipeline.eval.knn_top1`, DINO's weighted vote), the
     effective rank of those class tokens over the whole pass (collapse.py), and on rank 0 the PCA image of the
-    patch features of its first `dino.pca_images` validation images. Every rank runs the same number of
-    forwards (the teacher is gathered once under ZeRO-3)."""
+    patch features of its first `pca_images` validation images (`section`: the objective's config section,
+    cfg.dino for DINOv2). Every rank runs the same number of forwards (the teacher is gathered once under ZeRO-3)."""
+    section = section or cfg.dino
     teacher_dtype = next(teacher.parameters()).dtype
     val, shown, gram = Features(), [], ClassTokenGram()
     samples = torch.zeros(1, dtype=torch.float64, device=device)
@@ -41,13 +42,13 @@ def evaluate_teacher(teacher: nn.Module, val_loader: Any, knn_loader: Any, cfg: 
             val.add(cls, targets, valid)
             gram.add(cls, valid)
             samples += valid.sum()
-            keep = [k for k in range(len(valid)) if bool(valid[k])][:cfg.dino.pca_images - len(shown)]
+            keep = [k for k in range(len(valid)) if bool(valid[k])][:section.pca_images - len(shown)]
             shown += [(images[k].float().cpu(), tokens.patch_tokens[k].float().cpu()) for k in keep]
         if knn_loader is not None:
             memory = extract(knn_loader, lambda x: class_token(teacher, x), device, teacher_dtype)
     metrics: dict[str, float] = {}
     if knn_loader is not None:
-        metrics.update(knn_top1(*val.tensors(), *memory.tensors(), cfg.dino.knn_k))
+        metrics.update(knn_top1(*val.tensors(), *memory.tensors(), section.knn_k))
     raise_if_any_failed(val_loader, knn_loader)  # collective: one failed pass stops all
     if dist.is_initialized():
         dist.all_reduce(samples)
