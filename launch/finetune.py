@@ -6,8 +6,9 @@
     deepspeed launch/finetune.py --config configs/finetune/demo.yaml --from runs/demo-pretrain --res 64
     python launch/finetune.py --config configs/finetune/vit_b16_384.yaml --from vit_b16.safetensors --res 384x512
 
---from: a pretraining run directory, a .safetensors file, a timm-format .pth/.bin state dict, or one of Meta's
-DINOv2 backbone files (dinov2_vitb14_reg4_pretrain.pth: architecture read from it, docs/model.md); without it,
+--from: a pretraining run directory, a .safetensors file, a timm-format .pth/.bin state dict, one of Meta's
+DINOv2 backbone files (dinov2_vitb14_reg4_pretrain.pth) or a timm DINOv3 ViT's weights (architecture read from
+either, docs/model.md; DINOv3's RoPE has no position table to resize at --res); without it,
 the newest finished pretraining run under runs/ (printed). Without --config: the paper's recipe (the train
 section of configs/finetune/vit_b16_384.yaml) with the source run's architecture and data set.
 A restart on the same run.dir keeps the source recorded at its first start. Exit codes as launch/pretrain.py

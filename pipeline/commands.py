@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,9 @@ def _parser(kind: str) -> argparse.ArgumentParser:
 def parse_pretrain_args(argv: list[str]) -> argparse.Namespace:
     parser = _parser("pretrain")
     parser.add_argument("--config", help=f"YAML run config (default: {DEFAULT_PRETRAIN_CONFIG})")
+    parser.add_argument("--from", dest="source", help="a finished run this one continues (a later stage of the same "
+                                                      "recipe: DINOv3's Gram and high-resolution stages), not a "
+                                                      "fine-tune: its model, teachers and state are this run's start")
     return parser.parse_args(argv)
 
 
@@ -96,6 +100,15 @@ def pretrain_config(args: argparse.Namespace) -> tuple[Config, str]:
             ROOT / DEFAULT_PRETRAIN_CONFIG)
         _say(f"no --config: using {config} (the demo; e.g. --config configs/pretrain/vit_b16_i21k.yaml for ViT-B/16)")
     cfg = load_or_exit(config, args.overrides)
+    if getattr(args, "source", None):  # --from: the recipe says which of its keys names the run it continues
+        key = RECIPES[cfg.model.objective].continue_key
+        if key is None:
+            _fail(f"--from {args.source}: model.objective={cfg.model.objective} does not continue a run; fine-tune "
+                  f"from one with launch/finetune.py --from")
+        try:
+            cfg = apply_overrides(cfg, [f"{key}={json.dumps(args.source)}"], where="--from")
+        except ConfigError as e:
+            _fail(str(e))
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, kind="pretrain")), config
 
 
@@ -282,10 +295,15 @@ def check_data(path: str, config: str) -> None:
 
 def check_variant(cfg: Config) -> None:
     """An unknown model.variant is a config error: say so before distributed init, with the valid ones."""
-    from pipeline.model.vit import VARIANTS  # here, not at the top: the command reads its config before torch
+    # here, not at the top: the command reads its config before torch (variants.py is torch-free)
+    from pipeline.model.variants import DINOV3_VARIANTS, VARIANTS  # the ViT's and DINOv3's
 
     if cfg.model.variant not in VARIANTS:
         _fail(f"model.variant='{cfg.model.variant}' is not a known variant; choose one of: {', '.join(VARIANTS)}")
+    if cfg.model.variant in DINOV3_VARIANTS and cfg.model.objective not in ("supervised", "dinov3"):
+        _fail(f"model.variant='{cfg.model.variant}' with model.objective={cfg.model.objective}: a DINOv3 ViT trains "
+              f"with the supervised or the dinov3 objective and fine-tunes (--from); MAE and DINOv2 build the ViT of "
+              f"vit.py")
 
 
 def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None, files: ConfigFiles | None = None) -> int:

@@ -34,7 +34,7 @@ from pipeline.typed_yaml import ConfigError, from_tree, parse_override, read_tre
 @dataclass
 class ModelConfig:
     variant: str = "vit_b16"
-    """Preset from `pipeline.model.vit.VARIANTS` (vit_ti16, vit_s16, vit_b16, vit_b32, vit_l16, vit_l32, vit_h14; DINOv2's vit_s14, vit_b14, vit_l14, vit_g14 and their _reg4 forms; docs/model.md)."""
+    """Preset from `pipeline.model.variants.VARIANTS` (vit_ti16, vit_s16, vit_b16, vit_b32, vit_l16, vit_l32, vit_h14; DINOv2's vit_s14, vit_b14, vit_l14, vit_g14 and their _reg4 forms; DINOv3's RoPE ViTs dinov3_vits16, dinov3_vits16plus, dinov3_vitb16, dinov3_vitl16, dinov3_vith16plus, dinov3_vit7b16; docs/model.md)."""
     img_size: int | tuple[int, int] = 224
     """Training resolution: one int for square images or [height, width]; the data pipeline uses it too."""
     num_classes: int | None = None
@@ -50,7 +50,7 @@ class ModelConfig:
     mlp_ratio: float | None = None
     """Override the MLP hidden size as a multiple of D (paper: 4)."""
     qkv_bias: bool = True
-    """Bias in the query/key/value projection (timm and the paper's released models: True)."""
+    """Bias in the query/key/value projection (timm and the paper's released models: True); a DINOv3 ViT's is on the query and value only, the key's fixed at zero (Meta's mask_k_bias)."""
     drop_rate: float = 0.0
     """Dropout after position embeddings, attention projection and each MLP layer (paper: 0.1 for B and L pretraining)."""
     attn_drop_rate: float = 0.0
@@ -72,7 +72,7 @@ class ModelConfig:
     dynamic_img_size: bool | None = None
     """Accept inputs of any size divisible by the patch size, interpolating the position table (DINO's local crops); None keeps the variant's (on for the DINOv2 variants)."""
     global_pool: Literal["token", "avg"] = "token"
-    """What the head classifies: 'token' the class token after the final norm (the paper), 'avg' the mean of the patch tokens normalised by fc_norm (MAE's fine-tuning; timm's global_pool='avg')."""
+    """What the head classifies: 'token' the class token after the final norm (the paper), 'avg' the mean of the patch tokens normalised by fc_norm (MAE's fine-tuning; timm's global_pool='avg'); for a DINOv3 ViT the mean of the patch tokens after the final norm, no fc_norm (timm's default for its DINOv3 models)."""
     objective: str = "supervised"
     """What pretraining learns from: a recipe registered in pipeline/objectives/ (docs/objectives.md): 'supervised' (labels, the classifier head), 'mae' (masked autoencoding of the images alone, labels unused; the `mae` section; docs/mae.md) or 'dinov2' (self-distillation from an EMA teacher across multi-crops, labels unused; the `dino` section; docs/dino.md)."""
 

@@ -66,6 +66,14 @@ class MultiCropConfig:
     """Probability of solarisation (threshold 128) on the second global crop."""
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
+    horizontal_flips: bool = True
+    """Flip each crop with probability 0.5 (DINOv3's configs: off). Drawn either way, so that turning it off
+    changes no other draw."""
+    gram_crops_size: int | None = None
+    """DINOv3's Gram teacher crops: the same 2 global crops at this side as well (Meta's
+    gram_teacher_crops_size); None: none."""
+    gram_no_distortions: bool = True
+    """The Gram teacher's crops without the photometric distortions (Meta's gram_teacher_no_distortions)."""
 
 
 def _uniform(g: torch.Generator, low: float, high: float) -> float:
@@ -99,7 +107,9 @@ def _crop_box(g: torch.Generator, width: int, height: int, scale: tuple[float, f
 
 
 class MultiCrop:
-    """`MultiCrop(cfg)(image, seed)` -> {"global_crops": [2 x (3, G, G)], "local_crops": [N x (3, L, L)]}."""
+    """`MultiCrop(cfg)(image, seed)` -> {"global_crops": [2 x (3, G, G)], "local_crops": [N x (3, L, L)]}, and
+    with `cfg.gram_crops_size` "gram_crops": [2 x (3, S, S)], the global crops' boxes at side S (Meta's
+    DataAugmentationDINO: each global box cut once at max(G, S) and resized to G and to S, bicubic)."""
 
     def __init__(self, cfg: MultiCropConfig | None = None) -> None:
         self.cfg = cfg or MultiCropConfig()
@@ -109,7 +119,8 @@ class MultiCrop:
 
         top, left, h, w = _crop_box(g, *image.size, scale)
         out = TF.resized_crop(image, top, left, h, w, [size, size], TF.InterpolationMode.BICUBIC)
-        return TF.hflip(out) if torch.rand((), generator=g) < 0.5 else out
+        flip = torch.rand((), generator=g) < 0.5
+        return TF.hflip(out) if flip and self.cfg.horizontal_flips else out
 
     def _photometric(self, g: torch.Generator, image: Image.Image, blur_p: float, solarize_p: float) -> torch.Tensor:
         import torchvision.transforms.functional as TF  # noqa: N812 - in the loader workers only (see _geometric)
@@ -136,21 +147,45 @@ class MultiCrop:
             image = TF.solarize(image, 128)
         return TF.normalize(TF.to_tensor(image), list(cfg.mean), list(cfg.std))
 
+    def _global_and_gram(self, g: torch.Generator, image: Image.Image, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global crop i at G and, for the Gram teacher, at S: one box cut at max(G, S) (the same draws as
+        without Gram crops), resized to each side, distorted before (Meta's) or only for G."""
+        import torchvision.transforms.functional as TF  # noqa: N812 - in the loader workers only (see _geometric)
+
+        cfg, bicubic = self.cfg, TF.InterpolationMode.BICUBIC
+        size, gram = cfg.global_crops_size, cfg.gram_crops_size
+        base = self._geometric(g, image, max(size, gram), cfg.global_crops_scale)
+        distort = dict(blur_p=cfg.blur_p[i], solarize_p=cfg.solarize_p if i == 1 else 0.0)
+        if cfg.gram_no_distortions:
+            crop = self._photometric(g, base if size >= gram else TF.resize(base, [size, size], bicubic), **distort)
+            plain = base if gram >= size else TF.resize(base, [gram, gram], bicubic)
+            return crop, TF.normalize(TF.to_tensor(plain), list(cfg.mean), list(cfg.std))
+        distorted = self._photometric(g, base, **distort)  # at max(G, S), then resized as tensors (Meta's)
+        return tuple(distorted if s == max(size, gram) else TF.resize(distorted, [s, s], bicubic, antialias=True)
+                     for s in (size, gram))
+
     def __call__(self, image: Image.Image, seed: int) -> dict[str, list[torch.Tensor]]:
         cfg = self.cfg
         image = image.convert("RGB")
         g = torch.Generator().manual_seed(seed)
-        global_crops = [
-            self._photometric(g, self._geometric(g, image, cfg.global_crops_size, cfg.global_crops_scale),
-                              blur_p=cfg.blur_p[i], solarize_p=cfg.solarize_p if i == 1 else 0.0)
-            for i in range(2)
-        ]
+        if cfg.gram_crops_size is not None:
+            pairs = [self._global_and_gram(g, image, i) for i in range(2)]
+            global_crops, gram_crops = [c for c, _ in pairs], [t for _, t in pairs]
+        else:
+            global_crops = [
+                self._photometric(g, self._geometric(g, image, cfg.global_crops_size, cfg.global_crops_scale),
+                                  blur_p=cfg.blur_p[i], solarize_p=cfg.solarize_p if i == 1 else 0.0)
+                for i in range(2)
+            ]
         local_crops = [
             self._photometric(g, self._geometric(g, image, cfg.local_crops_size, cfg.local_crops_scale),
                               blur_p=cfg.blur_p[2], solarize_p=0.0)
             for _ in range(cfg.local_crops_number)
         ]
-        return {"global_crops": global_crops, "local_crops": local_crops}
+        out = {"global_crops": global_crops, "local_crops": local_crops}
+        if cfg.gram_crops_size is not None:
+            out["gram_crops"] = gram_crops
+        return out
 
 
 def _add_block(g: torch.Generator, mask: torch.Tensor, max_patches: int, min_patches: int,

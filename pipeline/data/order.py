@@ -58,6 +58,8 @@ AUGMENT, MIXUP, PASS = 2, 3, 4
 MASK, MASK_EVAL = 5, 6
 # DINOv2's iBOT block masks: from a training sample's augmentation seed and the global crop's index.
 IBOT_MASK = 7
+# DINOv3: a step's crop sizes (high-resolution stage) from (seed, step); a crop's RoPE boxes from its sample's seed.
+CROP_SIZES, ROPE_AUG = 8, 9
 
 DEFAULT_PARTITIONS = 512
 """Upper bound of the automatic partition count: locality on up to 512 nodes where the data set allows."""

@@ -62,7 +62,7 @@ class TrainStream(IterableDataset):
     def __init__(self, split: SplitInfo, cfg: DataConfig, img_size: tuple[int, int], micro: int, accum: int,
                  seed: int, rank: int, world_size: int, num_classes: int, label_key: str, ids_only: bool = False,
                  per_batch: Callable[[range], np.ndarray] | None = None,
-                 view: Callable[[Any, int], tuple[torch.Tensor, ...]] | None = None,
+                 view: Callable[[Any, int, int], tuple[torch.Tensor, ...]] | None = None,
                  labels: Labels | None = None, mixture: Mixture | None = None):
         super().__init__()
         # An objective's own view of a sample in place of the train transform (DINOv2's multi-crop):
@@ -196,8 +196,8 @@ class TrainStream(IterableDataset):
         seed = self.order.augment_seed(position)
         transform = self.transform if self.view is None else None  # built (once) outside the seeded draws
         with seeded(seed, restore):
-            if self.view is not None:
-                return self.view(img, seed), label
+            if self.view is not None:  # with the sample's step: a draw for every sample of a step (DINOv3's sizes)
+                return self.view(img, seed, position // (self.micro * self.accum * self.world_size)), label
             if self.draw is not None:  # same RNG calls as self.transform: the same box and flip
                 box, flip = self.draw(img)
                 return (data, box, flip, shard_no), label

@@ -1,6 +1,8 @@
 """DINOv2's student and teacher (Meta's `SSLMetaArch` holds them as ModuleDicts): `DINOv2Model`, a
-`VisionTransformer` backbone with its mask token and the DINO head, plus a separate iBOT head when asked.
-The objective that trains it is pipeline/objectives/dino/; this is the module, beside MAE's (mae.py).
+`VisionTransformer` backbone with its mask token and the DINO head, plus a separate iBOT head when asked;
+`DINOv3Model`, the same on the DINOv3 backbone (`DINOv3ViT`: RoPE, storage tokens), whose student takes each
+crop's RoPE augmentation draws. The objectives that train them are pipeline/objectives/dino/ and dinov3/;
+these are the modules, beside MAE's (mae.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 from pipeline.model.dino_head import DINOHead
+from pipeline.model.dinov3 import DINOv3ViT
 from pipeline.model.layers import init_param, trunc_normal
 from pipeline.model.vit import VisionTransformer
 
@@ -28,13 +31,14 @@ class DINOv2Model(nn.Module):
 
     ARCH_KEYS = (*VisionTransformer.ARCH_KEYS, *HEAD_KEYS)
     """The constructor arguments that decide the weights: the backbone's and the heads'."""
+    backbone_class: type[nn.Module] = VisionTransformer
 
     def __init__(self, head_n_prototypes: int = 65536, head_hidden_dim: int = 2048, head_bottleneck_dim: int = 256,
                  head_nlayers: int = 3, ibot_separate_head: bool = False, ibot_head_n_prototypes: int = 65536,
                  ibot_head_bottleneck_dim: int = 256, patch_embed_lr_mult: float = 1.0, **vit_kwargs: Any) -> None:
         super().__init__()
         self.patch_embed_lr_mult = patch_embed_lr_mult
-        self.backbone = VisionTransformer(**{**vit_kwargs, "num_classes": 0, "mask_token": True})
+        self.backbone = self.backbone_class(**{**vit_kwargs, "num_classes": 0, "mask_token": True})
         dim = self.backbone.embed_dim
 
         def head(out_dim: int, bottleneck_dim: int) -> DINOHead:
@@ -83,18 +87,27 @@ class DINOv2Model(nn.Module):
 
     # -- the student's forward (through the DeepSpeed engine) and the teacher's
     def forward(self, global_crops: torch.Tensor, local_crops: torch.Tensor | None,
-                masks: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                masks: torch.Tensor | None, rope_aug: tuple[torch.Tensor, torch.Tensor | None] | None = None
+                ) -> dict[str, torch.Tensor]:
         """Student: global crops (2B, 3, G, G) crop-major, with iBOT's `masks` (2B, N) on their patches;
-        local crops (nB, 3, L, L) or None. Returns the heads' outputs of the global and local class tokens,
-        of the masked patches (in `masks`' row-major order) and the global class tokens before the head
-        (KoLeo's input)."""
-        g = self.backbone.forward_tokens(global_crops, masks)
-        out = {"global_cls": g.cls_token, "global": self.dino_head(g.cls_token)}
+        local crops (nB, 3, L, L) or None; `rope_aug` (DINOv3's) the RoPE boxes of the global and the local
+        crops, (2B, depth, 5) and (nB, depth, 5). Returns the heads' outputs of the global and local class
+        tokens, of the masked patches (in `masks`' row-major order), the global class tokens before the head
+        (KoLeo's input) and the global patch tokens after the final norm (Gram anchoring's)."""
+        g_aug, l_aug = rope_aug if rope_aug is not None else (None, None)
+        g = self._tokens(global_crops, masks, g_aug)
+        out = {"global_cls": g.cls_token, "global": self.dino_head(g.cls_token), "global_patch": g.patch_tokens}
         if local_crops is not None:
-            out["local"] = self.dino_head(self.backbone.forward_tokens(local_crops).cls_token)
+            out["local"] = self.dino_head(self._tokens(local_crops, None, l_aug).cls_token)
         if masks is not None:
             out["masked"] = self.patch_head(g.patch_tokens[masks])
         return out
+
+    def _tokens(self, images: torch.Tensor, masks: torch.Tensor | None, rope_aug: torch.Tensor | None) -> Any:
+        # Only a RoPE backbone takes augmentation draws (a ViT's forward_tokens has no such argument).
+        if rope_aug is None:
+            return self.backbone.forward_tokens(images, masks)
+        return self.backbone.forward_tokens(images, masks, rope_aug)
 
     @torch.no_grad()
     def teacher_forward(self, global_crops: torch.Tensor, masks: torch.Tensor | None
@@ -106,6 +119,16 @@ class DINOv2Model(nn.Module):
         first, second = t.cls_token.chunk(2)
         cls_out = self.dino_head(torch.cat([second, first]))
         return cls_out, (self.patch_head(t.patch_tokens[masks]) if masks is not None else None)
+
+
+class DINOv3Model(DINOv2Model):
+    """DINOv3's student and teacher (Meta's dinov3 `SSLMetaArch`): `DINOv2Model` on a `DINOv3ViT` backbone.
+    The constructor takes DINOv3ViT's arguments (RoPE, storage tokens) and the heads'; the RoPE augmentation
+    (rope_shift_coords and the rest) acts in the student's training forward only, through the draws handed
+    to it (`rope_aug`): the teacher runs in eval mode, without it, as Meta's."""
+
+    ARCH_KEYS = (*DINOv3ViT.ARCH_KEYS, *HEAD_KEYS)
+    backbone_class = DINOv3ViT
 
 
 def backbone_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

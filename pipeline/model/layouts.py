@@ -15,19 +15,29 @@ not that layout:
   timm's VisionTransformer            timm's names, with or without registers, LayerScale, head: no
                                       mask_token, no decoder (Meta's released mae_pretrain_vit_*.pth, which
                                       hold the encoder only, are in this layout)
+  timm's DINOv3 ViT                   timm's Eva as vit_*_patch16_dinov3[_qkvb] saves it (our DINOv3ViT's
+                                      names): no pos_embed (RoPE; timm does not save its periods),
+                                      reg_token, blocks with gamma_1/gamma_2, attn.qkv.weight and optional
+                                      attn.q_bias/v_bias, mlp.fc1/fc2 or SwiGLU's mlp.fc1_g/fc1_x/fc2
+  Meta's DINOv3 backbone              facebookresearch/dinov3's released .pth (DinoVisionTransformer):
+                                      storage_tokens, mask_token (1, D), rope_embed.periods, ls1/ls2.gamma,
+                                      qkv.bias with its bias_mask, mlp.fc1/fc2 or SwiGLU's w1/w2/w3
+                                      (layouts_dinov3.py converts it)
   ours                                a run directory's weights, or a safetensors file our trainer or
                                       launch/export_weights.py wrote (its metadata has a 'step'):
                                       VisionTransformer's names (a DINOv2 run's backbone adds iBOT's
-                                      mask_token (1, D)) or, from an MAE run, MaskedAutoencoderViT's
+                                      mask_token (1, D)), from an MAE run MaskedAutoencoderViT's, or DINOv3ViT's
 
-The first three cannot match the same keys (mask_token's presence and shape, the decoder tell them apart);
+The first five cannot match the same keys (mask_token's presence and shape, the decoder, pos_embed, the RoPE
+periods and the block's names tell them apart);
 ours names itself, since its DINOv2 backbones can hold exactly the keys of Meta's. A state dict that matches
 none, or more than one, is refused in one line that says what each layout looked for.
 
 What the file says of the architecture (patch, width, depth) is read from it; what it cannot say comes
 from the fine-tune's config: the head count above all (Meta's MAE ViT-H/14 has 80-wide heads, our demos
-other widths). Meta's DINOv2 backbones are the exception: all of Meta's models have 64-wide heads, so the
-file decides the whole architecture (`Recognised.complete`).
+other widths). Meta's DINOv2 backbones and the DINOv3 ViTs are the exception: all of Meta's models have 64-wide
+heads (DINOv3's 7B 128-wide; Meta's DINOv3 files say it: their RoPE periods), so the file decides the whole
+architecture (`Recognised.complete`). The parts every reader is made of are layout_parts.py.
 """
 
 from __future__ import annotations
@@ -38,47 +48,28 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.model.layout_parts import (  # noqa: F401 (LayoutError, Recognised: re-exported)
+    FC,
+    W12,
+    LayoutError,
+    NotThis,
+    Recognised,
+    encoder_arch,
+    need,
+    nothing_else,
+    read_blocks,
+    read_norm,
+    read_stem,
+)
+from pipeline.model.layouts_dinov3 import meta_dinov3, timm_dinov3
 from pipeline.model.weights import WeightsError
-
-
-class LayoutError(WeightsError):
-    """A state dict in no layout, or in several: the message names the source and what each looked for."""
-
-
-@dataclass
-class Recognised:
-    layout: str  # the layout's name, for messages
-    state: dict[str, torch.Tensor]  # the encoder in our VisionTransformer's names and layout (a head kept)
-    arch: dict  # what the file says: patch_size, embed_dim, depth; all constructor arguments when complete
-    complete: bool = False  # the file decides the whole architecture, heads included (Meta's DINOv2)
-    left_out: str = ""  # what the file holds that is not loaded ("the decoder ... and its mask_token")
-
-    def mismatch(self, kwargs: dict) -> str | None:
-        """What of the file's architecture the model's constructor arguments contradict, or None."""
-        keys = ("patch_size", "embed_dim", "depth")
-        if all(self.arch[k] == kwargs[k] for k in keys):
-            return None
-        return (f"the file's encoder is patch {self.arch['patch_size']}, width {self.arch['embed_dim']}, depth "
-                f"{self.arch['depth']}; the config's model is patch {kwargs['patch_size']}, width {kwargs['embed_dim']}, "
-                f"depth {kwargs['depth']}: set model.patch_size, model.embed_dim, model.depth (and model.num_heads, "
-                f"which the file does not say) to the file's, or pick the model.variant it was trained as")
-
-    def describe(self) -> str:
-        """One phrase for the log: what was read, and what was left out."""
-        a = self.arch
-        said = f"patch {a['patch_size']}, width {a['embed_dim']}, depth {a['depth']}"
-        return f"{self.layout}, {said}" + (f"; left out: {self.left_out}" if self.left_out else "")
-
-
-class _NotThis(Exception):
-    """Why a state dict is not one layout: a clause of the refusal."""
 
 
 @dataclass(frozen=True)
 class Layout:
     name: str
     looks_for: str  # the signature in a few words, for the refusal
-    read: Callable[[dict[str, torch.Tensor]], Recognised]  # raises _NotThis when the state dict is not this one
+    read: Callable[[dict[str, torch.Tensor]], Recognised]  # raises NotThis when the state dict is not this one
 
 
 def recognise(state: dict[str, torch.Tensor], source: str = "state dict", ours: bool = False) -> Recognised:
@@ -90,7 +81,7 @@ def recognise(state: dict[str, torch.Tensor], source: str = "state dict", ours: 
     for layout in candidates:
         try:
             found[layout.name] = layout.read(state)
-        except _NotThis as e:
+        except NotThis as e:
             why.append(f"{layout.name} ({layout.looks_for}): {e}")
     if len(found) == 1:
         return next(iter(found.values()))
@@ -99,109 +90,6 @@ def recognise(state: dict[str, torch.Tensor], source: str = "state dict", ours: 
         raise LayoutError(f"{source}: weights in no layout known here; looked for " + "; ".join(why) + f"; {held}")
     raise LayoutError(f"{source}: its keys match {' and '.join(found)} alike, which read them differently; {held}")
 
-
-# ----------------------------------------------------------------------------- the parts of a ViT
-
-# One transformer block in timm's names (timm's Block, which MAE's encoder and decoder are, and ours is): two
-# norms, attention and an MLP; a qkv bias and LayerScale are options. Meta's DINOv2 names SwiGLU's MLP w12/w3.
-_BLOCK = {"norm1.weight", "norm1.bias", "attn.qkv.weight", "attn.proj.weight", "attn.proj.bias", "norm2.weight",
-          "norm2.bias"}
-_FC, _W12 = ("mlp.fc1", "mlp.fc2"), ("mlp.w12", "mlp.w3")
-_QKV_BIAS, _LAYER_SCALE = "attn.qkv.bias", {"ls1.gamma", "ls2.gamma"}
-
-
-def _need(state: dict[str, torch.Tensor], key: str, shape: tuple, shown: str) -> torch.Tensor:
-    """state[key], whose shape is `shape` (None: any size there), or _NotThis naming it (`shown`: '(1, 1, D)')."""
-    if key not in state:
-        raise _NotThis(f"no {key}")
-    t = state[key]
-    if t.ndim != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
-        raise _NotThis(f"{key} is {tuple(t.shape)}, not {shown}")
-    return t
-
-
-def _blocks(state: dict[str, torch.Tensor], prefix: str, dim: int, mlps: tuple = (_FC,), chunked: bool = False,
-            layer_scale: bool = True) -> tuple[int, dict[str, str]]:
-    """The blocks under `prefix` ('blocks.', 'decoder_blocks.'), all with the same keys, numbered 0..depth-1:
-    (depth, {file key: blocks.I.suffix}). `chunked`: Meta's BlockChunk layout, prefix.CHUNK.I.suffix (I counts
-    across the chunks)."""
-    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)\.(?:(\d+)\.)?(.+)$")
-    by_block: dict[int, set[str]] = {}
-    names: dict[str, str] = {}
-    kinds = set()
-    for key in state:
-        if not key.startswith(prefix):
-            continue
-        m = pattern.match(key)
-        if not m or (m.group(2) is not None and not chunked):
-            raise _NotThis(f"{key} is not {prefix}N.*")
-        kinds.add(m.group(2) is not None)
-        index = int(m.group(2) if m.group(2) is not None else m.group(1))
-        by_block.setdefault(index, set()).add(m.group(3))
-        names[key] = f"blocks.{index}.{m.group(3)}"
-    if not by_block:
-        raise _NotThis(f"no {prefix}N.*")
-    if len(kinds) > 1:
-        raise _NotThis(f"{prefix}* mixes chunked and flat keys")
-    depth = len(by_block)
-    if sorted(by_block) != list(range(depth)):
-        raise _NotThis(f"{prefix}N.* not numbered 0..{depth - 1}")
-    first = by_block[0]
-    odd = next((i for i in range(depth) if by_block[i] != first), None)
-    if odd is not None:
-        raise _NotThis(f"{prefix}{odd}.* and {prefix}0.* have different keys")
-    mlp = next((m for m in mlps if f"{m[0]}.weight" in first), None)
-    if mlp is None:
-        raise _NotThis(f"no {prefix}0.{mlps[0][0]}.weight" + (f" or {mlps[1][0]}.weight" if len(mlps) > 1 else ""))
-    expected = _BLOCK | {f"{n}.{p}" for n in mlp for p in ("weight", "bias")}
-    optional = {_QKV_BIAS} | (_LAYER_SCALE if layer_scale else set())
-    missing, extra = sorted(expected - first), sorted(first - expected - optional)
-    if missing or extra:
-        raise _NotThis(f"{prefix}0.* " + ", ".join(
-            ([f"lacks {', '.join(missing[:3])}"] if missing else []) + ([f"has {', '.join(extra[:3])}"] if extra else [])))
-    if len(first & _LAYER_SCALE) == 1:
-        raise _NotThis(f"{prefix}0.* has one of ls1.gamma, ls2.gamma")
-    qkv = state[next(k for k, v in names.items() if v == "blocks.0.attn.qkv.weight")]
-    if tuple(qkv.shape) != (3 * dim, dim):
-        raise _NotThis(f"{prefix}0.attn.qkv.weight is {tuple(qkv.shape)}, not ({3 * dim}, {dim})")
-    return depth, names
-
-
-def _stem(state: dict[str, torch.Tensor], pos_embed: bool = True) -> tuple[dict, set[str]]:
-    """Width, channels and patch from patch_embed.proj (D, C, P, P), with cls_token (1, 1, D) and pos_embed
-    (1, T, D) beside it: (the architecture, the keys)."""
-    proj = _need(state, "patch_embed.proj.weight", (None, None, None, None), "(D, C, P, P)")
-    dim, chans, ph, pw = proj.shape
-    if ph != pw:
-        raise _NotThis(f"patch_embed.proj.weight is {tuple(proj.shape)}: a non-square patch")
-    _need(state, "patch_embed.proj.bias", (dim,), f"({dim},)")
-    _need(state, "cls_token", (1, 1, dim), f"(1, 1, {dim})")
-    keys = {"patch_embed.proj.weight", "patch_embed.proj.bias", "cls_token"}
-    pos_rows = None
-    if pos_embed or "pos_embed" in state:
-        pos_rows = _need(state, "pos_embed", (1, None, dim), f"(1, T, {dim})").shape[1]
-        keys.add("pos_embed")
-    return dict(patch_size=ph, in_chans=chans, embed_dim=dim, pos_rows=pos_rows), keys
-
-
-def _norm(state: dict[str, torch.Tensor], name: str, dim: int) -> set[str]:
-    _need(state, f"{name}.weight", (dim,), f"({dim},)")
-    _need(state, f"{name}.bias", (dim,), f"({dim},)")
-    return {f"{name}.weight", f"{name}.bias"}
-
-
-def _nothing_else(state: dict[str, torch.Tensor], accounted: set[str]) -> None:
-    extra = sorted(set(state) - accounted)
-    if extra:
-        raise _NotThis(f"{len(extra)} keys not in it ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})")
-
-
-def _arch(stem: dict, depth: int) -> dict:
-    """What the file says of the architecture and `Recognised.mismatch` checks, in our constructor's names. The
-    rest (registers, LayerScale, the MLP, qkv bias) the load checks by name and shape."""
-    return dict(patch_size=stem["patch_size"], embed_dim=stem["embed_dim"], depth=depth)
-
-
 # ----------------------------------------------------------------------------- the layouts
 
 
@@ -209,25 +97,25 @@ def _meta_mae(state: dict[str, torch.Tensor], tables: bool = True, name: str = "
               ) -> Recognised:
     """MaskedAutoencoderViT (models_mae.py): the encoder, then the decoder. `tables`: the fixed sin-cos tables
     pos_embed and decoder_pos_embed are there (an MAE run's checkpoint, consolidated, holds parameters only)."""
-    stem, keys = _stem(state, pos_embed=tables)
+    stem, keys = read_stem(state, pos_embed=tables)
     dim = stem["embed_dim"]
-    depth, names = _blocks(state, "blocks.", dim, layer_scale=False)
-    keys |= _norm(state, "norm", dim) | set(names)
+    depth, names = read_blocks(state, "blocks.", dim, layer_scale=False)
+    keys |= read_norm(state, "norm", dim) | set(names)
     encoder = {k: state[k] for k in keys}
-    dec = _need(state, "mask_token", (1, 1, None), "(1, 1, Dd), MAE's decoder's").shape[-1]
-    _need(state, "decoder_embed.weight", (dec, dim), f"({dec}, {dim})")
-    _need(state, "decoder_embed.bias", (dec,), f"({dec},)")
+    dec = need(state, "mask_token", (1, 1, None), "(1, 1, Dd), MAE's decoder's").shape[-1]
+    need(state, "decoder_embed.weight", (dec, dim), f"({dec}, {dim})")
+    need(state, "decoder_embed.bias", (dec,), f"({dec},)")
     if tables or "decoder_pos_embed" in state:  # a row per token, as pos_embed
         rows = stem["pos_rows"]
-        _need(state, "decoder_pos_embed", (1, rows, dec), f"(1, {rows or 'T'}, {dec})")
-    dec_depth, dec_names = _blocks(state, "decoder_blocks.", dec, layer_scale=False)
+        need(state, "decoder_pos_embed", (1, rows, dec), f"(1, {rows or 'T'}, {dec})")
+    dec_depth, dec_names = read_blocks(state, "decoder_blocks.", dec, layer_scale=False)
     patch_pixels = stem["patch_size"] ** 2 * stem["in_chans"]
-    _need(state, "decoder_pred.weight", (patch_pixels, dec), f"({patch_pixels}, {dec}): P*P*C pixels per patch")
-    _need(state, "decoder_pred.bias", (patch_pixels,), f"({patch_pixels},)")
+    need(state, "decoder_pred.weight", (patch_pixels, dec), f"({patch_pixels}, {dec}): P*P*C pixels per patch")
+    need(state, "decoder_pred.bias", (patch_pixels,), f"({patch_pixels},)")
     dropped = {"mask_token", "decoder_embed.weight", "decoder_embed.bias", "decoder_pos_embed", "decoder_pred.weight",
-               "decoder_pred.bias", *dec_names} | _norm(state, "decoder_norm", dec)
-    _nothing_else(state, keys | dropped)
-    return Recognised(name, encoder, _arch(stem, depth),
+               "decoder_pred.bias", *dec_names} | read_norm(state, "decoder_norm", dec)
+    nothing_else(state, keys | dropped)
+    return Recognised(name, encoder, encoder_arch(stem, depth),
                       left_out=f"the decoder (depth {dec_depth}, width {dec}) and its mask_token")
 
 
@@ -238,17 +126,17 @@ def _meta_dinov2(state: dict[str, torch.Tensor]) -> Recognised:
     if "backbone.cls_token" in state:
         heads = sorted({k.split(".")[0] for k in state if not k.startswith("backbone.")})
         if set(heads) - {"dino_head", "ibot_head"}:
-            raise _NotThis(f"backbone.* beside {', '.join(heads)}, not only a teacher's dino_head and ibot_head")
+            raise NotThis(f"backbone.* beside {', '.join(heads)}, not only a teacher's dino_head and ibot_head")
         if heads:
             left_out.append("the teacher's " + " and ".join(heads))
         state = {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}
-    stem, keys = _stem(state)
+    stem, keys = read_stem(state)
     dim = stem["embed_dim"]
-    _need(state, "mask_token", (1, dim), f"(1, {dim}), DINOv2's")
+    need(state, "mask_token", (1, dim), f"(1, {dim}), DINOv2's")
     if "register_tokens" in state:
-        _need(state, "register_tokens", (1, None, dim), f"(1, R, {dim})")
-    _, names = _blocks(state, "blocks.", dim, mlps=(_FC, _W12), chunked=True)
-    _nothing_else(state, keys | {"mask_token", "register_tokens"} | _norm(state, "norm", dim) | set(names))
+        need(state, "register_tokens", (1, None, dim), f"(1, R, {dim})")
+    _, names = read_blocks(state, "blocks.", dim, mlps=(FC, W12), chunked=True)
+    nothing_else(state, keys | {"mask_token", "register_tokens"} | read_norm(state, "norm", dim) | set(names))
     converted, kwargs = convert_dinov2_state_dict(state)
     return Recognised("Meta's DINOv2 backbone", converted, kwargs, complete=True, left_out=" and ".join(left_out))
 
@@ -258,35 +146,39 @@ def _timm(state: dict[str, torch.Tensor], mask_token: bool = False, name: str = 
     """timm's VisionTransformer with a class token (our VisionTransformer's names): registers, LayerScale,
     SwiGLU (packed fc1), the final norm or fc_norm (global_pool='avg'), a head of any shape. `mask_token`:
     iBOT's (1, D) too, as our DINOv2 runs' backbones have it."""
-    stem, keys = _stem(state)
+    stem, keys = read_stem(state)
     dim = stem["embed_dim"]
     if "reg_token" in state:
-        _need(state, "reg_token", (1, None, dim), f"(1, R, {dim})")
+        need(state, "reg_token", (1, None, dim), f"(1, R, {dim})")
         keys.add("reg_token")
-    depth, names = _blocks(state, "blocks.", dim)
+    depth, names = read_blocks(state, "blocks.", dim)
     keys |= set(names)
     norms = [n for n in ("norm", "fc_norm") if f"{n}.weight" in state]
     if not norms:
-        raise _NotThis("no norm.weight or fc_norm.weight")
+        raise NotThis("no norm.weight or fc_norm.weight")
     for n in norms:
-        keys |= _norm(state, n, dim)
+        keys |= read_norm(state, n, dim)
     left_out = ""
     if mask_token and "mask_token" in state:
-        _need(state, "mask_token", (1, dim), f"(1, {dim}), iBOT's")
+        need(state, "mask_token", (1, dim), f"(1, {dim}), iBOT's")
         left_out = "mask_token (iBOT's, used in pretraining only)"
     head = {k for k in state if k.startswith(("head.", "pre_logits."))}  # replaced by the fine-tune's
-    _nothing_else(state, keys | head | ({"mask_token"} if mask_token else set()))
-    return Recognised(name, {k: state[k] for k in keys | head}, _arch(stem, depth), left_out=left_out)
+    nothing_else(state, keys | head | ({"mask_token"} if mask_token else set()))
+    return Recognised(name, {k: state[k] for k in keys | head}, encoder_arch(stem, depth), left_out=left_out)
 
 
 def _ours(state: dict[str, torch.Tensor]) -> Recognised:
     try:
         return _timm(state, mask_token=True, name="ours (VisionTransformer's names)")
-    except _NotThis as vit:
+    except NotThis as vit:
         try:
             return _meta_mae(state, tables=False, name="ours (an MAE run's MaskedAutoencoderViT)")
-        except _NotThis as mae:
-            raise _NotThis(f"VisionTransformer's names: {vit}; MaskedAutoencoderViT's: {mae}") from None
+        except NotThis as mae:
+            try:
+                return timm_dinov3(state, mask_token=True, name="ours (DINOv3ViT's names)", complete=False)
+            except NotThis as v3:
+                raise NotThis(f"VisionTransformer's names: {vit}; MaskedAutoencoderViT's: {mae}; "
+                              f"DINOv3ViT's: {v3}") from None
 
 
 LAYOUTS = (
@@ -296,9 +188,15 @@ LAYOUTS = (
            "blocks.N.* or blocks.C.N.* with mlp.fc1/fc2 or mlp.w12/w3, norm; no head", _meta_dinov2),
     Layout("timm's VisionTransformer", "patch_embed, cls_token, pos_embed, optional reg_token, blocks.N.*, norm or "
            "fc_norm, optional head; no mask_token, no decoder", _timm),
+    Layout("timm's DINOv3 ViT", "patch_embed, cls_token, optional reg_token, no pos_embed, blocks.N.* with "
+           "attn.qkv.weight, optional attn.q_bias/v_bias and gamma_1/gamma_2, mlp.fc1/fc2 or mlp.fc1_g/fc1_x/fc2, "
+           "norm, optional head", timm_dinov3),
+    Layout("Meta's DINOv3 backbone", "patch_embed, cls_token, storage_tokens, mask_token (1, D), rope_embed.periods, "
+           "blocks.N.* with ls1/ls2.gamma, attn.qkv.bias and bias_mask, mlp.fc1/fc2 or mlp.w1/w2/w3, norm, optional "
+           "local_cls_norm; no head", meta_dinov3),
 )
-OURS = Layout("ours", "VisionTransformer's keys, with mask_token (1, D) for a DINOv2 backbone, or "
-              "MaskedAutoencoderViT's", _ours)
+OURS = Layout("ours", "VisionTransformer's keys, with mask_token (1, D) for a DINOv2 backbone, "
+              "MaskedAutoencoderViT's, or DINOv3ViT's", _ours)
 OURS_METADATA = "step"  # what our trainer and launch/export_weights.py write into every model.safetensors
 
 

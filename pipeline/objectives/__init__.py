@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline import config
 from pipeline.config import Config, ConfigFiles
-from pipeline.objectives import dino_config, mae_config, supervised_config
+from pipeline.objectives import dino_config, dinov3_config, mae_config, supervised_config
 from pipeline.objectives.recipe import Recipe, objectives_config
 from pipeline.typed_yaml import describe
 
@@ -24,6 +24,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     supervised_config.RECIPE,
     mae_config.RECIPE,
     dino_config.RECIPE,
+    dinov3_config.RECIPE,
 )}
 
 ObjectivesConfig = objectives_config(RECIPES.values())

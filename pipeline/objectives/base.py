@@ -50,12 +50,13 @@ class TrainView:
     per_batch: Callable[[range], np.ndarray] | None = None
     """A picklable function of a micro batch's global sample positions, run in the loader workers; its result
     reaches `loss` as `extras` (MAE's mask noise). None: no extras."""
-    sample: Callable[[Any, int], tuple[torch.Tensor, ...]] | None = None
-    """A picklable function (PIL image, the sample's augmentation seed) -> normalised float tensors (and
-    masks), run in the loader workers in place of the train transform; `loss` then gets the micro batch's
-    images as a tuple, each part stacked over the samples (DINOv2's global and local crops). Every random
-    draw must come from the seed, so that a sample's views are the same on any layout. None: the train
-    transform (one image per sample)."""
+    sample: Callable[[Any, int, int], tuple[torch.Tensor, ...]] | None = None
+    """A picklable function (PIL image, the sample's augmentation seed, its optimizer step) -> normalised float
+    tensors (and masks), run in the loader workers in place of the train transform; `loss` then gets the micro
+    batch's images as a tuple, each part stacked over the samples (DINOv2's global and local crops). Every
+    random draw must come from the seed, or from the step for what every sample of a step shares (DINOv3's
+    crop sizes), so that a sample's views are the same on any layout. None: the train transform (one image
+    per sample)."""
 
 
 @dataclass

@@ -81,39 +81,55 @@ class DinoConfig:
     """Evaluation: labelled training samples (the first of the train split) that make the k-NN memory."""
     pca_images: int = 4
     """Evaluation: validation images whose teacher patch features' first 3 principal components are drawn as RGB in the MLflow image artifact (0: none)."""
+    collapse_evals: int = 2
+    """Evaluation: warn (in the log, and in MLflow as eval/collapse_warning = 1 and a file under Artifacts, warnings/) when the teacher's target entropy has been at the uniform log K, or the effective rank of its class tokens at 1, for this many evaluations in a row (0: never; pipeline/objectives/dino/collapse.py)."""
+    collapse_tolerance: float = 0.01
+    """Evaluation: how near its collapse value a figure counts as there, relatively: entropy >= (1 - tol) log K, effective rank <= 1 + tol (D - 1)."""
 
 
 def dino_checks(cfg: Config) -> list[Check]:
     """`validate`'s checks of a model.objective 'dinov2' run (none for another objective)."""
-    if cfg.model.objective != "dinov2":
-        return []
-    d = cfg.dino
+    return section_checks(cfg, "dinov2", "dino") if cfg.model.objective == "dinov2" else []
+
+
+def section_checks(cfg: Config, objective: str, key: str) -> list[Check]:
+    """The checks of a self-distillation run whose section is `key` (dino; DINOv3's dinov3 extends DinoConfig)."""
+    d, o = getattr(cfg, key), f"model.objective '{objective}'"
     return [
         ("data.mixup", cfg.data.mixup == 0 and cfg.data.cutmix == 0,
-         "0 with model.objective 'dinov2' (as data.cutmix: the crops are the augmentation)"),
-        ("data.decode_device", cfg.data.decode_device == "cpu", "'cpu' with model.objective 'dinov2' (multi-crop "
-         "runs in the loader workers)"),
+         f"0 with {o} (as data.cutmix: the crops are the augmentation)"),
+        ("data.decode_device", cfg.data.decode_device == "cpu", f"'cpu' with {o} (multi-crop runs in the loader "
+         "workers)"),
         ("model.representation_size", cfg.model.representation_size is None,
-         "null with model.objective 'dinov2' (the backbone has no classifier head)"),
+         f"null with {o} (the backbone has no classifier head)"),
         ("train.ema_decay", cfg.train.ema_decay is None,
-         "null with model.objective 'dinov2' (its teacher is the EMA of the student: dino.momentum_teacher)"),
-        ("dino.local_crops_number", d.local_crops_number >= 0, ">= 0"),
-        ("dino.local_crops_size", d.local_crops_size > 0, "> 0"),
-        ("dino.mask_probability", 0 <= d.mask_probability <= 1, "in [0, 1]"),
-        ("dino.color_jitter_p", 0 <= d.color_jitter_p <= 1, "in [0, 1]"),
-        ("dino.greyscale_p", 0 <= d.greyscale_p <= 1, "in [0, 1]"),
-        ("dino.blur_p", all(0 <= p <= 1 for p in d.blur_p), "3 probabilities in [0, 1]"),
-        ("dino.solarize_p", 0 <= d.solarize_p <= 1, "in [0, 1]"),
-        ("dino.mask_ratio", 0 <= d.mask_ratio[0] <= d.mask_ratio[1] < 1, "[low, high] with 0 <= low <= high < 1"),
-        ("dino.head_n_prototypes", d.head_n_prototypes > 0, "> 0"),
-        ("dino.head_nlayers", d.head_nlayers >= 1, ">= 1"),
-        ("dino.teacher_temp_warmup_steps", d.teacher_temp_warmup_steps >= 0, ">= 0"),
-        ("dino.momentum_teacher", 0 <= d.momentum_teacher <= d.final_momentum_teacher <= 1,
-         "in [0, dino.final_momentum_teacher] (and that at most 1)"),
-        ("dino.freeze_last_layer_steps", d.freeze_last_layer_steps >= 0, ">= 0"),
-        ("dino.patch_embed_lr_mult", d.patch_embed_lr_mult >= 0, ">= 0"),
-        ("dino.knn_k", d.knn_k >= 0, ">= 0"),
-        ("dino.pca_images", d.pca_images >= 0, ">= 0"),
+         f"null with {o} (its teacher is the EMA of the student: {key}.momentum_teacher)"),
+        *((f"{key}.{name}", holds, expected) for name, holds, expected in _section_values(d)),
+    ]
+
+
+def _section_values(d: DinoConfig) -> list[Check]:
+    final = d.final_momentum_teacher if d.final_momentum_teacher is not None else d.momentum_teacher  # DINOv3's None
+    return [
+        ("local_crops_number", d.local_crops_number >= 0, ">= 0"),
+        ("local_crops_size", d.local_crops_size > 0, "> 0"),
+        ("mask_probability", 0 <= d.mask_probability <= 1, "in [0, 1]"),
+        ("color_jitter_p", 0 <= d.color_jitter_p <= 1, "in [0, 1]"),
+        ("greyscale_p", 0 <= d.greyscale_p <= 1, "in [0, 1]"),
+        ("blur_p", all(0 <= p <= 1 for p in d.blur_p), "3 probabilities in [0, 1]"),
+        ("solarize_p", 0 <= d.solarize_p <= 1, "in [0, 1]"),
+        ("mask_ratio", 0 <= d.mask_ratio[0] <= d.mask_ratio[1] < 1, "[low, high] with 0 <= low <= high < 1"),
+        ("head_n_prototypes", d.head_n_prototypes > 0, "> 0"),
+        ("head_nlayers", d.head_nlayers >= 1, ">= 1"),
+        ("teacher_temp_warmup_steps", d.teacher_temp_warmup_steps >= 0, ">= 0"),
+        ("momentum_teacher", 0 <= d.momentum_teacher <= final <= 1,
+         "in [0, final_momentum_teacher] (and that at most 1)"),
+        ("freeze_last_layer_steps", d.freeze_last_layer_steps >= 0, ">= 0"),
+        ("patch_embed_lr_mult", d.patch_embed_lr_mult >= 0, ">= 0"),
+        ("knn_k", d.knn_k >= 0, ">= 0"),
+        ("pca_images", d.pca_images >= 0, ">= 0"),
+        ("collapse_evals", d.collapse_evals >= 0, ">= 0"),
+        ("collapse_tolerance", 0 <= d.collapse_tolerance < 1, "in [0, 1)"),
     ]
 
 

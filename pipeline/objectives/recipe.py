@@ -36,6 +36,11 @@ class Recipe:
     recipe when `launch/finetune.py` has no --config; None: the paper's (pipeline/commands.py)."""
     finetune_data: tuple[str, ...] = ()
     """data.* keys such a fine-tune takes from its recipe rather than from the source (its augmentation)."""
+    more_sections: tuple[tuple[str, type], ...] = ()
+    """Further sections the recipe owns, (key, dataclass) each (DINOv3's `gram`)."""
+    continue_key: str | None = None
+    """The config key `launch/pretrain.py --from RUN_DIR` sets: the recipe continues a finished run of its own
+    (DINOv3's later stages, dinov3.continue_from); None: the recipe does not continue runs."""
 
 
 def objectives_config(recipes: Iterable[Recipe]) -> type[Config]:
@@ -50,6 +55,7 @@ def objectives_config(recipes: Iterable[Recipe]) -> type[Config]:
 
     fields = [(r.section, r.config, dataclasses.field(default_factory=r.config))
               for r in recipes if r.section is not None]
+    fields += [(key, section, dataclasses.field(default_factory=section)) for r in recipes for key, section in r.more_sections]
     cls = dataclasses.make_dataclass("ObjectivesConfig", fields, bases=(Config,),
                                      namespace={"section_checks": section_checks})
     cls.__module__ = "pipeline.objectives"  # where it is bound (pickled by that name)

@@ -1,7 +1,8 @@
 """Supervised classification: the ViT paper's pretraining and every fine-tuning run.
 
 Cross-entropy on the labels (soft targets under Mixup/CutMix), top-1/top-5 and loss over the whole
-validation split. The model is `VisionTransformer`; its FLOPs are `model_flops`.
+validation split. The model is `VisionTransformer`, or `DINOv3ViT` for a DINOv3 variant (`dinov3.backbone_class`
+tells them by their arguments); its FLOPs are that class's (`variants.model_flops` counts either).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import torch.nn.functional as F
 
 from pipeline.data import DataError, build_eval_loader, raise_if_any_failed
 from pipeline.dist import DistEnv
-from pipeline.model.vit import VisionTransformer, model_flops, model_kwargs_from_config
+from pipeline.model.dinov3 import backbone_class, build_backbone
+from pipeline.model.variants import model_flops, model_kwargs_from_config
+from pipeline.model.vit import VisionTransformer, architecture
 from pipeline.objectives.base import EvalResult, Objective
 from pipeline.train.metrics import topk_correct
 
@@ -39,7 +42,16 @@ class Supervised(Objective):
         if kwargs["num_classes"] != info.num_classes:
             raise DataError(f"model.num_classes={kwargs['num_classes']} but {info.path} has "
                             f"{info.num_classes} classes")
+        # The class these arguments build, whose ARCH_KEYS a resume compares (a DINOv3 ViT's name its RoPE).
+        self.model_class = backbone_class(kwargs)
         return kwargs
+
+    def build_model(self, model_kwargs: dict[str, Any]) -> torch.nn.Module:
+        return build_backbone(model_kwargs)  # VisionTransformer, or DINOv3ViT for a DINOv3 variant
+
+    @classmethod
+    def exported_architecture(cls, model_kwargs: dict[str, Any]) -> dict[str, Any]:
+        return architecture(backbone_class(model_kwargs), model_kwargs)
 
     def build_eval(self, env: DistEnv, img_size: tuple[int, int], batch: int) -> list[Any]:
         self.val_loader = build_eval_loader(self.cfg.data, img_size, batch, rank=env.rank,

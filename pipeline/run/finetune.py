@@ -10,13 +10,14 @@
     a pickle; pickles read with `torch.load(weights_only=True)`: nothing executes code), its layout by its
     keys (`layouts.recognise`): ours, timm's ViT (e.g. `vit_base_patch16_224`'s model.safetensors), Meta's
     MAE pretraining checkpoint (the decoder left out), Meta's DINOv2 backbone (`dinov2_vitb14_pretrain.pth`:
-    its architecture read from the tensors, its keys converted to ours).
+    its architecture read from the tensors, its keys converted to ours), timm's DINOv3 ViT (its architecture
+    read from the tensors; RoPE: no position table to resize).
 
 The architecture (patch size, width, depth, heads) comes from the source's config.yaml when there is one,
-from the file for Meta's DINOv2, else from the fine-tune's config, checked against the file's patch, width
-and depth; the source's grid from its img_size (`finetune.source_img_size` for a bare file with a
-non-square grid); the new grid from `--res`. Position embeddings are resized with `resize_pos_embed`, the
-class token kept.
+from the file for Meta's DINOv2 and timm's DINOv3, else from the fine-tune's config, checked against the
+file's patch, width and depth; the source's grid from its img_size (`finetune.source_img_size` for a bare
+file with a non-square grid); the new grid from `--res`. Position embeddings are resized with
+`resize_pos_embed`, the class token kept (a DINOv3 ViT has none: RoPE).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pipeline.model.layers import init_param
 from pipeline.model.layouts import is_ours, recognise
 from pipeline.model.mae import sincos_pos_embed_2d
 from pipeline.model.pos_embed import resize_pos_embed
-from pipeline.model.variants import VARIANTS, model_kwargs_from_config, variant_kwargs
+from pipeline.model.variants import DINOV3_VARIANTS, VARIANTS, model_kwargs_from_config, variant_kwargs
 from pipeline.model.vit import VisionTransformer, architecture
 from pipeline.model.weights import (
     NotWeightsFile,
@@ -139,12 +140,12 @@ def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[s
     found = recognise(source_state_dict(src), f"--from {src.path}",
                       ours=src.config is not None or (src.path.is_file() and is_ours(weights_metadata(src.path))))
     state = found.state
-    if found.complete:  # Meta's DINOv2: the file says the whole architecture
+    if found.complete:  # Meta's DINOv2, a DINOv3 ViT: the file says the whole architecture
         source_model = dataclasses.replace(model_cfg, **meta_arch_config(found.arch))
         _refuse_arch_overrides(cfg, dataclasses.replace(cfg, model=source_model), cli_model_keys,
                                f"--from {cfg.finetune.source} ({found.layout})")
         model_cfg = dataclasses.replace(model_cfg, **{k: getattr(source_model, k) for k in ARCH_KEYS})
-        source_img_size = source_img_size or found.arch["img_size"]
+        source_img_size = source_img_size or found.arch.get("img_size")  # DINOv3: none (RoPE has no table)
         _say(f"--from {src.path}: {found.layout}, {describe_arch(found.arch)}"
              + (f"; left out: {found.left_out}" if found.left_out else ""))
     else:  # the file says patch, width and depth, not the heads: the architecture is the config's, checked
@@ -182,13 +183,16 @@ def meta_arch_config(arch: dict) -> dict:
     """ModelConfig fields for the architecture `convert_dinov2_state_dict` read from a Meta file, every
     architecture key explicit, and the variant of `VARIANTS` that has that architecture (for the name in
     config.yaml); a file no variant matches (a width Meta did not release) is named after the variant of its
-    patch size and registers nearest in width, which its explicit keys override."""
+    patch size and registers nearest in width, which its explicit keys override. A DINOv3 ViT's architecture
+    (`layouts_dinov3.dinov3_arch`) names its variant already."""
     keys = [k for k in ARCH_KEYS if k != "variant"]
+    if "variant" in arch:  # a DINOv3 ViT's (layouts_dinov3.dinov3_arch) names its variant already
+        return {k: arch[k] for k in ARCH_KEYS}
 
     def same(a: Any, b: Any) -> bool:  # mlp_ratio is a ratio of integers: ViT-g's 5.33333 vs the preset's 5.33334
         return math.isclose(a, b, rel_tol=1e-4) if isinstance(a, float) and isinstance(b, float) else a == b
 
-    presets = {v: architecture(VisionTransformer, variant_kwargs(v)) for v in VARIANTS}
+    presets = {v: architecture(VisionTransformer, variant_kwargs(v)) for v in VARIANTS if v not in DINOV3_VARIANTS}
     exact = [v for v, a in presets.items() if all(same(a[k], arch[k]) for k in keys)]
     kin = [v for v, a in presets.items() if (a["patch_size"], a["reg_tokens"]) == (arch["patch_size"], arch["reg_tokens"])]
     variant = exact[0] if exact else min(kin or presets, key=lambda v: abs(presets[v]["embed_dim"] - arch["embed_dim"]))
@@ -198,7 +202,7 @@ def meta_arch_config(arch: dict) -> dict:
 def describe_arch(arch: dict) -> str:
     return (f"patch {arch['patch_size']}, width {arch['embed_dim']}, depth {arch['depth']}, {arch['num_heads']} heads, "
             f"{arch['mlp_layer']} MLP, LayerScale {'on' if arch['init_values'] else 'off'}, "
-            f"{arch['reg_tokens']} registers, trained at {arch['img_size']} px")
+            f"{arch['reg_tokens']} registers" + (f", trained at {arch['img_size']} px" if arch.get("img_size") else ""))
 
 
 def _refuse_arch_overrides(cfg: Config, source: Config, cli_model_keys, where: str) -> None:
@@ -261,8 +265,11 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size, prob
         head = "zero head"
     else:
         head = "head drawn by the model's init (finetune.head_init=model)"
-    _say(f"loaded {len(expected)} tensors from {src.path}; position embeddings {old_tokens} -> "
-         f"{new_grid[0]}x{new_grid[1]} grid tokens; new {head} with {model.num_classes} classes")
+    # RoPE (a DINOv3 ViT) has no table: the rotary positions of any grid are computed as the model runs.
+    positions = (f"position embeddings {old_tokens} -> {new_grid[0]}x{new_grid[1]} grid tokens"
+                 if hasattr(model, "pos_embed") else
+                 f"RoPE: no position table to resize, the {new_grid[0]}x{new_grid[1]} grid's positions are computed as it runs")
+    _say(f"loaded {len(expected)} tensors from {src.path}; {positions}; new {head} with {model.num_classes} classes")
     return {}
 
 

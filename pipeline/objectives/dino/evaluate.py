@@ -15,6 +15,7 @@ from torch import nn
 from pipeline.config import Config, DataConfig
 from pipeline.data import raise_if_any_failed
 from pipeline.eval import Features, extract, knn_top1
+from pipeline.objectives.dino.collapse import ClassTokenGram
 from pipeline.train import ds_compat
 
 
@@ -24,30 +25,35 @@ def class_token(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
 
 
 def evaluate_teacher(teacher: nn.Module, val_loader: Any, knn_loader: Any, cfg: Config, device: torch.device,
-                     run_dir: Path | None, step: int) -> tuple[dict[str, float], Path | None]:
+                     run_dir: Path | None, step: int, section: Any = None) -> tuple[dict[str, float], Path | None]:
     """The teacher over the validation split: k-NN top-1 of its L2-normalised class token against the
-    labelled train subset (where there are labels; `pipeline.eval.knn_top1`, DINO's weighted vote), and on rank 0
-    the PCA image of the patch features of its first `dino.pca_images` validation images. Every rank runs
-    the same number of forwards (the teacher is gathered once under ZeRO-3)."""
+    labelled train subset (where there are labels; `pipeline.eval.knn_top1`, DINO's weighted vote), the
+    effective rank of those class tokens over the whole pass (collapse.py), and on rank 0 the PCA image of the
+    patch features of its first `pca_images` validation images (`section`: the objective's config section,
+    cfg.dino for DINOv2). Every rank runs the same number of forwards (the teacher is gathered once under ZeRO-3)."""
+    section = section or cfg.dino
     teacher_dtype = next(teacher.parameters()).dtype
-    val, shown = Features(), []
+    val, shown, gram = Features(), [], ClassTokenGram()
     samples = torch.zeros(1, dtype=torch.float64, device=device)
     with ds_compat.gathered(teacher):
         for images, targets, valid in val_loader:
             tokens = teacher.backbone.forward_tokens(images.to(device, teacher_dtype, non_blocking=True))
-            val.add(F.normalize(tokens.cls_token.float(), dim=-1), targets, valid)
+            cls = F.normalize(tokens.cls_token.float(), dim=-1)
+            val.add(cls, targets, valid)
+            gram.add(cls, valid)
             samples += valid.sum()
-            keep = [k for k in range(len(valid)) if bool(valid[k])][:cfg.dino.pca_images - len(shown)]
+            keep = [k for k in range(len(valid)) if bool(valid[k])][:section.pca_images - len(shown)]
             shown += [(images[k].float().cpu(), tokens.patch_tokens[k].float().cpu()) for k in keep]
         if knn_loader is not None:
             memory = extract(knn_loader, lambda x: class_token(teacher, x), device, teacher_dtype)
     metrics: dict[str, float] = {}
     if knn_loader is not None:
-        metrics.update(knn_top1(*val.tensors(), *memory.tensors(), cfg.dino.knn_k))
+        metrics.update(knn_top1(*val.tensors(), *memory.tensors(), section.knn_k))
     raise_if_any_failed(val_loader, knn_loader)  # collective: one failed pass stops all
     if dist.is_initialized():
         dist.all_reduce(samples)
     metrics["eval/samples"] = samples.item()
+    metrics["eval/effective_rank"] = gram.effective_rank()
     image = None
     if shown and run_dir is not None:
         grid = teacher.backbone.grid_size

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,13 @@ from torch import nn
 from pipeline.config import Config, ConfigError
 from pipeline.data import label_free
 from pipeline.data.multicrop import MultiCropConfig
-from pipeline.dist import DistEnv
+from pipeline.dist import DistEnv, is_rank0
 from pipeline.eval import knn_loaders
 from pipeline.model.dino import HEAD_KEYS, DINOv2Model, backbone_state
 from pipeline.model.dino_head import dino_head_flops
-from pipeline.model.vit import VisionTransformer, architecture, model_flops, model_kwargs_from_config
+from pipeline.model.vit import architecture, model_flops, model_kwargs_from_config
 from pipeline.objectives.base import EvalResult, Objective, TrainView
+from pipeline.objectives.dino.collapse import CollapseMonitor
 from pipeline.objectives.dino.evaluate import evaluate_teacher
 from pipeline.objectives.dino.loss import DINOLoss, KoLeoLoss, iBOTPatchLoss
 from pipeline.objectives.dino.view import MultiCropView
@@ -45,19 +47,44 @@ def _cosine(step: int, total: int, start: float, end: float) -> float:
     return end + 0.5 * (start - end) * (1 + math.cos(math.pi * min(step, total) / max(total, 1)))
 
 
-def dinov2_model_kwargs(cfg: Config) -> dict[str, Any]:
+def dinov2_model_kwargs(cfg: Config, section: str = "dino") -> dict[str, Any]:
     """`DINOv2Model` arguments: the backbone from model.* (as a supervised ViT, no classifier, any input
-    size for the local crops) and the heads from dino.*."""
+    size for the local crops) and the heads from the recipe's section (dino.*; DINOv3's dinov3.*)."""
+    d = getattr(cfg, section)
     vit = model_kwargs_from_config(cfg.model, 0)
     patch, img = vit["patch_size"], vit["img_size"]
     size = img if isinstance(img, int) else img[0]
     if not isinstance(img, int) and img[0] != img[1]:
-        raise ConfigError(f"model.img_size={list(img)}: DINOv2's global crops are square; give one side")
-    if size % patch or cfg.dino.local_crops_size % patch:
-        raise ConfigError(f"model.img_size ({size}) and dino.local_crops_size ({cfg.dino.local_crops_size}) must be "
+        raise ConfigError(f"model.img_size={list(img)}: self-distillation's global crops are square; give one side")
+    if size % patch or d.local_crops_size % patch:
+        raise ConfigError(f"model.img_size ({size}) and {section}.local_crops_size ({d.local_crops_size}) must be "
                           f"multiples of the patch size ({patch}): the crops are cut into whole patches")
-    vit.update(num_classes=0, dynamic_img_size=True)
-    return {**vit, **{k: getattr(cfg.dino, k) for k in HEAD_KEYS}}
+    if "rope_temperature" not in vit:  # a RoPE backbone takes any grid without being told
+        vit.update(dynamic_img_size=True)
+    vit.update(num_classes=0)
+    return {**vit, **{k: getattr(d, k) for k in HEAD_KEYS}}
+
+
+@dataclass
+class Views:
+    """One micro batch's crops as the student and teacher take them: crop-major, as Meta's collate (all
+    images' first global crop, then all second ones), and the student's further forward arguments."""
+
+    global_crops: torch.Tensor
+    """(2B, 3, G, G)"""
+    local_crops: torch.Tensor | None
+    """(nB, 3, L, L); None without local crops"""
+    masks: torch.Tensor | None
+    """(2B, N) iBOT's masks of the global crops' patches; None without iBOT"""
+    batch: int
+    n_local: int
+    student: dict[str, Any] = field(default_factory=dict)
+    """More keyword arguments of the student's forward (DINOv3's RoPE draws)."""
+
+
+def crop_major(x: torch.Tensor) -> torch.Tensor:
+    """(B, n, ...) per sample, as the loader stacks a view -> (n B, ...) crop-major."""
+    return x.transpose(0, 1).flatten(0, 1)
 
 
 class DINOv2(Objective):
@@ -65,20 +92,25 @@ class DINOv2(Objective):
     trains; the teacher, an EMA of it (momentum cosine from dino.momentum_teacher to 1 over train.steps),
     built beside it and kept here, gives the targets: DINO on the class tokens of 2 global and n local
     crops, iBOT on the masked patches of the global crops, KoLeo on the student's global class tokens.
-    The teacher is what is evaluated (k-NN of its class token, PCA of its patch features) and exported.
+    The teacher is what is evaluated (k-NN of its class token, PCA of its patch features, the collapse
+    figures of collapse.py) and exported.
 
     Layout-free, as every guarantee asks: crops and masks come from each sample's seed; the centres move once
     per optimizer step from the teacher outputs of the whole global batch (sums all-reduced in `after_step`;
     Meta, without gradient accumulation, does the same per iteration); KoLeo's neighbours are those of the
     micro batch (the same samples on any layout with the same micro batch size). Sinkhorn-Knopp normalises
     over the micro batches of one accumulation round of all ranks, which depends on the layout.
+
+    DINOv3 (pipeline/objectives/dinov3/) is this recipe on another backbone with more terms: it reads its own
+    section (`section`), and extends `views` and `loss_terms`.
     """
 
     model_class = DINOv2Model
+    section = "dino"  # the config section the recipe reads (DINOv3: dinov3)
 
     def __init__(self, cfg: Config, info: Any):
         super().__init__(cfg, info)
-        d = cfg.dino
+        d = self.d
         self.teacher: DINOv2Model | None = None
         self.teacher_ema: Ema | None = None  # the teacher's update (built with it, in build_companions)
         self.dino_loss = DINOLoss(d.head_n_prototypes, student_temp=d.student_temp)
@@ -89,15 +121,26 @@ class DINOv2(Objective):
         self._sums: dict[str, torch.Tensor] = {}  # this step's teacher outputs for the centres: sum, count
         self._window: torch.Tensor | None = None  # train_metrics: per-term sums on the device since the last log
         self._window_names: list[str] = []  # what each entry of _window is (its last: the micro batch count)
+        # The teacher's target entropy since the last evaluation, summed on the device (sum, micro batches):
+        # the collapse monitor's figure. Rank 0 holds a resumed run's saved sum (state_dict all-reduces it).
+        self._entropy: torch.Tensor | None = None
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")  # the engine's (before_step says): where collectives of the objective's own run
+        self.collapse = CollapseMonitor(d.head_n_prototypes, d.collapse_evals, d.collapse_tolerance)
         self.val_loader: Any = None  # the evaluation's loaders (build_eval)
         self.knn_loader: Any = None
 
+    @property
+    def d(self) -> Any:
+        """The recipe's config section (dino.*)."""
+        return getattr(self.cfg, self.section)
+
     # -- the models
     def model_kwargs(self) -> dict[str, Any]:
-        return dinov2_model_kwargs(self.cfg)
+        return dinov2_model_kwargs(self.cfg, self.section)
 
     def build_model(self, model_kwargs: dict[str, Any]) -> nn.Module:
-        return DINOv2Model(**model_kwargs, patch_embed_lr_mult=self.cfg.dino.patch_embed_lr_mult)
+        return self.model_class(**model_kwargs, patch_embed_lr_mult=self.d.patch_embed_lr_mult)
 
     def build_companions(self, model: nn.Module, model_kwargs: dict[str, Any],
                          init: Callable[[], AbstractContextManager[Any]]) -> None:
@@ -105,7 +148,7 @@ class DINOv2(Objective):
         # EMA at momentum 0.992-1 in bf16 would round most updates away; Meta's FSDP teacher keeps fp32
         # shards too), under ZeRO-3 partitioned as the student, so that its EMA runs on each rank's shard.
         with init():
-            self.teacher = DINOv2Model(**{**model_kwargs, "drop_path_rate": 0.0})
+            self.teacher = self.model_class(**{**model_kwargs, "drop_path_rate": 0.0})
         self.teacher.requires_grad_(False)
         self.teacher.eval()
         # Meta's update (teacher x m + student x (1 - m)) of the parameters, on each rank's own partitions at
@@ -118,34 +161,38 @@ class DINOv2(Objective):
         # No labels read (DINOv2 trains on unlabelled shards); each sample's crops and masks in the workers.
         return TrainView(label_free(self.cfg.data), sample=self.multicrop_view(model_kwargs))
 
-    def multicrop_view(self, model_kwargs: dict[str, Any]) -> MultiCropView:
-        d, data = self.cfg.dino, self.cfg.data
-        img, patch = model_kwargs["img_size"], model_kwargs["patch_size"]
-        size = img if isinstance(img, int) else img[0]
-        # dino.*'s crop settings under MultiCropConfig's names; the global crop's size is the model's, the
-        # normalisation the data's.
+    def crop_config(self, model_kwargs: dict[str, Any], **overrides: Any) -> MultiCropConfig:
+        """The section's crop settings under MultiCropConfig's names; the global crop's size is the model's,
+        the normalisation the data's."""
+        d, data = self.d, self.cfg.data
+        img = model_kwargs["img_size"]
         shared = {f.name: _plain(getattr(d, f.name)) for f in dataclasses.fields(MultiCropConfig) if hasattr(d, f.name)}
-        crops = MultiCropConfig(**shared, global_crops_size=size, mean=tuple(data.mean), std=tuple(data.std))
-        return MultiCropView(crops, (size // patch, size // patch), d.mask_probability, tuple(d.mask_ratio))
+        return MultiCropConfig(**{**shared, "global_crops_size": img if isinstance(img, int) else img[0],
+                                  "mean": tuple(data.mean), "std": tuple(data.std), **overrides})
+
+    def multicrop_view(self, model_kwargs: dict[str, Any]) -> MultiCropView:
+        crops, patch = self.crop_config(model_kwargs), model_kwargs["patch_size"]
+        side = crops.global_crops_size // patch
+        return MultiCropView(crops, (side, side), self.d.mask_probability, tuple(self.d.mask_ratio))
 
     def build_eval(self, env: DistEnv, img_size: tuple[int, int], batch: int) -> list[Any]:
         self.val_loader, self.knn_loader = knn_loaders(self.cfg.data, self.info, env, img_size, batch,
-                                                       self.cfg.dino.knn_k, self.cfg.dino.knn_train_samples)
+                                                       self.d.knn_k, self.d.knn_train_samples)
         return [x for x in (self.val_loader, self.knn_loader) if x is not None]
 
     # -- the schedules
     def teacher_temp(self, step: int) -> float:
-        d = self.cfg.dino
+        d = self.d
         if step >= d.teacher_temp_warmup_steps:
             return d.teacher_temp
         return d.warmup_teacher_temp + (d.teacher_temp - d.warmup_teacher_temp) * step / d.teacher_temp_warmup_steps
 
     def momentum(self, step: int) -> float:
-        d = self.cfg.dino
+        d = self.d
         return _cosine(step, self.cfg.train.steps, d.momentum_teacher, d.final_momentum_teacher)
 
     def weight_decay(self, step: int) -> float:
-        return _cosine(step, self.cfg.train.steps, self.cfg.train.weight_decay, self.cfg.dino.weight_decay_end)
+        return _cosine(step, self.cfg.train.steps, self.cfg.train.weight_decay, self.d.weight_decay_end)
 
     @torch.no_grad()
     def before_step(self, engine: Any, step: int) -> None:
@@ -158,13 +205,13 @@ class DINOv2(Objective):
         needs no restoring after the freeze: the trainer's schedule sets every group's lr after each
         optimizer step, before the next `before_step`."""
         wd = self.weight_decay(step)
-        frozen = step < self.cfg.dino.freeze_last_layer_steps
+        frozen = step < self.d.freeze_last_layer_steps
         for group in engine.optimizer.param_groups:
             if group.get("decay", group.get("weight_decay", 0.0) > 0):
                 group["weight_decay"] = wd
             if frozen and group.get("role") == "last_layer":
                 group["lr"] = 0.0
-        device = engine.device
+        self.device = device = engine.device
         self.teacher_ema.to(device)
         for loss in (self.dino_loss, self.ibot_loss):
             loss.to(device)
@@ -175,72 +222,84 @@ class DINOv2(Objective):
         self._sums[name] = self._sums[name] + total if name in self._sums else total
 
     # -- a step
-    def loss(self, engine: Any, images: Any, targets: torch.Tensor, extras: torch.Tensor | None) -> torch.Tensor:  # noqa: ARG002 - the interface
-        d = self.cfg.dino
-        global_crops, local_crops, masks = images
-        b, n_local = global_crops.shape[0], local_crops.shape[1]
-        # Crop-major, as Meta's collate: all images' first global crop, then all second ones.
-        global_crops = global_crops.transpose(0, 1).flatten(0, 1)
-        local_crops = local_crops.transpose(0, 1).flatten(0, 1) if n_local else None
-        masks = masks.transpose(0, 1).flatten(0, 1) if d.ibot_loss_weight > 0 else None
-        temp = self.teacher_temp(self.step)
+    def views(self, images: Any) -> Views:
+        """The loader's per-sample stacks (the view's parts) as the models take them."""
+        global_crops, local_crops, masks = images[:3]
+        n_local = local_crops.shape[1]
+        return Views(crop_major(global_crops), crop_major(local_crops) if n_local else None,
+                     crop_major(masks) if self.d.ibot_loss_weight > 0 else None, global_crops.shape[0], n_local)
 
+    @torch.no_grad()
+    def teacher_outputs(self, engine: Any, views: Views) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The teacher's DINO head outputs of the global crops (the two crops of an image swapped) and its
+        patch head outputs of the masked patches, float32."""
         teacher_dtype = next(self.teacher.parameters()).dtype
-        with ds_compat.gathered(self.teacher), torch.autocast(engine.device.type, dtype=global_crops.dtype,
+        crops = views.global_crops
+        with ds_compat.gathered(self.teacher), torch.autocast(engine.device.type, dtype=crops.dtype,
                                                               enabled=engine.device.type == "cuda"
-                                                              and global_crops.dtype != teacher_dtype):
-            t_cls, t_masked = self.teacher.teacher_forward(global_crops.to(teacher_dtype), masks)
-        t_cls = t_cls.float()
-        if d.centering == "centering":
+                                                              and crops.dtype != teacher_dtype):
+            t_cls, t_masked = self.teacher.teacher_forward(crops.to(teacher_dtype), views.masks)
+        return t_cls.float(), (t_masked.float() if t_masked is not None else None)
+
+    def loss(self, engine: Any, images: Any, targets: torch.Tensor, extras: torch.Tensor | None) -> torch.Tensor:  # noqa: ARG002 - the interface
+        views = self.views(images)
+        temp = self.teacher_temp(self.step)
+        t_cls, t_masked = self.teacher_outputs(engine, views)
+        if self.d.centering == "centering":
             t_dino = self.dino_loss.softmax_center_teacher(t_cls, temp)
             self._accumulate("dino", t_cls)
         else:
             t_dino = self.dino_loss.sinkhorn_knopp_teacher(t_cls, temp)
-        t_dino = t_dino.view(2, b, -1)
+        t_dino = t_dino.view(2, views.batch, -1)
+        out = engine(views.global_crops, views.local_crops, views.masks, **views.student)
+        losses = self.loss_terms(engine, views, out, t_dino, t_masked, temp)
+        total = sum(losses.values())
+        self._log_terms(losses, t_dino, total)
+        return total
 
-        out = engine(global_crops, local_crops, masks)
+    def loss_terms(self, engine: Any, views: Views, out: dict[str, torch.Tensor], t_dino: torch.Tensor,  # noqa: ARG002 - DINOv3's Gram term runs its teacher
+                   t_masked: torch.Tensor | None, temp: float) -> dict[str, torch.Tensor]:
+        """Each term of the loss, weighted as it is added (they sum to it), named as in Meta's loss_dict."""
+        d, n_local = self.d, views.n_local
         terms = 2 + 2 * n_local  # (student crop, teacher crop) pairs: global-global (not the same crop) and local
         losses: dict[str, torch.Tensor] = {}
         if n_local:
-            losses["dino_local"] = self.dino_loss(out["local"].float().chunk(n_local), list(t_dino)) / terms
+            losses["dino_local_crops_loss"] = d.dino_loss_weight * self.dino_loss(
+                out["local"].float().chunk(n_local), list(t_dino)) / terms
         # The two global crops are scored in one call against the swapped targets: x2 for the two pairs.
-        losses["dino_global"] = self.dino_loss([out["global"].float()], [t_dino.flatten(0, 1)]) * 2 / terms
-        total = d.dino_loss_weight * sum(losses.values())
+        losses["dino_global_crops_loss"] = d.dino_loss_weight * self.dino_loss(
+            [out["global"].float()], [t_dino.flatten(0, 1)]) * 2 / terms
         if d.koleo_loss_weight > 0:  # not between the two crops of one image: each crop's batch apart
-            losses["koleo"] = d.koleo_loss_weight * sum(self.koleo_loss(c.float()) for c in out["global_cls"].chunk(2))
-            total = total + losses["koleo"]
-        if masks is not None:
-            t_masked = t_masked.float()
+            losses["koleo_loss"] = d.koleo_loss_weight * sum(self.koleo_loss(c.float())
+                                                             for c in out["global_cls"].chunk(2))
+        if views.masks is not None:
             if d.centering == "centering":
                 t_ibot = self.ibot_loss.softmax_center_teacher(t_masked.unsqueeze(0), temp).squeeze(0)
                 self._accumulate("ibot", t_masked)
             else:
-                t_ibot = self.ibot_loss.sinkhorn_knopp_teacher(t_masked, temp, masks.sum())
+                t_ibot = self.ibot_loss.sinkhorn_knopp_teacher(t_masked, temp, views.masks.sum())
             # Meta's scale: x2 (the global crops together) x 1/2 (per global crop) = 1.
-            losses["ibot"] = self.ibot_loss.forward_masked(out["masked"].float(), t_ibot, masks)
-            total = total + d.ibot_loss_weight * losses["ibot"]
-        self._log_terms(losses, t_dino, total)
-        return total
+            losses["ibot_loss"] = d.ibot_loss_weight * self.ibot_loss.forward_masked(out["masked"].float(), t_ibot,
+                                                                                      views.masks)
+        return losses
 
     @torch.no_grad()
     def _log_terms(self, losses: dict[str, torch.Tensor], t_dino: torch.Tensor, total: torch.Tensor) -> None:
         """Adds this micro batch's terms to the log window, on the device (no sync), unless its loss is not
         finite (the trainer skips such a micro batch). Names as in Meta's loss_dict, each weighted as it is
         added to the loss, so that they sum to it (Meta logs ibot_loss at half of what it adds). The
-        entropy of the teacher's DINO targets watches for collapse: log(dino.head_n_prototypes) when they are
-        uniform (the centre has caught up with outputs that no longer differ between images), near 0 when
-        every image gets one prototype."""
-        d = self.cfg.dino
-        names = {"dino_local": ("dino_local_crops_loss", d.dino_loss_weight),
-                 "dino_global": ("dino_global_crops_loss", d.dino_loss_weight),
-                 "koleo": ("koleo_loss", 1.0), "ibot": ("ibot_loss", d.ibot_loss_weight)}  # koleo's is inside
-        self._window_names = [names[k][0] for k in losses] + ["dino_teacher_entropy"]
+        entropy of the teacher's DINO targets watches for collapse: log(K prototypes) when they are uniform
+        (the centre has caught up with outputs that no longer differ between images), near 0 when every
+        image gets one prototype; it is summed for the collapse monitor too (collapse.py)."""
+        self._window_names = [*losses, "dino_teacher_entropy"]
         # One vector per micro batch (the terms, the entropy, a count of 1), zeroed when the loss is not
         # finite: a few kernels per micro batch, whatever the number of terms.
-        values = torch.stack([*(names[k][1] * v.float() for k, v in losses.items()),
-                              torch.special.entr(t_dino).sum(-1).mean(), torch.ones_like(total)])
+        entropy = torch.special.entr(t_dino).sum(-1).mean()
+        values = torch.stack([*(v.float() for v in losses.values()), entropy, torch.ones_like(total)])
         values = torch.where(torch.isfinite(total), values, 0.0)
         self._window = values if self._window is None else self._window + values
+        since = values[-2:].double()  # (entropy, 1), or zeros
+        self._entropy = since if self._entropy is None else self._entropy.to(since.device) + since
 
     def train_metrics(self) -> dict[str, torch.Tensor]:
         if self._window is None:
@@ -265,36 +324,60 @@ class DINOv2(Objective):
         self.step = step
 
     # -- evaluation, cost, state
+    def _entropy_sum(self, device: torch.device) -> torch.Tensor:
+        """(entropy sum, micro batches) since the last evaluation over every rank (collective); forgets it."""
+        since = (self._entropy if self._entropy is not None else torch.zeros(2, dtype=torch.float64)).to(device)
+        if dist.is_initialized():
+            dist.all_reduce(since)
+        self._entropy = None
+        return since
+
     @torch.no_grad()
     def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:  # noqa: ARG002 - the interface (the teacher's own dtype)
         metrics, image = evaluate_teacher(self.teacher, self.val_loader, self.knn_loader, self.cfg, engine.device,
-                                          run_dir, step)
+                                          run_dir, step, self.d)
+        since = self._entropy_sum(engine.device)
+        entropy = float(since[0] / since[1]) if since[1] > 0 else None
+        if entropy is not None:
+            metrics["eval/teacher_entropy"] = entropy
+        warning = self.collapse.update(entropy, metrics["eval/effective_rank"], self.teacher.backbone.embed_dim)
+        metrics["eval/collapse_warning"] = float(warning is not None)
         knn = f" | k-NN top-1 {100 * metrics['eval/knn_top1']:.2f}%" if "eval/knn_top1" in metrics else ""
-        return EvalResult(metrics, f"eval step {step} | teacher{knn or ': no labels, no k-NN'}",
-                          [(image, "pca")] if image is not None else [])
+        line = (f"eval step {step} | teacher{knn or ': no labels, no k-NN'} | effective rank "
+                f"{metrics['eval/effective_rank']:.2f}")
+        artifacts = [(image, "pca")] if image is not None else []
+        if warning is not None:
+            line += f"\nwarning: {warning}"
+            if run_dir is not None:  # MLflow shows it under Artifacts, warnings/, beside eval/collapse_warning = 1
+                path = run_dir / "warnings" / f"collapse_step{step:08d}.txt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(f"step {step}: {warning}\n")
+                artifacts.append((path, "warnings"))
+        return EvalResult(metrics, line, artifacts)
 
     def expected_masked_patches(self, model_kwargs: dict[str, Any]) -> float:
         """iBOT's masked patches per image on average: 2 global crops, each masked with probability
         dino.mask_probability, a fraction uniform in dino.mask_ratio of its patches (block masking can
         stop a little short of its target when no block fits; `launch/bench.py dino` counts the real ones)."""
-        d = self.cfg.dino
+        d = self.d
         if d.ibot_loss_weight <= 0:
             return 0.0
         img, patch = model_kwargs["img_size"], model_kwargs["patch_size"]
         side = (img if isinstance(img, int) else img[0]) // patch
         return 2 * d.mask_probability * side * side * sum(d.mask_ratio) / 2
 
-    def flops_per_image(self, model_kwargs: dict[str, Any]) -> float:
+    def flops_per_image(self, model_kwargs: dict[str, Any], local_size: int | None = None) -> float:
         """The student's forward (global and local crops, the DINO head on their class tokens, the iBOT
         head on the expected masked patches) plus a third of the teacher's (it runs forward only, on the
-        global crops and the same masked patches; the trainer counts 3 x this for forward + backward)."""
-        d, dim = self.cfg.dino, model_kwargs["embed_dim"]
+        global crops and the same masked patches; the trainer counts 3 x this for forward + backward).
+        `local_size`: the local crops' side (default the section's local_crops_size)."""
+        d, dim = self.d, model_kwargs["embed_dim"]
         head = dino_head_flops(model_kwargs, dim, d.head_n_prototypes)
         patch_head = (dino_head_flops({**model_kwargs, "head_bottleneck_dim": d.ibot_head_bottleneck_dim}, dim,
                                   d.ibot_head_n_prototypes) if d.ibot_separate_head else head)
         ibot = self.expected_masked_patches(model_kwargs) * patch_head
         global_fwd = 2 * (model_flops(model_kwargs) + head) + ibot
-        local_fwd = d.local_crops_number * (model_flops(model_kwargs, d.local_crops_size) + head)
+        local_fwd = d.local_crops_number * (model_flops(model_kwargs, local_size or d.local_crops_size) + head)
         return global_fwd + local_fwd + global_fwd / 3
 
     def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:  # noqa: ARG002 - the interface (the teacher, not the engine)
@@ -304,7 +387,7 @@ class DINOv2(Objective):
     @classmethod
     def exported_architecture(cls, model_kwargs: dict[str, Any]) -> dict[str, Any]:
         """The backbone's: a `VisionTransformer` without a classifier, with the mask token."""
-        return architecture(VisionTransformer, {**model_kwargs, "num_classes": 0, "mask_token": True})
+        return architecture(cls.model_class.backbone_class, {**model_kwargs, "num_classes": 0, "mask_token": True})
 
     checkpoint_weights = "the teacher's backbone"
 
@@ -315,7 +398,7 @@ class DINOv2(Objective):
         so no partitions are reassembled here; DeepSpeed's module in the tag is the student."""
         objective = read_client_state(run_dir, tag).get("objective") or {}
         if "teacher" not in objective:
-            raise CheckpointError(f"{checkpoint_dir(run_dir) / tag}: its client state has no DINOv2 teacher "
+            raise CheckpointError(f"{checkpoint_dir(run_dir) / tag}: its client state has no {cls.__name__} teacher "
                                   f"(objective.teacher), though {run_dir / 'config.yaml'} says "
                                   f"model.objective={cfg.model.objective}")
         return backbone_state(objective["teacher"])
@@ -325,15 +408,22 @@ class DINOv2(Objective):
         return self.teacher_ema.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
+        """Collective (every rank: the teacher is gathered, the entropy sum all-reduced); rank 0's is saved."""
+        entropy = self._entropy_sum(self.device)
+        self._entropy = entropy.cpu() if is_rank0() else None  # the sum goes on, held by rank 0
         return {"step": self.step, "teacher": self._teacher_state(), "dino_center": self.dino_loss.center.cpu(),
-                "ibot_center": self.ibot_loss.center.cpu()}
+                "ibot_center": self.ibot_loss.center.cpu(), "collapse": self.collapse.state_dict(),
+                "entropy_since_eval": entropy.cpu()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
-            raise ValueError("the checkpoint holds no DINOv2 state (teacher, centres): it was not written by a "
-                             "model.objective=dinov2 run")
+            raise ValueError(f"the checkpoint holds no {type(self).__name__} state (teacher, centres): it was not "
+                             f"written by a model.objective={self.cfg.model.objective} run")
         self.step = int(state["step"])
         self.teacher_ema.load_state_dict(state["teacher"])
         self.dino_loss.center = state["dino_center"].clone()
         self.ibot_loss.center = state["ibot_center"].clone()
+        self.collapse.load_state_dict(state.get("collapse"))  # absent from a checkpoint written before it
+        since = state.get("entropy_since_eval")
+        self._entropy = since.clone() if since is not None and is_rank0() else None  # summed once over the ranks

@@ -22,8 +22,11 @@ class MultiCropView:
         self.multicrop = MultiCrop(crops)
         self.grid, self.mask_probability, self.mask_ratio = grid, mask_probability, tuple(mask_ratio)
 
-    def __call__(self, image: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        crops = self.multicrop(image, seed)
+    def __call__(self, image: Any, seed: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: ARG002 - TrainView.sample's signature
+        return self.parts(self.multicrop(image, seed), seed)
+
+    def parts(self, crops: dict[str, list[torch.Tensor]], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stacked crops of `MultiCrop`'s output and each global crop's iBOT mask."""
         size = self.multicrop.cfg.local_crops_size
         local = torch.stack(crops["local_crops"]) if crops["local_crops"] else torch.zeros(0, 3, size, size)
         masks = torch.stack([block_mask(seed_for(IBOT_MASK, seed, i), self.grid, self.mask_probability,
