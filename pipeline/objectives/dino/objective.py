@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,8 @@ from pipeline.config import Config, ConfigError
 from pipeline.data import label_free
 from pipeline.data.multicrop import MultiCropConfig
 from pipeline.dist import DistEnv
-from pipeline.eval import knn_loaders
+from pipeline.eval.features import embedding
+from pipeline.eval.knn import knn_loaders
 from pipeline.model.dino import HEAD_KEYS, DINOv2Model, backbone_state
 from pipeline.model.dino_head import dino_head_flops
 from pipeline.model.vit import VisionTransformer, architecture, model_flops, model_kwargs_from_config
@@ -272,6 +273,13 @@ class DINOv2(Objective):
         knn = f" | k-NN top-1 {100 * metrics['eval/knn_top1']:.2f}%" if "eval/knn_top1" in metrics else ""
         return EvalResult(metrics, f"eval step {step} | teacher{knn or ': no labels, no k-NN'}",
                           [(image, "pca")] if image is not None else [])
+
+    @contextmanager
+    def features(self, engine: Any) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:  # noqa: ARG002 - the interface (the teacher, not the engine)
+        """The teacher's backbone (what is exported), gathered once under ZeRO-3 (it has no hooks), float32."""
+        backbone = self.teacher.backbone
+        with ds_compat.gathered(self.teacher):
+            yield lambda images: embedding(backbone.forward_features(images.float()), backbone)
 
     def expected_masked_patches(self, model_kwargs: dict[str, Any]) -> float:
         """iBOT's masked patches per image on average: 2 global crops, each masked with probability
