@@ -109,9 +109,10 @@ def load_backbone(source: str | Path, tag: str | None = None) -> Backbone:
     kwargs.update(mask_token=False, drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0)
     if cfg is not None and cfg.model.objective == "dinov2":
         kwargs["dynamic_img_size"] = True  # as the run built its backbone (local crops)
-    problem = found.mismatch(kwargs)
-    if problem:
-        raise WeightsError(f"{where} ({found.layout}): {problem}")
+    if found.mismatch(kwargs):
+        a = found.arch
+        raise WeightsError(f"{where}: the weights do not fit the architecture {_describe(kwargs)}: they are patch "
+                           f"{a['patch_size']}, width {a['embed_dim']}, depth {a['depth']} ({found.layout})")
     model = VisionTransformer(**kwargs)
     weights = dict(found.state)
     if "pos_embed" not in weights:  # an MAE run's checkpoint holds parameters; its table is the fixed sin-cos

@@ -57,7 +57,12 @@ def test_linear_probe_is_within_a_point_of_scikit_learns_logistic_regression():
     y = torch.tensor(y)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     train, val = perm[:1437], perm[1437:]
-    probe = linear_probe(x[train], y[train], x[val], y[val], steps=1500)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small matrices: 5 s on one thread, 50-100 s on two threads of a loaded 2-core machine
+    try:
+        probe = linear_probe(x[train], y[train], x[val], y[val], steps=800)
+    finally:
+        torch.set_num_threads(threads)
     reference = linear_model.LogisticRegression(max_iter=5000).fit(x[train].numpy(), y[train].numpy())
     sklearn_top1 = float((reference.predict(x[val].numpy()) == y[val].numpy()).mean())
     assert abs(probe.top1 - sklearn_top1) <= 0.01, (probe.top1, sklearn_top1, probe.lr)
@@ -77,3 +82,119 @@ def test_embedding_is_class_token_and_patch_mean_and_knn_reads_the_normalised_cl
         rows = embedding(model(images, features=True), model)
     assert torch.equal(rows[:, :8], tokens.cls_token) and torch.allclose(rows[:, 8:], tokens.patch_tokens.mean(1))
     assert torch.allclose(class_tokens(rows), F.normalize(tokens.cls_token, dim=-1))
+
+
+# ----------------------------------------------------------------------------- bad input, one line each
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory):
+    """A labelled set and the same images without labels (a folder of images, no class folders)."""
+    from PIL import Image
+
+    from pipeline.data.shards import synthetic_source, write_dataset
+    from pipeline.data.sources import folder_source, synthetic_image
+
+    root = tmp_path_factory.mktemp("sets")
+    write_dataset(synthetic_source(48, 4, 16, val_fraction=0.25), root / "labelled", max_samples_per_shard=10,
+                  progress=False, log=lambda _: None)
+    images = root / "images"
+    images.mkdir()
+    for i in range(12):
+        Image.fromarray(synthetic_image(i, i % 4, 4, (16, 16))).save(images / f"{i:03d}.png")
+    write_dataset(folder_source(str(images), val_fraction=0.25), root / "unlabelled", progress=False, log=lambda _: None)
+    return root
+
+
+def test_a_set_without_labels_or_a_split_is_one_line_naming_the_key(sets):
+    from pipeline.config import DataConfig
+    from pipeline.data import DataError
+    from pipeline.eval.sets import labelled_set
+
+    with pytest.raises(DataError, match=r"^eval.sets.plain: .*unlabelled has no labels") as e:
+        labelled_set(DataConfig(), str(sets / "unlabelled"), "train", "val", "eval.sets.plain")
+    assert "\n" not in str(e.value)
+    with pytest.raises(DataError, match=r"^--data: .* has no split 'test' \(it has: train, val\)"):
+        labelled_set(DataConfig(), str(sets / "labelled"), "train", "test", "--data")
+    cfg, info = labelled_set(DataConfig(), str(sets / "labelled"), "train", "val", "eval.sets.ok")
+    assert cfg.path == str(sets / "labelled") and info.num_classes == 4
+
+
+def test_eval_sets_config_keys_and_their_checks():
+    from pipeline.config import ConfigError
+    from pipeline.objectives import load_config
+
+    cfg = load_config("configs/pretrain/mae_demo.yaml", ["eval.sets.digits=data/digits", "eval.memory_samples=100"])
+    assert cfg.eval.sets == {"digits": "data/digits"} and cfg.eval.memory_samples == 100
+    with pytest.raises(ConfigError, match="key 'eval.sets' must be a mapping NAME: PATH, each NAME letters"):
+        load_config("configs/pretrain/mae_demo.yaml", ["eval.sets.a/b=data/digits"])
+    with pytest.raises(ConfigError, match="unknown key 'eval.k'"):
+        load_config("configs/pretrain/mae_demo.yaml", ["eval.k=3"])
+
+
+# ----------------------------------------------------------------------------- the backbone outside training
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A supervised ViT's weights as our export writes them (metadata: the architecture), with a head."""
+    from pipeline.model.vit import VisionTransformer, architecture
+    from pipeline.model.weights import save_weights
+
+    kwargs = dict(img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2, num_classes=4)
+    torch.manual_seed(0)
+    model = VisionTransformer(**kwargs).eval()
+    path = tmp_path_factory.mktemp("exported") / "vit.safetensors"
+    save_weights(model.state_dict(), path, metadata={"step": "7", **{k: str(v) for k, v in
+                                                                     architecture(VisionTransformer, kwargs).items()}})
+    return path, model
+
+
+def test_backbone_from_our_export_is_the_model_and_wrong_weights_are_one_line(exported, tmp_path):
+    from pipeline.model.weights import WeightsError, save_weights
+    from pipeline.run.backbone import load_backbone
+
+    path, model = exported
+    found = load_backbone(path)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(found.model(x), model(x))
+    # The metadata says depth 2, the file holds one block: one line naming what does not fit.
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("blocks.1.")}
+    meta = {k: v for k, v in __import__("safetensors").safe_open(str(path), "pt").metadata().items()}
+    save_weights(state, tmp_path / "short.safetensors", metadata=meta)
+    with pytest.raises(WeightsError, match=r"do not fit the architecture .*depth 2.*: they are .*depth 1") as e:
+        load_backbone(tmp_path / "short.safetensors")
+    assert "\n" not in str(e.value)
+
+
+def test_timm_local_dir_round_trip_and_onnx_within_1e_4(exported, tmp_path):
+    pytest.importorskip("onnxruntime")
+    import timm
+
+    from pipeline.model.weights import WeightsError
+    from pipeline.run.backbone import load_backbone
+    from pipeline.run.export import ONNX_TOLERANCE, check_onnx, export_onnx, export_timm
+
+    path, model = exported
+    found = load_backbone(path)
+    export_timm(found, tmp_path / "timm")
+    loaded = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True).eval()
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x)) and torch.equal(loaded.forward_features(x), model.forward_features(x))
+    assert timm.data.resolve_data_config({}, model=loaded)["input_size"] == (3, 16, 16)
+    assert "## Model" in (tmp_path / "timm" / "README.md").read_text()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(WeightsError, match="other exists and holds other files \\(notes.txt\\)"):
+        export_timm(found, tmp_path / "other")
+    # ONNX: three outputs, any batch size, within the tolerance of PyTorch under ONNX Runtime.
+    (onnx_path,), worst = export_onnx(found, tmp_path / "onnx")
+    assert worst <= ONNX_TOLERANCE
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == ["cls", "mean_patch", "logits"]
+    logits = session.run(["logits"], {"images": torch.randn(5, 3, 16, 16).numpy()})[0]
+    assert logits.shape == (5, 4)
+    from pipeline.run.export import _Features  # noqa: PLC2701 - the wrapper the export traced
+    assert check_onnx(_Features(found.model).eval(), onnx_path, x) <= ONNX_TOLERANCE
