@@ -38,6 +38,7 @@ from pipeline.data.index import Indexes
 from pipeline.data.info import expected_of
 from pipeline.data.transforms import BatchNormalizer, eval_transform
 from pipeline.dist import DistEnv
+from pipeline.eval.features import embedding
 from pipeline.remote import RetryPolicy, read_bytes, s3
 from pipeline.run.backbone import Backbone
 from pipeline.signals import WorkerInit, reap_workers_at_exit, worker_context
@@ -219,8 +220,9 @@ def embed(backbone: Backbone, data_path: str, splits: list[str], out: str, env: 
                     tokens = model.forward_features(item["images"].to(device))
                 rows["keys"] += item["keys"]
                 rows["labels"] += item["labels"]
-                rows["cls"].append(tokens[:, 0].float().cpu().numpy())
-                rows["mean_patch"].append(tokens[:, model.num_prefix_tokens:].mean(1).float().cpu().numpy())
+                feats = embedding(tokens, model)  # the features evaluate.py and eval.sets judge, side by side
+                rows["cls"].append(feats[:, :model.embed_dim].cpu().numpy())
+                rows["mean_patch"].append(feats[:, model.embed_dim:].cpu().numpy())
                 if patch_tokens:
                     rows["patch_tokens"].append(tokens[:, model.num_prefix_tokens:].flatten(1).float().cpu().numpy())
             if item["last"]:

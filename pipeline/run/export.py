@@ -26,6 +26,7 @@ from torch import nn
 
 from pipeline.config import DataConfig
 from pipeline.data import dataset_info_of
+from pipeline.eval.features import embedding
 from pipeline.model.variants import pair
 from pipeline.model.vit import VisionTransformer, architecture
 from pipeline.model.weights import WeightsError, save_weights
@@ -151,7 +152,8 @@ class _Features(nn.Module):
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, ...]:
         tokens = self.model.forward_features(images)
-        out = (tokens[:, 0], tokens[:, self.model.num_prefix_tokens:].mean(1))
+        feats = embedding(tokens, self.model)  # what evaluate.py judges and embed.py writes
+        out = (feats[:, :self.model.embed_dim], feats[:, self.model.embed_dim:])
         return (*out, self.model.forward_head(tokens)) if self.model.num_classes else out
 
 
