@@ -14,7 +14,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,demo]'
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,demo,export]'
 	$(PY) launch/build_ops.py
 	touch $(STAMP)
 

@@ -21,4 +21,5 @@ echo
 echo "pretrain  (32 px) top-1: $(last_metric "$PRE" eval/top1 pct)%   $PRE"
 echo "fine-tune (64 px) top-1: $(last_metric "$FT" eval/top1 pct)%   $FT"
 echo "demo took $(( $(date +%s) - start )) s"
+echo "judge every checkpoint: $PY launch/evaluate.py --from $PRE --all-steps --data data/digits"
 echo "compare the runs: $(ui_hint)"

@@ -4,6 +4,8 @@
     python launch/export_weights.py runs/vit_b16_i21k                       # latest -> RUN_DIR/model.safetensors
     python launch/export_weights.py runs/vit_b16_i21k --tag step_0050000 --out b16_50k.safetensors
     python launch/export_weights.py dinov2_vitb14_reg4_pretrain.pth      # Meta's file -> timm names, .safetensors
+    python launch/export_weights.py runs/demo-dino-pretrain --format timm    # a folder timm.create_model loads
+    python launch/export_weights.py runs/demo-pretrain --format onnx --out demo-onnx  # model.onnx, checked
 
 Works for every ZeRO stage and any number of ranks the run had; runs on CPU. The trainer does this
 itself at the end of a run; this is for a run that is still going or was stopped. It writes what the run
@@ -11,6 +13,12 @@ exports, as its objective reads it from the checkpoint (`Objective.weights_from_
 weights, or a DINOv2 run's teacher backbone (not DeepSpeed's module there, the student). Given one of Meta's
 DINOv2 backbone files instead of a run directory, it writes the same weights under timm's names and layout
 (timm's vit_*_patch14[_reg4]_dinov2 load it; mask_token, used in training only, is left out).
+
+--format timm writes a folder that `timm.create_model("local-dir:FOLDER", pretrained=True)` loads (config.json
+with timm's pretrained_cfg, model.safetensors, a model card README.md); --format onnx writes model.onnx (class
+token and mean patch token, and logits where there is a classifier; dynamic batch), checked against PyTorch
+with ONNX Runtime (docs/evaluation.md). Both take the run's backbone as launch/evaluate.py does (--tag: that
+checkpoint); --out is a new or empty folder (default: RUN_DIR/timm, RUN_DIR/onnx, or beside the file).
 """
 
 import argparse
@@ -38,8 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="a run directory, or one of Meta's DINOv2 .pth files")
     parser.add_argument("--tag", help="checkpoint tag, e.g. step_0050000 (default: the newest complete one)")
-    parser.add_argument("--out", type=Path, help="output file (default: RUN_DIR/model.safetensors)")
+    parser.add_argument("--out", type=Path, help="output file (default: RUN_DIR/model.safetensors), or folder")
+    parser.add_argument("--format", choices=("safetensors", "timm", "onnx"), default="safetensors",
+                        help="safetensors (default), timm (a folder timm loads) or onnx (model.onnx, checked)")
     args = parser.parse_args(argv)
+    if args.format != "safetensors":
+        return export_for_others(args)
     if args.run_dir.is_file():
         return export_dinov2(args.run_dir, args.out or args.run_dir.with_suffix(".safetensors"))
     try:
@@ -76,6 +88,29 @@ def export_dinov2(path: Path, out: Path) -> int:
     keys = VisionTransformer.ARCH_KEYS  # the metadata a run's model.safetensors has (the Trainer's export)
     save_weights(state, out, metadata={k: str(arch[k]) for k in keys if k in arch})
     print(f"wrote {out}: {len(state)} tensors from {path} ({', '.join(f'{k}={v}' for k, v in arch.items())})")
+    return 0
+
+
+def export_for_others(args: argparse.Namespace) -> int:
+    """--format timm | onnx: the backbone of the run (or file) as a folder others load."""
+    from pipeline.run.backbone import load_backbone
+    from pipeline.run.export import export_onnx, export_timm
+
+    source = args.run_dir
+    out = args.out or (source / args.format if source.is_dir() else source.with_name(f"{source.stem}-{args.format}"))
+    try:
+        backbone = load_backbone(source, args.tag)
+        if args.format == "timm":
+            written = export_timm(backbone, out)
+            note = 'timm.create_model("local-dir:' + str(out) + '", pretrained=True)'
+        else:
+            written, worst = export_onnx(backbone, out)
+            note = f"ONNX Runtime within {worst:.1e} of PyTorch"
+    except (FileNotFoundError, ValueError, ConfigError, CheckpointError, DeepSpeedFailed) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {', '.join(str(p) for p in written)} from {source}" + (f" ({args.tag})" if args.tag else "")
+          + f"; {note}")
     return 0
 
 

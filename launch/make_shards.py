@@ -2,6 +2,7 @@
 """Write WebDataset shards and a dataset.json that the train stream and eval pass read.
 
     python launch/make_shards.py --source digits --out data/digits
+    python launch/make_shards.py --source digits --no-labels --out data/digits-unlabelled   # images only
     python launch/make_shards.py --source folder:/data/imagenet --out data/imagenet --workers 8 --resize 256
     python launch/make_shards.py --source synthetic --num-samples 5000 --num-classes 10 --size 64 --out data/synth
     python launch/make_shards.py --source 'shards:/data/laion/{00000..00099}.tar' --label-key json:label --out /data/laion
@@ -32,6 +33,7 @@ from pipeline.data.shards import (  # noqa: E402
     synthetic_source,
     write_dataset,
 )
+from pipeline.data.sources import without_labels  # noqa: E402
 
 
 def parse_size(text: str) -> int | tuple[int, int]:
@@ -63,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-fraction", type=float, default=None,
                    help="keep this fraction of each class of the train split, the validation split whole "
                         "(a few-label fine-tune: 0.1 for 10%% of the labels)")
+    p.add_argument("--no-labels", action="store_true",
+                   help="write the images only, no labels (the same images and splits): the shards of a "
+                        "self-supervised run, judged on the labelled ones apart (eval.sets, docs/evaluation.md)")
     p.add_argument("--seed", type=int, default=0, help="split and shuffle seed (default 0)")
     p.add_argument("--workers", type=int, default=1, help="processes encoding images (default 1)")
     p.add_argument("--overwrite", action="store_true", help="replace shards and dataset.json already in --out")
@@ -91,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "shards":
             if args.train_fraction is not None:
                 raise DataError("--train-fraction writes a subset; shards:PATTERN only indexes shards in place")
+            if args.no_labels:
+                raise DataError("--no-labels writes new shards; shards:PATTERN only indexes shards in place "
+                                "(a run that needs no labels reads them whatever they hold)")
             splits = {args.split: arg}
             if args.val_shards:
                 splits["val"] = args.val_shards
@@ -116,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                             f"shards:PATTERN")
         if args.train_fraction is not None:
             source = keep_train_fraction(source, args.train_fraction, args.seed)
+        if args.no_labels:
+            source = without_labels(source)
         write_dataset(source, args.out, args.max_samples_per_shard, args.max_bytes_per_shard, args.seed,
                       args.workers, args.overwrite, progress=not args.no_progress)
     except DataError as e:

@@ -72,6 +72,23 @@ def keep_train_fraction(source: Source, fraction: float, seed: int) -> Source:
                   source.image_format)
 
 
+class _Unlabelled:
+    """`without_labels`' encoder: the source's own, on the item as it was (a synthetic image is drawn from its class)."""
+
+    def __init__(self, encode: Callable[[Item], tuple[str, bytes]]):
+        self.encode = encode
+
+    def __call__(self, item: Item) -> tuple[str, bytes]:
+        return self.encode(Item(*item.ref))
+
+
+def without_labels(source: Source) -> Source:
+    """The source's images, the same splits, no labels (`--no-labels`): shards as a team's unlabelled images are,
+    for a self-supervised run judged on the labelled ones apart (eval.sets; `make demo-mae`)."""
+    splits = {split: [Item(-1, (it.label, it.ref)) for it in items] for split, items in source.splits.items()}
+    return Source(f"{source.name}, without labels", [], splits, _Unlabelled(source.encode), source.image_format)
+
+
 # digits ---------------------------------------------------------------------
 
 

@@ -1,15 +1,13 @@
-"""How every objective's features are judged, below the objectives: one feature loop and one k-NN.
+"""How every objective's features are judged, below the objectives: one feature loop, one k-NN, one linear probe.
 
-    features.py  `Features` (a pass's features and labels, padding marked -1) and `extract`, the loop that
-                 embeds every batch of an eval loader
-    knn.py       `knn_top1` (DINO's weighted vote over all ranks) and `knn_loaders` (the validation pass and
-                 the labelled train subset that is the k-NN memory)
+    features.py   `Features` (a pass's features and labels, padding marked -1), `extract` (the loop that embeds
+                  every batch of an eval loader), `embedding` (a run's features: class token + mean patch token)
+    knn.py        `knn_accuracy` (DINOv2's weighted vote over all ranks, k 10/20/100, top-1 and top-5) and
+                  `knn_loaders` (an objective's own pass and its labelled train subset as the memory)
+    linear.py     `linear_probe`: DINOv2's grid of learning rates on frozen, cached features, chosen on a
+                  held-out part of the train split
+    sets.py       eval.sets: labelled shard sets judged at every evaluation of a run (k-NN)
+    sets_config.py  the `eval` config section (light: read before torch is imported)
 
-MAE scores its encoder's pooled patch tokens, DINOv2 its teacher's class token: each gives `extract` its
-own embedding and both vote the same way.
+This package's __init__ imports nothing: a command reads its config (sets_config.py) before torch.
 """
-
-from pipeline.eval.features import Features, extract
-from pipeline.eval.knn import KNN_TEMPERATURE, knn_loaders, knn_top1
-
-__all__ = ["KNN_TEMPERATURE", "Features", "extract", "knn_loaders", "knn_top1"]

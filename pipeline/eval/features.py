@@ -1,10 +1,14 @@
-"""Features of an evaluation pass, each with its label, for a k-NN (knn.py) or a probe.
+"""Features of an evaluation pass, each with its label, for a k-NN (knn.py) or a probe (linear.py).
 
     memory = extract(knn_loader, embed, device, dtype)      # the loop, for a pass that does nothing else
     val = Features(); val.add(embed(images), targets, valid)  # inside a pass that also does other work
 
 Labels of padding and bad samples are -1 (an eval loader marks them with `valid`): every rank keeps the same
 number of rows, and the k-NN leaves those out.
+
+What a run's features are, for eval.sets, launch/evaluate.py and launch/embed.py alike: `embedding` of the
+tokens after the final norm, the class token and the mean of the patch tokens side by side (DINOv2's linear
+probe reads both; its k-NN the class token alone, `class_tokens`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 
 class Features:
@@ -40,3 +47,31 @@ def extract(loader: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     for images, targets, valid in loader:
         out.add(embed(images.to(device, dtype, non_blocking=True)), targets, valid)
     return out
+
+
+def embedding(tokens: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """(B, 2D) float32: the class token and the mean of the patch tokens of `tokens`, the output of `model`'s
+    final norm (B, prefix + patches, D; timm's forward_features). A model that pools its patches
+    (global_pool='avg', MAE's fine-tuning) has no final norm: its mean goes through fc_norm, as its head sees it."""
+    pooled = tokens[:, model.num_prefix_tokens:].mean(1)
+    if getattr(model, "global_pool", "token") == "avg":
+        pooled = model.fc_norm(pooled)
+    return torch.cat([tokens[:, 0], pooled], dim=1).float()
+
+
+def class_tokens(features: torch.Tensor) -> torch.Tensor:
+    """The L2-normalised class tokens of `embedding` rows: what the k-NN compares (cosine similarity)."""
+    return F.normalize(features[:, :features.shape[1] // 2], dim=-1)
+
+
+def gather_rows(feats: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's rows of an eval pass, in the split's order (rank r holds the r-th contiguous range, padded
+    at its end: the padding and bad samples, label -1, are dropped). Collective where a group is up."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out_f = [torch.empty_like(feats) for _ in range(dist.get_world_size())]
+        out_l = [torch.empty_like(labels) for _ in range(dist.get_world_size())]
+        dist.all_gather(out_f, feats.contiguous())
+        dist.all_gather(out_l, labels.contiguous())
+        feats, labels = torch.cat(out_f), torch.cat(out_l)
+    keep = labels >= 0
+    return feats[keep], labels[keep]

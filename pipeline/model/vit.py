@@ -265,8 +265,11 @@ class VisionTransformer(nn.Module):
         x = self.pre_logits(self.fc_norm(x))
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+    def forward(self, x: torch.Tensor, *, features: bool = False) -> torch.Tensor:
+        """The logits; `features`: the tokens after the final norm instead (forward_features), through
+        forward so that ZeRO-3's hooks gather the weights (what eval.sets reads of a run's model)."""
+        tokens = self.forward_features(x)
+        return tokens if features else self.forward_head(tokens)
 
 
 def architecture(model_class: type[nn.Module], kwargs: dict) -> dict:

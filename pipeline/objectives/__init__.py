@@ -16,6 +16,7 @@ from typing import Any
 
 from pipeline import config
 from pipeline.config import Config, ConfigFiles
+from pipeline.eval.sets_config import EvalConfig, eval_checks
 from pipeline.objectives import dino_config, dinov3_config, mae_config, supervised_config
 from pipeline.objectives.recipe import Recipe, objectives_config
 from pipeline.typed_yaml import describe
@@ -27,8 +28,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     dinov3_config.RECIPE,
 )}
 
-ObjectivesConfig = objectives_config(RECIPES.values())
-"""The run config: the core sections (pipeline.config.Config) and every recipe's own."""
+ObjectivesConfig = objectives_config(RECIPES.values(), [("eval", EvalConfig, eval_checks)])
+"""The run config: the core sections (pipeline.config.Config), every recipe's own, and eval (eval.sets)."""
 
 
 class _Objectives(Mapping[str, type]):

@@ -25,8 +25,8 @@ section and its `Recipe`) and one line in `pipeline.objectives.RECIPES` (docs/ob
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -37,6 +37,7 @@ from torch import nn
 
 from pipeline.config import Config, DataConfig
 from pipeline.dist import DistEnv
+from pipeline.eval.features import embedding
 from pipeline.model.vit import architecture
 from pipeline.train.checkpoint import consolidate, full_fp32_state_dict
 
@@ -139,6 +140,24 @@ class Objective:
     def flops_per_image(self, model_kwargs: dict[str, Any]) -> float:
         """Forward FLOPs per training image (MFU counts 3x for forward + backward)."""
         raise NotImplementedError
+
+    #: The keyword that makes the trained model's forward give its tokens after the final norm (`features`).
+    features_kwargs: ClassVar[dict[str, bool]] = {"features": True}
+
+    @contextmanager
+    def features(self, engine: Any) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+        """The run's features, what eval.sets judges: within, a function of a batch of images on the device ->
+        `pipeline.eval.features.embedding` rows (class token, mean patch token; float32). Collective under
+        ZeRO-3: every rank calls it as often. By default the trained model's, in eval mode, through its forward
+        (`features_kwargs`: ZeRO-3's hooks gather the weights); an objective whose product is another model (a
+        teacher) gives that one's."""
+        model = engine.module if hasattr(engine, "module") else engine
+        dtype, was = next(model.parameters()).dtype, model.training
+        model.eval()
+        try:
+            yield lambda images: embedding(engine(images.to(dtype), **self.features_kwargs), model)
+        finally:
+            model.train(was)
 
     def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:
         """Collective. The fp32 weights the run exports (model.safetensors, what fine-tuning starts from):

@@ -25,7 +25,8 @@ from pipeline.config import Config, DataConfig
 from pipeline.data import label_free, raise_if_any_failed
 from pipeline.data.order import MASK, MASK_EVAL
 from pipeline.dist import DistEnv
-from pipeline.eval import Features, extract, knn_loaders, knn_top1
+from pipeline.eval.features import Features, extract
+from pipeline.eval.knn import knn_loaders, knn_top1
 from pipeline.model.mae import MaskedAutoencoderViT, mae_flops, mae_kwargs
 from pipeline.objectives.base import EvalResult, Objective, TrainView
 
@@ -205,3 +206,6 @@ class MAE(Objective):
 
     def flops_per_image(self, model_kwargs: dict[str, Any]) -> float:
         return mae_flops(model_kwargs, self.cfg.mae.mask_ratio)
+
+    # The encoder's tokens of the whole image, unmasked: what eval.sets judges (Objective.features).
+    features_kwargs = {"encode_only": True}

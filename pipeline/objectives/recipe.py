@@ -43,19 +43,23 @@ class Recipe:
     (DINOv3's later stages, dinov3.continue_from); None: the recipe does not continue runs."""
 
 
-def objectives_config(recipes: Iterable[Recipe]) -> type[Config]:
+def objectives_config(recipes: Iterable[Recipe],
+                      sections: Iterable[tuple[str, type, Callable[[Any], list[Check]]]] = ()) -> type[Config]:
     """The run config class: `Config`'s core sections, then each recipe's section (its key, its dataclass,
-    its defaults), and `section_checks` giving model.objective's check and every recipe's."""
-    recipes = list(recipes)
+    its defaults), then `sections` that belong to no recipe (key, dataclass, checks: eval), and
+    `section_checks` giving model.objective's check, every recipe's and every section's."""
+    recipes, sections = list(recipes), list(sections)
     names = [r.name for r in recipes]
 
     def section_checks(cfg: Config) -> list[Check]:
         return [("model.objective", cfg.model.objective in names, "one of " + ", ".join(repr(n) for n in names)),
-                *(check for r in recipes for check in r.checks(cfg))]
+                *(check for r in recipes for check in r.checks(cfg)),
+                *(check for _, _, checks in sections for check in checks(cfg))]
 
     fields = [(r.section, r.config, dataclasses.field(default_factory=r.config))
               for r in recipes if r.section is not None]
     fields += [(key, section, dataclasses.field(default_factory=section)) for r in recipes for key, section in r.more_sections]
+    fields += [(key, section, dataclasses.field(default_factory=section)) for key, section, _ in sections]
     cls = dataclasses.make_dataclass("ObjectivesConfig", fields, bases=(Config,),
                                      namespace={"section_checks": section_checks})
     cls.__module__ = "pipeline.objectives"  # where it is bound (pickled by that name)

@@ -27,6 +27,7 @@ from pipeline.config import Config, save_config, to_dict
 from pipeline.data import build_train_loader, read_data
 from pipeline.derived import deepspeed_config, resolve_batch
 from pipeline.dist import DistEnv, after_exit, say
+from pipeline.eval.sets import EvalSets
 from pipeline.exit_codes import ExitCode
 from pipeline.objectives import build_objective
 from pipeline.objectives.base import EvalResult
@@ -107,6 +108,10 @@ class Trainer:
         # The objective's evaluation loaders: each batch is progress for the watchdog.
         self.eval_loaders = self.objective.build_eval(env, img_size,
                                                       cfg.train.eval_batch_size or cfg.train.micro_batch_size)
+        # eval.sets: labelled sets judged on the run's features at every evaluation (pipeline/eval/sets.py).
+        self.eval_sets = EvalSets.build(cfg.eval, cfg.data, env, img_size,
+                                        cfg.train.eval_batch_size or cfg.train.micro_batch_size)
+        self.eval_loaders += self.eval_sets.loaders
         self.tracker = start_tracking(cfg, self.run_dir, env.is_main, env.world_size, tags=tags)
         self.dtype = torch.bfloat16 if cfg.deepspeed.bf16 else torch.float32
         self.flops_per_image = self.objective.flops_per_image(kwargs)
@@ -137,6 +142,11 @@ class Trainer:
         """The objective's evaluation (collective); rank 0 is given the run directory to write figures to.
         With train.ema_decay the model EMA's too, its metrics beside the model's (eval/top1_ema)."""
         result = self.objective.evaluate(self.engine, self.dtype, self.run_dir if self.env.is_main else None, step)
+        if self.eval_sets:  # the objective says which features (Objective.features); collective
+            with self.objective.features(self.engine) as embed:
+                judged = self.eval_sets.evaluate(embed, self.engine.device)
+            result = EvalResult({**result.metrics, **judged}, f"{result.line} | {self.eval_sets.line(judged)}",
+                                result.artifacts)
         if self.ema is None:
             return result
         ema = self.ema.evaluate(self.objective, step)

@@ -55,6 +55,16 @@ def _artifact_root(uri: str, experiment: str) -> str | None:
     return str(db.parent / "mlruns" / "".join(c if c.isalnum() or c in "-_." else "_" for c in experiment))
 
 
+def experiment(client: Any, uri: str, name: str) -> Any:
+    """The MLflow experiment `name` in store `uri`, made (its artifacts beside a SQLite store) when missing."""
+    from mlflow.exceptions import MlflowException
+
+    if client.get_experiment_by_name(name) is None:
+        with contextlib.suppress(MlflowException):  # RESOURCE_ALREADY_EXISTS: another job just made it
+            client.create_experiment(name, artifact_location=_artifact_root(uri, name), tags=EXPERIMENT_TAGS)
+    return client.get_experiment_by_name(name)
+
+
 def ui_hint(uri: str, experiment_id: str | None = None) -> str:
     """How to look at the runs: plain `mlflow ui` for the default store, the server's page otherwise."""
     page = f"/#/experiments/{experiment_id}/runs{UI_QUERY}" if experiment_id else f"/{UI_QUERY}"
@@ -132,14 +142,10 @@ class Syncer:
             client.log_text(self.run_id, yaml.safe_dump(rec["config"], sort_keys=False), "config.yaml")
 
     def _create_run(self, client: Any, rec: dict[str, Any]) -> Any:
-        from mlflow.exceptions import MlflowException
         from mlflow.tracking.context.registry import resolve_tags
 
         name = rec.get("experiment") or "Default"
-        if client.get_experiment_by_name(name) is None:
-            with contextlib.suppress(MlflowException):  # RESOURCE_ALREADY_EXISTS: another job just made it
-                client.create_experiment(name, artifact_location=_artifact_root(self.uri, name), tags=EXPERIMENT_TAGS)
-        exp = client.get_experiment_by_name(name)
+        exp = experiment(client, self.uri, name)
         if exp.lifecycle_stage == "deleted":
             raise RuntimeError(f"experiment '{name}' is deleted at {self.uri}: restore it (mlflow experiments "
                                f"restore --experiment-id {exp.experiment_id}) or set tracking.experiment")

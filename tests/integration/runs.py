@@ -157,6 +157,22 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_sets_judged_alike(run_dir: Path, ref_dir: Path, marker: str,
+                             name: str = "synth") -> tuple[dict[int, dict], dict[int, dict]]:
+    """eval.sets' figures of set `name` (every 4 steps of 12): the resumed run's at steps 8 and 12 equal to the
+    uninterrupted reference's, each k-NN top-1 strictly between 0 and 1 (where every sample is right, equal
+    figures say nothing). `marker`: a metric every evaluation of the objective logs. Both runs' evaluations by step."""
+    evals = {m["step"]: m["metrics"] for m in metrics(run_dir) if marker in m["metrics"]}
+    ref_evals = {m["step"]: m["metrics"] for m in metrics(ref_dir) if marker in m["metrics"]}
+    assert sorted(ref_evals) == [4, 8, 12] and {8, 12} <= evals.keys()
+    for step in (8, 12):
+        judged = {k: v for k, v in evals[step].items() if k.startswith(f"eval/{name}/")}
+        assert judged == {k: v for k, v in ref_evals[step].items() if k.startswith(f"eval/{name}/")}, step
+        assert {f"eval/{name}/knn_top1", f"eval/{name}/knn_top5", f"eval/{name}/knn_top1_k100"} <= judged.keys()
+        assert 0 < judged[f"eval/{name}/knn_top1"] < 1 and 0 < judged[f"eval/{name}/knn_top1_k10"] < 1, judged
+    return evals, ref_evals
+
+
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for k in a:

@@ -3,21 +3,25 @@ uninterrupted run ends; ZeRO-3 with gradient checkpointing trains on label-free 
 on those shards stops with one line."""
 
 import json
+import re
 import shutil
 import subprocess
+import time
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from pipeline.data.sources import synthetic_image
 from pipeline.model.mae import sincos_pos_embed_2d
 from tests.integration.runs import (
     PYTHON,
     ROOT,
     TINY,
+    TORCHRUN,
     assert_same_weights,
+    assert_sets_judged_alike,
+    env,
+    free_port,
     metrics,
     run,
     run_and_signal,
@@ -30,37 +34,26 @@ MAE = ["model.objective=mae", "mae.decoder_embed_dim=16", "mae.decoder_depth=1",
        "mae.knn_train_samples=64", "mae.recon_images=4", "train.grad_clip=0.0"]
 
 
-@pytest.fixture(scope="module")
-def label_free(tmp_path_factory):
-    """A folder of images without class folders, written as shards by make_shards."""
-    root = tmp_path_factory.mktemp("unlabelled")
-    images = root / "images"
-    images.mkdir()
-    for i in range(160):
-        Image.fromarray(synthetic_image(i, i % 4, 4, (16, 16))).save(images / f"{i:04d}.png")
-    out = root / "shards"
-    subprocess.run([PYTHON, str(ROOT / "launch/make_shards.py"), "--source", f"folder:{images}", "--out", str(out),
-                    "--max-samples-per-shard", "40", "--no-progress"], check=True, cwd=ROOT)
-    assert json.loads((out / "dataset.json").read_text())["num_classes"] == 0
-    return out
-
-
 def base(data, run_dir, zero, steps=12, *extra):
     return [*TINY, *MAE, f"data.path={data}", f"run.dir={run_dir}", f"deepspeed.zero_stage={zero}",
             f"train.steps={steps}", "train.ckpt_every=4", "train.eval_every=0", "train.keep_last=5", *extra]
 
 
-def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_run_ends(shards, tmp_path):
-    fp32 = ["deepspeed.bf16=false"]
+def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_run_ends(shards, label_free,
+                                                                                         noisy_labels, tmp_path):
+    # Pretrained on shards without labels, judged at every evaluation on a labelled set (eval.sets).
+    fp32 = ["deepspeed.bf16=false", f"eval.sets.synth={noisy_labels}", "train.eval_every=4"]
     ref_dir = tmp_path / "ref"
-    ref = run("pretrain.py", CONFIG, base(shards, ref_dir, 1, 12, *fp32), ranks=2)
+    store = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # the reference is tracked: evaluate.py nests
+    ref = run("pretrain.py", CONFIG, base(label_free, ref_dir, 1, 12, *fp32, "tracking.enabled=true"), ranks=2,
+              extra_env=store)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
 
     run_dir = tmp_path / "preempted"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, 1, 12, *fp32), when="step 4/12")
+    code, out = run_and_signal("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32), when="step 4/12")
     assert code == 75, out[-3000:]
     assert not (run_dir / "model.safetensors").exists()
-    resumed = run("pretrain.py", CONFIG, base(shards, run_dir, 1, 12, *fp32), ranks=1)
+    resumed = run("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32), ranks=1)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout
     # Same masks (from each sample's global position), same samples, same updates: the same weights.
@@ -68,10 +61,10 @@ def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_
     exported = weights(run_dir)  # Meta's layout, the fixed tables included (exact float32)
     assert {"decoder_pred.weight", "mask_token", "pos_embed", "decoder_pos_embed"} <= exported.keys()
     assert torch.equal(exported["pos_embed"], sincos_pos_embed_2d(32, 4))
-    # The evaluation: reconstruction loss, a k-NN top-1 (the synthetic shards have labels), the image.
-    final = [m["metrics"] for m in metrics(run_dir) if "eval/recon_loss" in m["metrics"]][-1]
-    ref_final = [m["metrics"] for m in metrics(ref_dir) if "eval/recon_loss" in m["metrics"]][-1]
-    assert final["eval/recon_loss"] == ref_final["eval/recon_loss"] and "eval/knn_top1" in final
+    # The evaluation: reconstruction loss, the image, and eval.sets' k-NN of the labelled set at every
+    # evaluation, the same on 1 rank after the resume as on 2 uninterrupted (steps 8 and 12).
+    evals, ref_evals = assert_sets_judged_alike(run_dir, ref_dir, "eval/recon_loss")
+    assert evals[12]["eval/recon_loss"] == ref_evals[12]["eval/recon_loss"] and "eval/knn_top1" not in evals[12]
     assert (run_dir / "reconstructions" / "step00000012.png").is_file()
 
     # Its encoder fine-tunes (as a supervised ViT, the decoder left out) at twice the resolution.
@@ -97,6 +90,83 @@ def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_
     assert "head.1.weight" in probed
     # The probe's BatchNorm statistics are exported with it (2 steps of momentum 0.1 moved them off 0).
     assert int(probed["head.0.num_batches_tracked"]) > 0 and probed["head.0.running_mean"].abs().sum() > 0
+
+    judge_and_embed(ref_dir, shards, tmp_path, store)
+
+
+def judge_and_embed(run_dir, shards, tmp_path, store):
+    """launch/evaluate.py over every checkpoint (a table, MLflow runs nested under the run's), then
+    launch/embed.py on 2 ranks equal to the backbone's forward, each sample once, and a 1-rank embed killed
+    after its first part and started again equal to it. About 40 s of the test's time on a quiet machine."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.run.backbone import load_backbone
+    from pipeline.run.embed import ShardImages, read_embeddings
+    from pipeline.tracking.sync import recorded_run_id
+
+    judged = subprocess.run([PYTHON, "launch/evaluate.py", "--from", str(run_dir), "--all-steps", "--data",
+                             str(shards), "--protocol", "knn,linear", "--name", "synth"], cwd=ROOT,
+                            env={**env(), **store}, capture_output=True, text=True, timeout=600)
+    assert judged.returncode == 0, judged.stdout[-3000:] + judged.stderr[-3000:]
+    table = judged.stdout[judged.stdout.index("checkpoint  protocol"):]
+    for step in (4, 8, 12):
+        assert re.search(rf"step {step} +k-NN k=20 ", table) and re.search(rf"step {step} +linear \(lr ", table), table
+    parent = recorded_run_id(run_dir, store["MLFLOW_TRACKING_URI"])
+    client = MlflowClient(store["MLFLOW_TRACKING_URI"])
+    children = client.search_runs([client.get_run(parent).info.experiment_id],
+                                   f"tags.mlflow.parentRunId = '{parent}'")
+    assert sorted(r.info.run_name for r in children) == ["evaluate synth @ step 12", "evaluate synth @ step 4",
+                                                         "evaluate synth @ step 8", "evaluate synth vs step"]
+    curve = client.get_metric_history(next(r for r in children if r.info.run_name.endswith("vs step")).info.run_id,
+                                      "eval/synth/knn_top1")
+    assert [m.step for m in curve] == [4, 8, 12]
+
+    out2 = tmp_path / "emb2"
+    two = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "launch/embed.py",
+                          "--from", str(run_dir), "--data", str(shards), "--out", str(out2)], cwd=ROOT, env=env(),
+                         capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    table2 = read_embeddings(out2)
+    info = json.loads((shards / "dataset.json").read_text())
+    total = sum(s["num_samples"] for s in info["splits"].values())
+    assert table2.num_rows == total and len(set(zip(table2["split"].to_pylist(), table2["key"].to_pylist()))) == total
+    # Tensor by tensor: the backbone's forward on a part's images (read as embed.py reads them).
+    backbone = load_backbone(run_dir)
+    from pipeline.data import dataset_info_of
+    from pipeline.run.embed import Part
+
+    data = type(backbone.data)(**{**backbone.data.__dict__, "path": str(shards)})
+    shard0 = dataset_info_of(data).split("val").shards[0]
+    batch = next(iter(ShardImages([Part("val", shard0, "val/part-00000.parquet")], data, dataset_info_of(data),
+                                  (16, 16), 1000)))
+    with torch.no_grad():
+        tokens = backbone.model.forward_features(batch["images"])
+    part = read_embeddings(out2).filter(__import__("pyarrow").compute.equal(table2["split"], "val"))
+    rows = {k: i for i, k in enumerate(part["key"].to_pylist())}
+    got = np.stack([part["cls"][rows[k]].values.to_numpy() for k in batch["keys"]])
+    assert np.array_equal(got, tokens[:, 0].numpy())
+
+    # Killed after its first part, started again: the same output (the parts there kept, the rest written).
+    out1 = tmp_path / "emb1"
+    argv = [PYTHON, "launch/embed.py", "--from", str(run_dir), "--data", str(shards), "--out", str(out1),
+            "--workers", "0"]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not list(out1.glob("*/part-*.parquet")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    written = len(list(out1.glob("*/part-*.parquet")))
+    assert 0 < written < len(list(out2.glob("*/part-*.parquet")))
+    again = subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert read_embeddings(out1).equals(table2)
+    # An output folder holding something else is refused with one line.
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    busy = subprocess.run([*argv[:-4], "--out", str(tmp_path / "busy")], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=600)
+    assert busy.returncode == 1 and busy.stderr.count("error:") == 1 and "holds other files" in busy.stderr
 
 
 def test_mae_at_zero3_with_gradient_checkpointing_trains_on_label_free_shards(label_free, tmp_path):

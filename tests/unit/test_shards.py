@@ -28,6 +28,7 @@ from pipeline.data.shards import (
     synthetic_source,
     write_dataset,
 )
+from pipeline.data.sources import without_labels
 
 ROOT = Path(__file__).resolve().parents[2]
 QUIET = dict(progress=False, log=lambda s: None)
@@ -160,6 +161,20 @@ def test_train_fraction_keeps_that_share_of_each_class_and_the_whole_val_split()
     for bad in (0.0, 1.5):
         with pytest.raises(DataError, match="--train-fraction"):
             keep_train_fraction(full, bad, seed=0)
+
+
+def test_without_labels_writes_the_same_images_and_splits_and_no_label(tmp_path: Path) -> None:
+    # Synthetic images are drawn from their class: the labels go, the images stay what they were.
+    write_dataset(synthetic_source(30, 3, 16, seed=1), tmp_path / "labelled", **QUIET)
+    write_dataset(without_labels(synthetic_source(30, 3, 16, seed=1)), tmp_path / "bare", **QUIET)
+    info = read_dataset_info(tmp_path / "bare")
+    assert (info.num_classes, info.class_names, info.label_key) == (0, [], "")
+    for split in ("train", "val"):
+        labelled = read_back(tmp_path / "labelled", split)
+        bare = {raw.key: (tario.image_member(raw)[1], set(raw.members) - {"png", "jpg"})
+                for shard in info.splits[split].shards for raw in tario.iter_raw_samples(shard)}
+        assert bare.keys() == labelled.keys() and all(extra == set() for _, extra in bare.values())
+        assert all(np.array_equal(np.asarray(tario.decode_image(data)), labelled[k][0]) for k, (data, _) in bare.items())
 
 
 def test_synthetic_source_is_deterministic(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ from torch import nn
 
 from pipeline.config import Config, DataConfig
 from pipeline.data import raise_if_any_failed
-from pipeline.eval import Features, extract, knn_top1
+from pipeline.eval.features import Features, extract
+from pipeline.eval.knn import knn_top1
 from pipeline.objectives.dino.collapse import ClassTokenGram
 from pipeline.train import ds_compat
 

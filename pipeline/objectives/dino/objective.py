@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,8 @@ from pipeline.config import Config, ConfigError
 from pipeline.data import label_free
 from pipeline.data.multicrop import MultiCropConfig
 from pipeline.dist import DistEnv, is_rank0
-from pipeline.eval import knn_loaders
+from pipeline.eval.features import embedding
+from pipeline.eval.knn import knn_loaders
 from pipeline.model.dino import HEAD_KEYS, DINOv2Model, backbone_state
 from pipeline.model.dino_head import dino_head_flops
 from pipeline.model.vit import architecture, model_flops, model_kwargs_from_config
@@ -354,6 +355,13 @@ class DINOv2(Objective):
                 path.write_text(f"step {step}: {warning}\n")
                 artifacts.append((path, "warnings"))
         return EvalResult(metrics, line, artifacts)
+
+    @contextmanager
+    def features(self, engine: Any) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:  # noqa: ARG002 - the interface (the teacher, not the engine)
+        """The teacher's backbone (what is exported), gathered once under ZeRO-3 (it has no hooks), float32."""
+        backbone = self.teacher.backbone
+        with ds_compat.gathered(self.teacher):
+            yield lambda images: embedding(backbone.forward_features(images.float()), backbone)
 
     def expected_masked_patches(self, model_kwargs: dict[str, Any]) -> float:
         """iBOT's masked patches per image on average: 2 global crops, each masked with probability
