@@ -34,8 +34,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline import atomic
 from pipeline.config import DataConfig
 from pipeline.data import dataset_info_of, tario
-from pipeline.data.index import Indexes
 from pipeline.data.info import expected_of
+from pipeline.data.reader import Indexes
 from pipeline.data.transforms import BatchNormalizer, eval_transform
 from pipeline.dist import DistEnv
 from pipeline.eval.features import embedding
