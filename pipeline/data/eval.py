@@ -178,7 +178,9 @@ class EvalLoader:
                 self._earlier, self._worker_counters = self._counters(), {}
                 restarts += 1
                 if restarts > WORKER_RESTARTS:
-                    self.failure = f"rank {self.rank} (eval): {e} ({restarts} times in one pass)"
+                    # One wording whichever way torch saw the death (its own RuntimeError, or the fd socket's reset).
+                    self.failure = (f"rank {self.rank} (eval): a DataLoader worker died {restarts} times in one pass "
+                                    f"(the last: {e})")
                 else:
                     print(f"warning: rank {self.rank} (eval): a DataLoader worker died ({e}); starting the workers "
                           f"again for the {len(todo) - len(seen)} batches not yet seen", file=sys.stderr, flush=True)
