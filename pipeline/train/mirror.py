@@ -216,6 +216,10 @@ class Mirror:
             if name not in done and (self.run_dir / name).is_file():
                 _client().upload_file(str(self.run_dir / name), self.bucket, self.key(name))
             done.add(name)
+        if self.mirrored:
+            # The last tag's pruning is retried with this job: no newer tag will try again, and a store just
+            # back from an outage can fail a DELETE (seen: an old tag left in the bucket for good).
+            self._prune(self.mirrored[-1])
         log(f"{len(self.mirrored)} tag(s) and the run's files are in {self.remote}")
         return True
 

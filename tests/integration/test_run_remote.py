@@ -210,6 +210,40 @@ def test_a_failed_upload_is_retried_and_only_a_current_failure_is_kept(proxied, 
     assert complete_tags(s3, "retry")[-1] == "step_0000003"
 
 
+def test_the_last_tags_pruning_is_retried_until_the_bucket_keeps_what_the_run_keeps(proxied, s3: SeaweedS3,
+                                                                                     tmp_path: Path, capfd) -> None:
+    """A DELETE refused when the last tag's retention runs in the bucket (a store just back from an outage):
+    no newer tag will prune again, so the end of the run (its files' upload) retries it, and the bucket ends
+    holding the run directory's tags only (before: the old tag stayed in the bucket for good)."""
+    import shutil
+
+    from pipeline.remote import RetryPolicy
+
+    run = tmp_path / "run"
+    m = mirror.Mirror(f"s3://{BUCKET}/prune", run, policy=RetryPolicy(backoff_s=0.05, total_s=30))
+    m.tag(fake_tag(run, 10, mib=0))
+    m.wait()
+    refused = [2]  # the DELETEs of step 10 refused: at tag 20's pruning, then once more at the end's
+
+    def plan(n: int, method: str, path: str) -> str | None:
+        if method == "DELETE" and "/step_0000010/" in path and refused[0]:
+            refused[0] -= 1
+            return "403"
+        return None
+
+    proxied.plan = plan
+    fake_tag(run, 20, mib=0)
+    shutil.rmtree(ckpt.checkpoint_dir(run) / "step_0000010")  # the run directory's retention (keep_last=1)
+    m.tag("step_0000020")
+    m.files()
+    m.wait()
+    said = capfd.readouterr().err
+    assert "pruning the bucket's tags older than step_0000020 failed" in said, said
+    assert m.failure is None and refused == [0], (m.failure, refused)
+    assert complete_tags(s3, "prune") == ["step_0000020"]
+    assert not any(k.startswith("checkpoints/step_0000010/") for k in keys(s3, "prune")), keys(s3, "prune")
+
+
 def test_on_a_slow_link_the_bucket_holds_a_complete_tag_from_the_first_on(proxied, s3: SeaweedS3,
                                                                           tmp_path: Path) -> None:
     """Uploads at 1 MiB/s, a 1 MiB tag saved every 0.3 s, train.keep_last=1: the tag being uploaded is kept
@@ -398,19 +432,40 @@ def test_an_upload_killed_halfway_never_looks_complete_and_restore_takes_the_pre
     assert mirror.restore(remote, tmp_path / "fresh") == "step_0000100"
 
 
+# Long enough for several of the uploader's attempts (waits 1, 2, 4, 8 s from data.retry_backoff_s=1), each
+# refused: the run must outlive the store's absence, not one blip that botocore's own retries absorb.
+OUTAGE_S = 15
+
+
 @contextlib.contextmanager
-def outage_once_up(s3: SeaweedS3, key: str, seconds: float = 40):
-    """Stop the store (connections refused) once `key` is in the bucket, for `seconds`; the time it stopped
-    is appended to the list this yields."""
+def outage_once_saved(s3: SeaweedS3, run_dir: Path, tag: str, seconds: float = OUTAGE_S):
+    """Once `tag` is complete in `run_dir` (saved, its upload starting), stop the store (connections refused)
+    for `seconds`, with the run's ranks held (SIGSTOP) until it is down: every upload after that tag's meets
+    the outage, however fast the run ends (stopping the store takes up to 3 s). The time it stopped is
+    appended to the list this yields."""
+    import psutil
+
     ended, stopped = threading.Event(), []
+    done = ckpt.checkpoint_dir(run_dir) / tag / ckpt.COMPLETE_FILE
+
+    def ranks() -> list[psutil.Process]:  # torchrun's workers of this run (the agent's cmdline names it too)
+        mine = [p for p in psutil.Process().children(recursive=True) if f"run.dir={run_dir}" in " ".join(p.cmdline())]
+        agents = {p.pid for p in mine if "torchrun" in " ".join(p.cmdline()[:2])}
+        return [p for p in mine if p.ppid() in agents]
 
     def outage() -> None:
-        prefix, name = key.split("/", 1)
-        while name not in keys(s3, prefix):
-            if ended.wait(0.2):
+        while not done.is_file():
+            if ended.wait(0.02):
                 return
-        s3.stop()
-        stopped.append(time.monotonic())
+        held = ranks()
+        for p in held:
+            p.suspend()
+        try:
+            s3.stop()
+            stopped.append(time.monotonic())
+        finally:
+            for p in held:
+                p.resume()
         try:
             time.sleep(seconds)
         finally:
@@ -425,12 +480,12 @@ def outage_once_up(s3: SeaweedS3, key: str, seconds: float = 40):
         thread.join()
 
 
-def assert_bucket_holds(s3: SeaweedS3, prefix: str, run_dir: Path) -> None:
+def assert_bucket_holds(s3: SeaweedS3, prefix: str, run_dir: Path, said: str = "") -> None:
     """The bucket holds exactly the run directory's tags, each file byte for byte (complete.json: its own
-    files plus their digests), and the run's files."""
+    files plus their digests), and the run's files (`said`: the run's output, shown on a failure)."""
     local = {f.relative_to(run_dir).as_posix() for f in (run_dir / "checkpoints").glob("step_*/**/*") if f.is_file()}
     local |= set(mirror.RUN_FILES)
-    assert keys(s3, prefix) == local, sorted(keys(s3, prefix) ^ local)
+    assert keys(s3, prefix) == local, (sorted(keys(s3, prefix) ^ local), said[-4000:])
     for name in local:
         got = s3.client().get_object(Bucket=BUCKET, Key=f"{prefix}/{name}")["Body"].read()
         if name.endswith(ckpt.COMPLETE_FILE):
@@ -443,8 +498,8 @@ def assert_bucket_holds(s3: SeaweedS3, prefix: str, run_dir: Path) -> None:
 def test_a_stopped_run_whose_run_dir_is_lost_resumes_from_the_bucket_through_an_outage(s3: SeaweedS3, shards,
                                                                                         tmp_path: Path) -> None:
     """Stopped with SIGUSR1, its run directory deleted, started again: restored from the bucket, the
-    uninterrupted run's weights. The store is stopped (connections refused) for 40 s once the resumed run's
-    first tag is up: the uploads retry through it, the run exits 0 with no traceback on either rank, and the
+    uninterrupted run's weights. The store is stopped (connections refused) for OUTAGE_S (15 s) once the resumed run's
+    first tag is saved: the uploads retry through it, the run exits 0 with no traceback on either rank, and the
     bucket ends holding exactly the run directory (before: exit 1 with the first upload error)."""
     import shutil
 
@@ -468,14 +523,14 @@ def test_a_stopped_run_whose_run_dir_is_lost_resumes_from_the_bucket_through_an_
     up = keys(s3, "e2e")
     assert f"checkpoints/{stopped}/{ckpt.COMPLETE_FILE}" in up and mirror.LOCK_OBJECT not in up, (up, out[-3000:])
     shutil.rmtree(run_dir)  # a fresh node
-    with outage_once_up(s3, f"e2e/checkpoints/step_0000016/{ckpt.COMPLETE_FILE}") as outage:
+    with outage_once_saved(s3, run_dir, "step_0000016") as outage:
         resumed = run("pretrain.py", config, args(run_dir, remote))
     said = resumed.stdout + resumed.stderr
     assert outage and resumed.returncode == 0 and "Traceback" not in said, said[-4000:]
     assert f"restored {stopped} from {remote}" in resumed.stderr and "resumed from" in resumed.stdout
-    assert "retry 1 in" in resumed.stderr, resumed.stderr[-3000:]  # the outage was met, and outlived
+    assert "retry 2 in" in resumed.stderr, resumed.stderr[-3000:]  # the outage was met (attempts refused), and outlived
     assert_same_weights(weights(tmp_path / "ref"), weights(run_dir))
-    assert_bucket_holds(s3, "e2e", run_dir)  # no lock.json either: released
+    assert_bucket_holds(s3, "e2e", run_dir, said)  # no lock.json either: released
 
 
 @pytest.mark.dist
