@@ -62,4 +62,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.signals import exit_without_teardown
+
+    exit_without_teardown(main())  # after the atexit handlers; without the teardown of torch's modules

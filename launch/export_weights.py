@@ -115,4 +115,6 @@ def export_for_others(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.signals import exit_without_teardown
+
+    exit_without_teardown(main())  # after the atexit handlers; without the teardown of torch's modules

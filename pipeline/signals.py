@@ -52,6 +52,32 @@ WATCH_EVERY_S = 1.0
 _received: int | None = None  # the first signal seen by this process
 _installed = False
 _reaping = False
+_exit_code: int | None = None  # set by exit_without_teardown
+
+
+def _leave_without_teardown() -> None:
+    """The last atexit handler (registered when this module is first imported, which the launch scripts do
+    first: atexit runs last-registered first): after exit_without_teardown, leave with its code."""
+    if _exit_code is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_code)
+
+
+atexit.register(_leave_without_teardown)
+
+
+def exit_without_teardown(code: int) -> None:
+    """sys.exit(code), less the interpreter's teardown. Python's exit runs as usual up to its last step:
+    non-daemon threads are joined, every atexit handler runs (MLflow's flush, the mirror's drain, the
+    workers' reaper), stdout and stderr are flushed; then os._exit(code) instead of collecting and freeing
+    every module's objects. With torch, timm and DeepSpeed imported that teardown took 1.2 to 1.7 s per
+    process on the 2-core machine, after the run's last line, for nothing: every file a run writes is
+    written whole and closed before (pipeline.atomic), and the run directory's lock is an flock the kernel
+    drops. The launch scripts end with it; an exception that escapes them still exits the usual way."""
+    global _exit_code
+    _exit_code = int(code)
+    sys.exit(_exit_code)
 
 
 def _handle(signum: int, frame: Any) -> None:  # noqa: ARG001 - a signal handler's signature

@@ -106,3 +106,33 @@ def test_workers_of_the_fork_server_end_when_their_rank_is_killed(tmp_path):
         for w in workers:  # after a failure: leave nothing behind
             with contextlib.suppress(psutil.NoSuchProcess):
                 w.kill()
+
+
+LEAVE = textwrap.dedent("""
+    import atexit, sys, threading, time
+    from pipeline.signals import exit_without_teardown  # first, as the launch scripts import it
+    import torch  # what the teardown would collect
+
+    out = open(sys.argv[1], "w")  # buffered, never closed: written out only by the teardown
+    out.write("lost")
+    def later():
+        time.sleep(0.3)
+        open(sys.argv[2], "w").write("thread")
+    threading.Thread(target=later).start()  # non-daemon: joined before the atexit handlers
+    atexit.register(lambda: open(sys.argv[3], "w").write("atexit"))
+    print("said", end="")  # no newline: flushed at the end
+    exit_without_teardown(3)
+""")
+
+
+@pytest.mark.slow
+def test_exit_without_teardown_runs_threads_and_atexit_then_leaves_with_its_code(tmp_path):
+    """The launch scripts end with exit_without_teardown: what Python's exit does up to its teardown still
+    happens (non-daemon threads joined, atexit handlers, stdout flushed), the exit code is kept, and the
+    teardown is skipped (a file object left open is not flushed: the proof it did not run)."""
+    files = [tmp_path / n for n in ("open", "thread", "atexit")]
+    p = subprocess.run([sys.executable, "-c", LEAVE, *map(str, files)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 3 and p.stdout == "said", (p.returncode, p.stdout, p.stderr)
+    assert files[1].read_text() == "thread" and files[2].read_text() == "atexit"
+    assert files[0].read_text() == ""
