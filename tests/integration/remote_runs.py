@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.runs import ROOT, TINY, env, free_port, weights
+from tests.integration.runs import ROOT, TINY, WORKERS, env, free_port, weights
 
 CONFIG = "configs/pretrain/demo.yaml"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -20,7 +20,7 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 def overrides(data: Path | str, run_dir: Path, cache: Path) -> list[str]:
     """One epoch (16 steps of 16) of the 256 train samples, fp32 and no clipping: bit-comparable weights."""
-    return [*TINY, f"data.path={data}", f"run.dir={run_dir}", f"data.cache_dir={cache}", "train.steps=16",
+    return [*TINY, WORKERS, f"data.path={data}", f"run.dir={run_dir}", f"data.cache_dir={cache}", "train.steps=16",
             "train.global_batch_size=16", "train.micro_batch_size=8", "deepspeed.bf16=false",
             "deepspeed.zero_stage=1", "train.grad_clip=0", "train.eval_every=0", "train.ckpt_every=0"]
 

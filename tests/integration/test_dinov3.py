@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.train import checkpoint as ckpt
-from tests.integration.runs import TINY, run, run_and_signal, weights
+from tests.integration.runs import TINY, WORKERS, run, run_and_signal, weights
 from tests.integration.test_dino import assert_close
 
 pytestmark = pytest.mark.dist
@@ -24,9 +24,9 @@ DINOV3 = ["model.objective=dinov3", "model.variant=dinov3_vits16", "deepspeed.bf
           "dinov3.centering=centering"]
 
 
-def base(data, run_dir, steps=12):
+def base(data, run_dir, steps=12, *extra):
     return [*TINY, *DINOV3, f"data.path={data}", f"run.dir={run_dir}", "deepspeed.zero_stage=1",
-            f"train.steps={steps}", "train.ckpt_every=4", "train.eval_every=0", "train.keep_last=5"]
+            f"train.steps={steps}", "train.ckpt_every=4", "train.eval_every=0", "train.keep_last=5", *extra]
 
 
 def gram_teacher(run_dir) -> dict[str, torch.Tensor]:
@@ -43,9 +43,10 @@ def test_dinov3_with_gram_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_u
     assert [line.split("step ")[1].split(" ")[0] for line in copies] == ["2", "5", "8"]
 
     run_dir = tmp_path / "preempted"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir), when="step 4/12")
+    # Loader workers here, none in the reference: the same crops.
+    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, 12, WORKERS), when="step 4/12")
     assert code == 75, out[-3000:]
-    resumed = run("pretrain.py", CONFIG, base(shards, run_dir), ranks=1)
+    resumed = run("pretrain.py", CONFIG, base(shards, run_dir, 12, WORKERS), ranks=1)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout
     assert "gram: the Gram teacher is the EMA teacher of step 8" in resumed.stdout

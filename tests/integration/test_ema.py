@@ -11,7 +11,7 @@ from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
 from pipeline.train import checkpoint as ckpt
-from tests.integration.runs import TINY, assert_same_weights, metrics, run, run_and_signal, weights
+from tests.integration.runs import TINY, WORKERS, assert_same_weights, metrics, run, run_and_signal, weights
 
 CONFIG = "configs/pretrain/demo.yaml"
 EMA = ["train.ema_decay=0.9", "train.ema_warmup=true", "train.ema_warmup_gamma=2.0"]
@@ -37,11 +37,12 @@ def test_zero3_ema_resumes_bit_exact_on_2_ranks_and_on_1_within_fp32_rounding(sh
     assert "| EMA | loss" in ref.stdout  # the EMA's eval line beside the model's
 
     run_dir = tmp_path / "preempted"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, 3, 12, *fp32), when="step 4/12")
+    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, 3, 12, *fp32, WORKERS),
+                               when="step 4/12")  # loader workers here, none in the reference: the same batches
     assert code == 75, out[-3000:]
     one_rank = tmp_path / "one_rank"
     shutil.copytree(run_dir, one_rank)
-    resumed = run("pretrain.py", CONFIG, base(shards, run_dir, 3, 12, *fp32))
+    resumed = run("pretrain.py", CONFIG, base(shards, run_dir, 3, 12, *fp32, WORKERS))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
 

@@ -23,6 +23,7 @@ from tests.integration.runs import (
     ROOT,
     TINY,
     TORCHRUN,
+    WORKERS,
     assert_same_weights,
     command,
     env,
@@ -39,8 +40,8 @@ CONFIG = "configs/pretrain/demo.yaml"
 
 def overrides(shards, run_dir, steps=6):
     # An evaluation after every step, small eval batches (several per worker): the cases below need both.
-    return [*TINY, f"data.path={shards}", f"run.dir={run_dir}", "deepspeed.zero_stage=3", f"train.steps={steps}",
-            "train.eval_every=1", "train.eval_batch_size=2"]
+    return [*TINY, WORKERS, f"data.path={shards}", f"run.dir={run_dir}", "deepspeed.zero_stage=3",
+            f"train.steps={steps}", "train.eval_every=1", "train.eval_batch_size=2"]
 
 
 def injected(fault: str, overrides_: list[str], extra_env: dict[str, str] | None = None, timeout: float = 600,

@@ -18,6 +18,7 @@ from tests.integration.runs import (
     ROOT,
     TINY,
     TORCHRUN,
+    WORKERS,
     assert_same_weights,
     assert_sets_judged_alike,
     env,
@@ -50,10 +51,11 @@ def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
 
     run_dir = tmp_path / "preempted"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32), when="step 4/12")
+    code, out = run_and_signal("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32, WORKERS),
+                               when="step 4/12")  # loader workers here, none in the reference: the same batches
     assert code == 75, out[-3000:]
     assert not (run_dir / "model.safetensors").exists()
-    resumed = run("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32), ranks=1)
+    resumed = run("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32, WORKERS), ranks=1)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout
     # Same masks (from each sample's global position), same samples, same updates: the same weights.

@@ -70,7 +70,7 @@ def demo(tmp_path_factory) -> Iterator[dict]:
     mlflow_env = {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}  # the jobs run from the repository root
     # Generous tracking waits: a new SQLite store takes seconds to create its tables on a loaded box,
     # and this test is about what ends up in MLflow, not about how long a job waits for it.
-    common = ["tracking.timeout_s=60", f"data.path={data}"]
+    common = ["tracking.timeout_s=60", f"data.path={data}", "data.num_workers=0"]  # what MLflow shows, not the loader
     pre_dir, ft_dir = tmp / "demo-pretrain", tmp / "demo-finetune"  # the run directory names the run
 
     pre = run("pretrain.py", "configs/pretrain/demo.yaml",

@@ -9,6 +9,7 @@ import pytest
 from pipeline.train import checkpoint as ckpt
 from tests.integration.runs import (
     TINY,
+    WORKERS,
     assert_same_weights,
     metrics,
     run,
@@ -27,7 +28,7 @@ def base(shards, run_dir, zero, steps=24):
 
 @pytest.mark.parametrize("zero", [1, 3])
 def test_sigusr1_on_one_rank_checkpoints_exits_75_and_resume_is_bit_exact(shards, tmp_path, zero):
-    # Uninterrupted reference run.
+    # Uninterrupted reference run (no loader workers; the preempted run has them: the same batches).
     ref_dir = tmp_path / "ref"
     ref = run("pretrain.py", CONFIG, base(shards, ref_dir, zero))
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
@@ -40,7 +41,7 @@ def test_sigusr1_on_one_rank_checkpoints_exits_75_and_resume_is_bit_exact(shards
 
     # Same run, SIGUSR1 to rank 1 only, mid-way: all ranks stop at one step boundary, checkpoint, exit 75.
     run_dir = tmp_path / "preempted"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, zero), when="step 4/24")
+    code, out = run_and_signal("pretrain.py", CONFIG, [*base(shards, run_dir, zero), WORKERS], when="step 4/24")
     assert code == 75, out[-3000:]
     assert "preempted: checkpoint at step" in out
     stopped_at = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
@@ -48,7 +49,7 @@ def test_sigusr1_on_one_rank_checkpoints_exits_75_and_resume_is_bit_exact(shards
     assert not (run_dir / "model.safetensors").exists()
 
     # The restart resumes from `latest` and ends with exactly the uninterrupted weights.
-    resumed = run("pretrain.py", CONFIG, base(shards, run_dir, zero))
+    resumed = run("pretrain.py", CONFIG, [*base(shards, run_dir, zero), WORKERS])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and f"at step {stopped_at}" in resumed.stdout
     assert "does not keep" not in resumed.stdout  # DeepSpeed's own keys (ds_config, ...) are not parts

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.integration.runs import (  # noqa: E402 (after the path)
     TINY,
+    WORKERS,
     command,
     env,
     make_synthetic_shards,
@@ -42,7 +43,7 @@ CONFIG = "configs/pretrain/demo.yaml"
 
 
 def overrides(shards: Path, run_dir: Path, zero: int, eval_every: int) -> list[str]:
-    return [*TINY, f"data.path={shards}", f"run.dir={run_dir}", f"deepspeed.zero_stage={zero}",
+    return [*TINY, WORKERS, f"data.path={shards}", f"run.dir={run_dir}", f"deepspeed.zero_stage={zero}",
             "train.steps=24", "train.ckpt_every=8", f"train.eval_every={eval_every}", "train.keep_last=2"]
 
 
