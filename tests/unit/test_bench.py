@@ -275,6 +275,7 @@ def test_render_writes_the_newest_row_per_machine_and_the_committed_page_is_curr
         assert DOCS_PAGE.read_text() == render(list(csv.DictReader(f))), "run: python launch/bench.py render"
 
 
+@pytest.mark.slow  # times two DINOv2 steps: 5 s
 def test_dino_bench_times_both_steps_and_its_flop_prediction_holds(capsys, monkeypatch):
     """`launch/bench.py dino` on a tiny backbone (a 4x4 grid, so that iBOT's blocks fit): both steps
     timed, and the FLOPs per image that the trainer's MFU uses (3 x DINOv2.flops_per_image with iBOT's

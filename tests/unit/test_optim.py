@@ -34,6 +34,7 @@ print(json.dumps({"partitioned": partitioned,
 """
 
 
+@pytest.mark.slow  # a DeepSpeed process per ZeRO stage: 15 s
 def test_decayed_set_is_the_same_at_every_zero_stage():
     from tests.integration.runs import ROOT, env, free_port
 
@@ -102,6 +103,7 @@ def test_resumed_optimizer_follows_the_config_not_the_checkpoint():
     assert [g["lr"] for g in opt2.param_groups] == pytest.approx([g["lr"] for g in fresh.param_groups])
 
 
+@pytest.mark.slow  # DeepSpeed's CPU Adam loaded: 3 s
 def test_offload_optimizer_is_deepspeeds_cpu_adam_with_the_same_groups():
     if not os.environ.get("TORCH_EXTENSIONS_DIR"):
         pytest.skip("TORCH_EXTENSIONS_DIR unset")
