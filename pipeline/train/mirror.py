@@ -92,6 +92,7 @@ class Mirror:
         self._failing_since: float | None = None  # the outage's clock (monotonic), None while uploads succeed
         self._jobs: list[tuple[str, Any]] = []
         self._busy = False
+        self._prune_due: str | None = None  # the tag whose bucket pruning failed, until a later one succeeds
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._work, name="run-mirror", daemon=True)
         self._thread.start()
@@ -207,7 +208,9 @@ class Mirror:
                 _client().upload_file(str(self.run_dir / name), self.bucket, self.key(name))
         try:
             self._prune(tag)
+            self._prune_due = None
         except Exception as e:  # noqa: BLE001 - the tag is up; the bucket's old tags go at the next one
+            self._prune_due = tag
             log(f"pruning the bucket's tags older than {tag} failed ({type(e).__name__}: {e}); the next tag tries again")
         return True
 
@@ -216,10 +219,11 @@ class Mirror:
             if name not in done and (self.run_dir / name).is_file():
                 _client().upload_file(str(self.run_dir / name), self.bucket, self.key(name))
             done.add(name)
-        if self.mirrored:
-            # The last tag's pruning is retried with this job: no newer tag will try again, and a store just
-            # back from an outage can fail a DELETE (seen: an old tag left in the bucket for good).
-            self._prune(self.mirrored[-1])
+        if self._prune_due:
+            # A failed pruning of the last tag is retried with this job: no newer tag will try again, and a store
+            # just back from an outage can fail a DELETE (seen: an old tag left in the bucket for good).
+            self._prune(self._prune_due)
+            self._prune_due = None
         log(f"{len(self.mirrored)} tag(s) and the run's files are in {self.remote}")
         return True
 
