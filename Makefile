@@ -1,4 +1,4 @@
-# make demo | demo-mae | demo-dino | test | test-fast | lint | bench. The first target run creates .venv from constraints.txt;
+# make demo | demo-mae | demo-dino | demo-dinov3 | test | test-fast | lint | bench. The first target run creates .venv from constraints.txt;
 # later runs reuse it (re-installed only when pyproject.toml or constraints.txt change).
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 # checkout: two checkouts sharing ~/.cache/torch_extensions rebuild each other's ops mid-run.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: venv test test-fast lint bench demo demo-mae demo-dino clean
+.PHONY: venv test test-fast lint bench demo demo-mae demo-dino demo-dinov3 clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ demo-mae: $(STAMP)
 
 demo-dino: $(STAMP)
 	bash launch/demo_dino.sh
+
+# DINOv3's stages (pretraining, Gram anchoring, high resolution), then fine-tuned at 1x and 2x the resolution.
+demo-dinov3: $(STAMP)
+	bash launch/demo_dinov3.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

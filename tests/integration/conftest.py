@@ -6,7 +6,7 @@ import pytest
 from PIL import Image
 
 from pipeline.data.sources import synthetic_image
-from tests.integration.runs import PYTHON, ROOT, make_synthetic_shards
+from tests.integration.runs import PYTHON, ROOT, make_synthetic_shards, run, supervised
 
 
 @pytest.fixture(scope="session")
@@ -14,6 +14,16 @@ def shards(tmp_path_factory):
     """The synthetic shards most integration tests train on (16 px, 4 classes, 320 samples in shards of 40),
     written once per session. Read-only: a test that changes shards writes its own."""
     return make_synthetic_shards(tmp_path_factory.mktemp("data") / "synthetic")
+
+
+@pytest.fixture(scope="session")
+def supervised_reference(shards, tmp_path_factory):
+    """The uninterrupted 2-rank ZeRO-1 run of `runs.supervised` (24 steps), its run directory and output: run
+    once, the end that test_pretrain.py's preempted run and test_run_remote.py's restored run both reach."""
+    ref_dir = tmp_path_factory.mktemp("supervised") / "ref"
+    ref = run("pretrain.py", "configs/pretrain/demo.yaml", supervised(shards, ref_dir, 1))
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    return ref_dir, ref.stdout
 
 
 def _write_images(root, labels=None):

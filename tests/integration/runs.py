@@ -40,6 +40,14 @@ TINY = [
 WORKERS = "data.num_workers=1"  # after TINY: the loader's workers and their fork server, as a user's run has them
 
 
+def supervised(shards: Path, run_dir: Path, zero: int, steps: int = 24) -> list[str]:
+    """configs/pretrain/demo.yaml's overrides for a TINY supervised run of `steps` (checkpoints every 8, the
+    last 2 kept, evaluations every 12): what the preemption tests of test_pretrain.py and the bucket's
+    restore test end against (`supervised_reference` runs it once per session at ZeRO-1)."""
+    return [*TINY, f"data.path={shards}", f"run.dir={run_dir}", f"deepspeed.zero_stage={zero}",
+            f"train.steps={steps}", "train.ckpt_every=8", "train.eval_every=12", "train.keep_last=2"]
+
+
 def make_synthetic_shards(out: Path, size: int = 16, samples: int = 320, classes: int = 4, per_shard: int = 40) -> Path:
     subprocess.run([PYTHON, str(ROOT / "launch/make_shards.py"), "--source", "synthetic", "--out", str(out),
                     "--size", str(size), "--num-samples", str(samples), "--num-classes", str(classes),

@@ -496,24 +496,23 @@ def assert_bucket_holds(s3: SeaweedS3, prefix: str, run_dir: Path, said: str = "
 
 @pytest.mark.dist
 def test_a_stopped_run_whose_run_dir_is_lost_resumes_from_the_bucket_through_an_outage(s3: SeaweedS3, shards,
+                                                                                        supervised_reference,
                                                                                         tmp_path: Path) -> None:
     """Stopped with SIGUSR1, its run directory deleted, started again: restored from the bucket, the
-    uninterrupted run's weights. The store is stopped (connections refused) for OUTAGE_S (15 s) once the resumed run's
-    first tag is saved: the uploads retry through it, the run exits 0 with no traceback on either rank, and the
-    bucket ends holding exactly the run directory (before: exit 1 with the first upload error)."""
+    uninterrupted run's weights (the session's `supervised_reference`). The store is stopped (connections
+    refused) for OUTAGE_S (15 s) once the resumed run's first tag is saved: the uploads retry through it, the
+    run exits 0 with no traceback on either rank, and the bucket ends holding exactly the run directory
+    (before: exit 1 with the first upload error)."""
     import shutil
 
-    from tests.integration.runs import TINY, assert_same_weights, run, run_and_signal, weights
+    from tests.integration.runs import assert_same_weights, run, run_and_signal, supervised, weights
 
     config = "configs/pretrain/demo.yaml"
 
-    def args(run_dir: Path, remote: str | None) -> list[str]:
-        return [*TINY, f"data.path={shards}", f"run.dir={run_dir}", "deepspeed.zero_stage=1", "train.steps=24",
-                "train.ckpt_every=8", "train.eval_every=0", "train.keep_last=2",
-                *([f"run.remote={remote}"] if remote else [])]
+    def args(run_dir: Path, remote: str) -> list[str]:
+        return [*supervised(shards, run_dir, 1), f"run.remote={remote}"]
 
-    ref = run("pretrain.py", config, args(tmp_path / "ref", None))
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    ref_dir, _ = supervised_reference
     remote = f"s3://{BUCKET}/e2e"
     run_dir = tmp_path / "run"
     code, out = run_and_signal("pretrain.py", config, args(run_dir, remote), when="step 4/24")
@@ -529,7 +528,7 @@ def test_a_stopped_run_whose_run_dir_is_lost_resumes_from_the_bucket_through_an_
     assert outage and resumed.returncode == 0 and "Traceback" not in said, said[-4000:]
     assert f"restored {stopped} from {remote}" in resumed.stderr and "resumed from" in resumed.stdout
     assert "retry 2 in" in resumed.stderr, resumed.stderr[-3000:]  # the outage was met (attempts refused), and outlived
-    assert_same_weights(weights(tmp_path / "ref"), weights(run_dir))
+    assert_same_weights(weights(ref_dir), weights(run_dir))
     assert_bucket_holds(s3, "e2e", run_dir, said)  # no lock.json either: released
 
 

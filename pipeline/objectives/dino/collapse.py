@@ -78,12 +78,12 @@ class CollapseMonitor:
         if self.counts["entropy"] >= self.evals:
             said.append(f"the teacher's target entropy has been {entropy:.3f} nats, at the uniform log "
                         f"{self.prototypes} = {math.log(self.prototypes):.3f}, for {self.counts['entropy']} "
-                        f"evaluations")
+                        f"evaluations: every image gets the same flat target, so the DINO term teaches nothing")
         if self.counts["rank"] >= self.evals:
             said.append(f"the effective rank of the teacher's class tokens has been {rank:.2f} (collapse: 1) for "
-                        f"{self.counts['rank']} evaluations")
-        return ("collapse: " + "; ".join(said) + ": the teacher gives every image the same target, so the loss "
-                "teaches nothing (docs/dino.md, Collapse)")
+                        f"{self.counts['rank']} evaluations: every image gets the same class token")
+        # What the other terms (iBOT, KoLeo, Gram) still do shows in the k-NN, not here.
+        return "collapse: " + "; ".join(said) + " (docs/dino.md, Collapse)"
 
     def state_dict(self) -> dict[str, int]:
         return dict(self.counts)

@@ -7,11 +7,12 @@ directory).
 What is read: the source's newest complete checkpoint, on any ZeRO stage and world size: its student (DeepSpeed's
 module, consolidated to fp32) and its objective's client state (teacher, Gram teacher, centres), the files
 read with `weights_only=True`. The architecture must be the source's (its recorded model arguments, compared as
-a resume compares them); anything else may change.
+a resume compares them, model.img_size aside); anything else may change.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,10 @@ def source_checkpoint(source: str, model_class: type[nn.Module], model_kwargs: d
         raise ConfigError(f"dinov3.continue_from={source}: its checkpoint {tag} is of a model.objective={objective} "
                           f"run; a DINOv3 stage continues a dinov3 run (fine-tune others: launch/finetune.py --from)")
     was, now = architecture(model_class, saved.model), architecture(model_class, model_kwargs)
-    diff = [f"{k}: {was[k]} there, {now[k]} here" for k in model_class.ARCH_KEYS if str(was[k]) != str(now[k])]
+    # Compared as they read back from JSON (a recorded tuple is a list). Not img_size: the RoPE backbone has no
+    # position table, and the high-resolution stage trains at other sizes than the stage it continues.
+    diff = [f"{k}: {was[k]} there, {now[k]} here" for k in model_class.ARCH_KEYS
+            if k != "img_size" and json.dumps(was[k]) != json.dumps(now[k])]
     if diff:
         raise ConfigError(f"dinov3.continue_from={source}: another model ({'; '.join(diff)}); a later stage keeps "
                           f"the architecture")
