@@ -68,8 +68,7 @@ def test_dino_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
 
     run_dir = tmp_path / "preempted"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32, WORKERS),
-                               when="step 4/12")  # loader workers here, none in the reference: the same crops
+    code, out = run_and_signal("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32), when="step 4/12")
     assert code == 75, out[-3000:]
     assert not (run_dir / "model.safetensors").exists()
     # Stopped before its export, it fine-tunes (a supervised ViT, class-token head) at twice the resolution
@@ -84,6 +83,7 @@ def test_dino_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted
     tuned = weights(ft_dir)
     assert tuned["pos_embed"].shape == (1, 65, 32) and "head.weight" in tuned  # 8x8 grid + class token
 
+    # Loader workers in the resumed run, none in the reference: the same crops.
     resumed = run("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32, WORKERS), ranks=1)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout

@@ -53,12 +53,13 @@ def test_dinov3_with_gram_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_u
     assert [line.split("step ")[1].split(" ")[0] for line in copies] == ["2", "5", "8"]
 
     run_dir = tmp_path / "preempted"
-    # At ZeRO-1 loader workers, none in the reference: the same crops. At ZeRO-3 the student, the teacher and
-    # the Gram teacher are partitioned over the ranks, and the checkpoint of 2 ranks is loaded by 1.
-    stage = [f"deepspeed.zero_stage={zero}", *([WORKERS] if zero == 1 else [])]
-    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, 9, *stage), when="step 4/9")
+    # At ZeRO-3 the student, the teacher and the Gram teacher are partitioned over the ranks, and the checkpoint
+    # of 2 ranks is loaded by 1.
+    stage = f"deepspeed.zero_stage={zero}"
+    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, 9, stage), when="step 4/9")
     assert code == 75, out[-3000:]
-    resumed = run("pretrain.py", CONFIG, base(shards, run_dir, 9, *stage), ranks=1)
+    # At ZeRO-1 loader workers in the resumed run, none in the reference: the same crops.
+    resumed = run("pretrain.py", CONFIG, base(shards, run_dir, 9, stage, *([WORKERS] if zero == 1 else [])), ranks=1)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout
     assert "gram: the Gram teacher is the EMA teacher of step 8" in resumed.stdout

@@ -37,11 +37,11 @@ def test_zero3_ema_resumes_bit_exact_on_2_ranks_and_on_1_within_fp32_rounding(sh
     assert "| EMA | loss" in ref.stdout  # the EMA's eval line beside the model's
 
     run_dir = tmp_path / "preempted"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, 3, 12, *fp32, WORKERS),
-                               when="step 4/12")  # loader workers here, none in the reference: the same batches
+    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, 3, 12, *fp32), when="step 4/12")
     assert code == 75, out[-3000:]
     one_rank = tmp_path / "one_rank"
     shutil.copytree(run_dir, one_rank)
+    # Loader workers in the resumed run, none in the reference: the same batches.
     resumed = run("pretrain.py", CONFIG, base(shards, run_dir, 3, 12, *fp32, WORKERS))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout

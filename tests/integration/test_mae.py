@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -41,7 +42,8 @@ def base(data, run_dir, zero, steps=12, *extra):
 
 
 def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_run_ends(shards, label_free,
-                                                                                         noisy_labels, tmp_path):
+                                                                                         noisy_labels, tmp_path,
+                                                                                         capsys):
     # Pretrained on shards without labels, judged at every evaluation on a labelled set (eval.sets).
     fp32 = ["deepspeed.bf16=false", f"eval.sets.synth={noisy_labels}", "train.eval_every=4"]
     ref_dir = tmp_path / "ref"
@@ -51,10 +53,10 @@ def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
 
     run_dir = tmp_path / "preempted"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32, WORKERS),
-                               when="step 4/12")  # loader workers here, none in the reference: the same batches
+    code, out = run_and_signal("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32), when="step 4/12")
     assert code == 75, out[-3000:]
     assert not (run_dir / "model.safetensors").exists()
+    # Loader workers in the resumed run, none in the reference: the same batches.
     resumed = run("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32, WORKERS), ranks=1)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout
@@ -93,10 +95,10 @@ def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_
     # The probe's BatchNorm statistics are exported with it (2 steps of momentum 0.1 moved them off 0).
     assert int(probed["head.0.num_batches_tracked"]) > 0 and probed["head.0.running_mean"].abs().sum() > 0
 
-    judge_and_embed(ref_dir, shards, tmp_path, store)
+    judge_and_embed(ref_dir, shards, tmp_path, store, capsys)
 
 
-def judge_and_embed(run_dir, shards, tmp_path, store):
+def judge_and_embed(run_dir, shards, tmp_path, store, capsys):
     """launch/evaluate.py over every checkpoint (a table, MLflow runs nested under the run's), then
     launch/embed.py on 2 ranks equal to the backbone's forward, each sample once, and a 1-rank embed killed
     after its first part and started again equal to it. About 40 s of the test's time on a quiet machine."""
@@ -166,9 +168,16 @@ def judge_and_embed(run_dir, shards, tmp_path, store):
     # An output folder holding something else is refused with one line.
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
-    busy = subprocess.run([*argv[:-4], "--out", str(tmp_path / "busy")], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=600)
-    assert busy.returncode == 1 and busy.stderr.count("error:") == 1 and "holds other files" in busy.stderr
+    # (launch/embed.py's main in this process: the same code as the command, without an interpreter's start)
+    sys.path.insert(0, str(ROOT / "launch"))
+    try:
+        from embed import main as embed_main
+    finally:
+        sys.path.pop(0)
+    capsys.readouterr()
+    assert embed_main([*argv[2:-4], "--out", str(tmp_path / "busy")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "holds other files" in err, err
 
 
 def test_mae_at_zero3_with_gradient_checkpointing_trains_on_label_free_shards(label_free, tmp_path):
