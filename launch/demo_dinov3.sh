@@ -21,9 +21,7 @@ FT2X=runs/demo-dinov3-finetune-64px
 SCRATCH=runs/demo-dinov3-scratch
 start=$(date +%s)
 
-shards --source digits --no-labels --out data/digits-unlabelled
-shards --source digits --out data/digits
-shards --source digits --train-fraction 0.1 --out data/digits-10pct
+label_free_shards
 # A demo starts from scratch each time (a run dir with a checkpoint would resume instead).
 rm -rf "$PRE" "$GRAM" "$HIGHRES" "$FT" "$FT2X" "$SCRATCH"
 DATA=(data.path=data/digits-unlabelled eval.sets.digits=data/digits)

@@ -12,6 +12,14 @@ shards() {
   [ -f "$out/dataset.json" ] || "$PY" launch/make_shards.py --no-progress "$@"
 }
 
+# The label-free demos' data: the digits without labels (pretraining), with them (eval.sets, 1,438 training and
+# 359 validation images), and 10% of the training labels (143 images, the fine-tunes).
+label_free_shards() {
+  shards --source digits --no-labels --out data/digits-unlabelled
+  shards --source digits --out data/digits
+  shards --source digits --train-fraction 0.1 --out data/digits-10pct
+}
+
 # deepspeed on $RANKS processes, on a free port each time: the default 29500 may belong to another job here.
 ranks() {
   "$DEEPSPEED" --num_gpus "$RANKS" --master_port "$("$PY" -c 'from pipeline.dist import free_port; print(free_port())')" "$@"

@@ -19,9 +19,7 @@ FT=runs/demo-mae-finetune
 SCRATCH=runs/demo-mae-scratch
 start=$(date +%s)
 
-shards --source digits --no-labels --out data/digits-unlabelled
-shards --source digits --out data/digits
-shards --source digits --train-fraction 0.1 --out data/digits-10pct
+label_free_shards
 # A demo starts from scratch each time (a run dir with a checkpoint would resume instead).
 rm -rf "$PRE" "$FT" "$SCRATCH"
 
