@@ -1,5 +1,5 @@
-"""A DINOv2 training step against a supervised one on the same backbone: what the recipe costs, and
-whether `DINOv2.flops_per_image` predicts it.
+"""A DINOv2 (or, with `--dino-recipe dinov3`, a DINOv3) training step against a supervised one on the same
+backbone: what the recipe costs, and whether the objective's `flops_per_image` predicts it.
 
 Both steps are the trainer's work in plain PyTorch (forward, loss, backward, AdamW with the trainer's
 parameter groups), on the same backbone weights, measured in turns (`benchmarks.common.interleaved`).
@@ -31,18 +31,23 @@ import torch.nn.functional as F
 from PIL import Image
 
 from benchmarks.common import bench_device, interleaved, median, profile_step, spread, synchronize
-from pipeline.model.vit import VisionTransformer, model_flops, model_kwargs_from_config
+from pipeline.model.dinov3 import build_backbone
+from pipeline.model.vit import model_flops, model_kwargs_from_config
 from pipeline.objectives import OBJECTIVES, load_config
 from pipeline.train.metrics import device_peak_flops
 from pipeline.train.optim import build_optimizer, param_groups
 
 
 def add_dino_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dino-variant", default=None, help="backbone (default: vit_b14 on a GPU, vit_s14 on CPU)")
-    p.add_argument("--dino-res", type=int, default=224, help="global crop size (default 224)")
+    p.add_argument("--dino-recipe", choices=("dinov2", "dinov3"), default="dinov2",
+                   help="the objective stepped (default dinov2; dinov3: RoPE backbone, its heads and Sinkhorn-Knopp)")
+    p.add_argument("--dino-variant", default=None,
+                   help="backbone (default: vit_b14 on a GPU, vit_s14 on CPU; dinov3_vitb16 / dinov3_vits16 for dinov3)")
+    p.add_argument("--dino-res", type=int, default=None, help="global crop size (default 224; dinov3 256)")
     p.add_argument("--dino-local-crops", type=int, default=8, help="local crops per image (default 8)")
-    p.add_argument("--dino-local-res", type=int, default=98, help="local crop size (default 98)")
-    p.add_argument("--dino-prototypes", type=int, default=65536, help="DINO head prototypes (default 65,536)")
+    p.add_argument("--dino-local-res", type=int, default=None, help="local crop size (default 98; dinov3 112)")
+    p.add_argument("--dino-prototypes", type=int, default=None,
+                   help="DINO head prototypes (default 65,536; dinov3 262,144 and the iBOT head's 98,304)")
     p.add_argument("--dino-batch", type=int, default=None, help="images per step (default: 64 on a GPU, 2 on CPU)")
     p.add_argument("--dino-steps", type=int, default=None, help="steps per window (default: 10 on a GPU, 1 on CPU)")
     p.add_argument("--dino-windows", type=int, default=3)
@@ -59,8 +64,8 @@ class _Engine:
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         self.module, self.optimizer, self.device = module, optimizer, device
 
-    def __call__(self, *args: Any) -> Any:
-        return self.module(*args)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # DINOv3's student takes its RoPE jitter by name
+        return self.module(*args, **kwargs)
 
 
 class DinoStep:
@@ -88,7 +93,7 @@ class DinoStep:
 class SupervisedStep:
     """forward -> cross-entropy -> backward -> AdamW step of the plain ViT (bf16 autocast on a GPU)."""
 
-    def __init__(self, model: VisionTransformer, depth: int, images: torch.Tensor, targets: torch.Tensor,
+    def __init__(self, model: torch.nn.Module, depth: int, images: torch.Tensor, targets: torch.Tensor,
                  train: Any) -> None:
         self.model, self.images, self.targets = model.to(images.device).train(), images, targets
         self.optimizer = build_optimizer(param_groups(self.model, train, depth), train)
@@ -111,9 +116,24 @@ def measured_flops(step: Any, batch: int) -> float:
     return counter.get_total_flops() / batch
 
 
-def recipe_config(variant: str, res: int, local_crops: int, local_res: int, prototypes: int) -> Any:
-    """The recipe's DINOv2 config at this backbone (dinov2_vitb14.yaml's values; no freeze, so that every
-    timed step is a full one; lr and schedules do not change the cost)."""
+# Per recipe: the default global and local crop sizes and prototypes (dinov2_vit*14.yaml, dinov3_vit*16.yaml).
+RECIPE_DEFAULTS = {"dinov2": {"res": 224, "local_res": 98, "prototypes": 65536},
+                   "dinov3": {"res": 256, "local_res": 112, "prototypes": 262144}}
+
+
+def recipe_config(variant: str, res: int, local_crops: int, local_res: int, prototypes: int,
+                  recipe: str = "dinov2") -> Any:
+    """The recipe's config at this backbone (dinov2_vitb14.yaml's or dinov3_vitl16.yaml's values; no freeze, so
+    that every timed step is a full one; lr and schedules do not change the cost)."""
+    if recipe == "dinov3":
+        return load_config(None, [
+            "model.objective=dinov3", f"model.variant={variant}", f"model.img_size={res}", "model.drop_path_rate=0.0",
+            f"dinov3.local_crops_number={local_crops}", f"dinov3.local_crops_size={local_res}",
+            f"dinov3.head_n_prototypes={prototypes}", "dinov3.head_hidden_dim=8192", "dinov3.head_bottleneck_dim=512",
+            f"dinov3.ibot_head_n_prototypes={min(prototypes, 98304)}", "dinov3.ibot_head_bottleneck_dim=384",
+            "dinov3.freeze_last_layer_steps=0", "dinov3.patch_embed_lr_mult=0.2", "train.steps=1000",
+            "train.lr=4e-4", "train.layer_decay=0.98", "train.weight_decay=0.04", "train.betas=[0.9, 0.99]",
+            "train.grad_clip=0.0"])
     return load_config(None, [
         "model.objective=dinov2", f"model.variant={variant}", f"model.img_size={res}", "model.drop_path_rate=0.0",
         f"dino.local_crops_number={local_crops}", f"dino.local_crops_size={local_res}", f"dino.head_n_prototypes={prototypes}",
@@ -125,16 +145,21 @@ def bench_dino(args: Any) -> dict[str, Any]:
     t_start = time.perf_counter()
     device = bench_device()
     gpu = device.type == "cuda"
-    variant = args.dino_variant or ("vit_b14" if gpu else "vit_s14")
-    res, batch = args.dino_res, args.dino_batch or (64 if gpu else 2)
+    recipe = getattr(args, "dino_recipe", "dinov2")
+    defaults = RECIPE_DEFAULTS[recipe]
+    prefix = "dinov3_" if recipe == "dinov3" else ""
+    variant = args.dino_variant or (f"{prefix}vit_b{16 if prefix else 14}" if gpu else f"{prefix}vit_s{16 if prefix else 14}")
+    variant = variant.replace("dinov3_vit_", "dinov3_vit")
+    res, batch = args.dino_res or defaults["res"], args.dino_batch or (64 if gpu else 2)
+    local_res, prototypes = args.dino_local_res or defaults["local_res"], args.dino_prototypes or defaults["prototypes"]
     steps, windows = args.dino_steps or (10 if gpu else 1), args.dino_windows
     if args.dino_threads is not None or not gpu:
         # On a small shared CPU box OpenMP threads waiting for each other at every op make each step
         # several times slower (docs/performance.md): one thread unless told.
         torch.set_num_threads(args.dino_threads or 1)
-    cfg = recipe_config(variant, res, args.dino_local_crops, args.dino_local_res, args.dino_prototypes)
+    cfg = recipe_config(variant, res, args.dino_local_crops, local_res, prototypes, recipe)
     torch.manual_seed(0)
-    objective = OBJECTIVES["dinov2"](cfg, SimpleNamespace(num_classes=0))
+    objective = OBJECTIVES[recipe](cfg, SimpleNamespace(num_classes=0))
     kwargs = objective.model_kwargs()
     student = objective.build_all(kwargs)
     objective.teacher.to(device)
@@ -147,7 +172,7 @@ def bench_dino(args: Any) -> dict[str, Any]:
     masked = int(crops[2].sum())
     # The supervised ViT: the same backbone (variant, size, weights) with a 1000-class head.
     sup_kwargs = model_kwargs_from_config(cfg.model, 1000)
-    vit = VisionTransformer(**sup_kwargs)
+    vit = build_backbone(sup_kwargs)
     missing = vit.load_state_dict({k[len("backbone."):]: v for k, v in student.state_dict().items()
                                    if k.startswith("backbone.") and k != "backbone.mask_token"}, strict=False)
     assert set(missing.missing_keys) <= {"head.weight", "head.bias"}, missing  # only the classifier is new
@@ -155,15 +180,15 @@ def bench_dino(args: Any) -> dict[str, Any]:
     targets = torch.randint(0, 1000, (batch,), device=device)
     contenders = {"dino": DinoStep(objective, student, crops, device),
                   "supervised": SupervisedStep(vit, kwargs["depth"], images, targets, cfg.train)}
-    print(f"dino: {variant} @ {res} + {args.dino_local_crops} x {args.dino_local_res}, {args.dino_prototypes} prototypes, batch {batch} "
+    print(f"dino: {recipe} {variant} @ {res} + {args.dino_local_crops} x {local_res}, {prototypes} prototypes, batch {batch} "
           f"on {device}: {windows} windows of {steps} steps, in turns")
     measured = {name: measured_flops(step, batch) for name, step in contenders.items()}  # also the warm-up
     t = interleaved(contenders, steps, windows, 0, device)
     synchronize(device)
     predicted = {"dino": 3 * objective.flops_per_image(kwargs), "supervised": 3 * model_flops(sup_kwargs)}
-    figures: dict[str, Any] = {"variant": variant, "res": res, "local_crops": args.dino_local_crops,
-                               "local_res": args.dino_local_res,
-                               "prototypes": args.dino_prototypes, "batch": batch, "ibot_masked_patches": masked,
+    figures: dict[str, Any] = {"recipe": recipe, "variant": variant, "res": res, "local_crops": args.dino_local_crops,
+                               "local_res": local_res,
+                               "prototypes": prototypes, "batch": batch, "ibot_masked_patches": masked,
                                "ibot_masked_patches_expected": round(batch * objective.expected_masked_patches(kwargs), 1),
                                "steps": steps, "windows": windows, "device": device.type,
                                "threads": torch.get_num_threads(), "dtype": "bf16-autocast" if gpu else "fp32"}
@@ -187,9 +212,9 @@ def bench_dino(args: Any) -> dict[str, Any]:
         figures["profile"] = profile_step(contenders["dino"], device, steps=3)
     figures["seconds"] = round(time.perf_counter() - t_start, 1)
     d, s = figures["dino"], figures["supervised"]
-    print(f"DINOv2 step {d['step_ms']} ms, supervised {s['step_ms']} ms: ratio {figures['dino_vs_supervised']} "
+    print(f"{recipe} step {d['step_ms']} ms, supervised {s['step_ms']} ms: ratio {figures['dino_vs_supervised']} "
           f"(FLOPs: predicted {figures['flop_ratio_predicted']}, measured {figures['flop_ratio_measured']}); "
-          f"GFLOP per image predicted/measured: DINOv2 {d['predicted_gflops_per_image']}/"
+          f"GFLOP per image predicted/measured: {recipe} {d['predicted_gflops_per_image']}/"
           f"{d['measured_gflops_per_image']}, supervised {s['predicted_gflops_per_image']}/"
           f"{s['measured_gflops_per_image']}")
     return figures

@@ -63,22 +63,27 @@ part() {
 
 if [ -n "$SMOKE" ]; then
   part b16-training 0 0 gpu --smoke --parts training
-  part b16-e2e 0 0 gpu --smoke --parts e2e
   part dino-step 0 0 dino --dino-windows 1 --dino-profile
-  part mae-step 0 0 mae --mae-windows 1
+  part dinov3-step 0 0 dino --dino-recipe dinov3 --dino-windows 1 --dino-prototypes 4096 --dino-profile
   part correctness 0 0 gpu --smoke --parts correctness
+  part b16-e2e 0 0 gpu --smoke --parts e2e
+  part mae-step 0 0 mae --mae-windows 1
 else
-  # (1) B/16@224: every arm, the largest micro batch, the profile. Arms stop starting at --budget-s.
-  # --budget-s: training arms stop starting then, leaving the profile and the parts after it their time.
+  # (1) B/16@224: every arm, the largest micro batch, the profiles. Arms stop starting at --budget-s,
+  # leaving the profile and the parts after it their time.
   part b16-training 150 330 gpu --models vit_b16@224 --parts training --budget-s 240
-  # (2) End to end from JPEG shards, CPU decode and nvjpeg, at ZeRO-1 compiled.
-  part b16-e2e 120 240 gpu --models vit_b16@224 --parts e2e
-  # (3) L/16@224. (4) DINOv2's multi-crop ViT-L/14 step, MAE's B/16 step. (5) B/16@384, bf16 vs fp32.
-  part l16-training 150 300 gpu --models vit_l16@224 --parts training --budget-s 200
+  # (2) DINOv2's multi-crop ViT-L/14 step and (3) DINOv3's ViT-L/16 step (2 x 256 + 8 x 112, 262,144 and
+  # 98,304 prototypes), each profiled: what their gap to the supervised step is made of.
   part dino-l14-step 90 180 dino --dino-variant vit_l14 --dino-batch 64 --dino-profile
-  part mae-b16-step 60 120 mae
-  part b16-384-training 150 300 gpu --models vit_b16@384 --parts training --budget-s 200
+  part dinov3-l16-step 90 180 dino --dino-recipe dinov3 --dino-variant dinov3_vitl16 --dino-batch 64 --dino-profile
+  # (4) The checks that have never run on a GPU: bf16 against fp32 loss curves, nvjpeg against PIL.
   part correctness 90 180 gpu --parts correctness
+  # (5) End to end from JPEG shards, CPU decode and nvjpeg, at ZeRO-1 compiled.
+  part b16-e2e 120 240 gpu --models vit_b16@224 --parts e2e
+  # (6) L/16@224, B/16@384, MAE's B/16 step.
+  part l16-training 150 300 gpu --models vit_l16@224 --parts training --budget-s 200
+  part b16-384-training 150 300 gpu --models vit_b16@384 --parts training --budget-s 200
+  part mae-b16-step 60 120 mae
 fi
 echo "== done after $(($(date +%s) - START)) s"
 printf '%s\n' "${SUMMARY[@]}"
