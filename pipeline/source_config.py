@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,20 +36,48 @@ class MixtureConfig:
     """Resume a checkpoint written with another mix (a weight changed, a source added or removed): the new mix applies from the resumed step on, each source continuing where it was; recorded in RUN_DIR/data_mix.jsonl and MLflow. Off: such a resume is refused in one line naming the change."""
 
 
+def name_problem(name: str) -> str:
+    """Why a source's name is not a plain name ('' when it is one): it becomes a metric name (data/<name>/...)
+    and an MLflow parameter, which refuse '/' and '..' (MLflow then refuses the whole run's parameters)."""
+    if not name:
+        return "needs a name"
+    if not all(c.isascii() and (c.isalnum() or c in "_-.") for c in name) or ".." in name:
+        return (f"has the name {name[:80]!r}: a plain name of letters, digits, '_', '-' and '.' (no '/', '..' or "
+                f"spaces) is expected; it becomes the metric names data/<name>/... and an MLflow parameter")
+    return ""
+
+
+def weight_problem(kind: str, value: Any) -> str:
+    """Why a weight, repeat or samples value is not a finite number > 0 ('' when it is one). NaN compares false
+    with everything, so `value <= 0` alone lets it through."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{kind} must be a number > 0, got {value!r}"
+    if not math.isfinite(value) or value <= 0:
+        return f"{kind} must be a finite number > 0, got {value!r}"
+    return ""
+
+
 def check_sources(data: Any, where: str) -> None:
-    """data.sources: names given and unique, a path each, one kind of weight for all (Streaming's rule: relative
-    weights and absolute repeat/samples do not mix), each positive."""
+    """data.sources: names plain and unique, a path each, one kind of weight for all (Streaming's rule: relative
+    weights and absolute repeat/samples do not mix), each a finite number > 0, and their sum finite (weights are
+    normalised by it)."""
     kinds = set()
     for i, s in enumerate(data.sources):
         key = f"data.sources[{i}]"
         given = [k for k in ("weight", "repeat", "samples") if getattr(s, k) is not None]
-        problem = ("needs a name" if not s.name else "needs a path" if not s.path
-                   else "needs one of weight, repeat or samples" if not given
-                   else f"sets {' and '.join(given)}: give one" if len(given) > 1
-                   else f"{given[0]} must be > 0" if getattr(s, given[0]) <= 0 else "")
+        problem = (name_problem(s.name) or ("needs a path" if not s.path else "")
+                   or ("needs one of weight, repeat or samples" if not given
+                       else f"sets {' and '.join(given)}: give one" if len(given) > 1
+                       else weight_problem(given[0], getattr(s, given[0]))))
         if problem:
-            raise ConfigError(f"{where}: {key} ('{s.name}') {problem}")
+            raise ConfigError(f"{where}: {key} ('{s.name[:80]}') {problem}")
         kinds.add("weight" if given == ["weight"] else "repeat/samples")
+    weights = [float(s.weight) for s in data.sources if s.weight is not None]
+    total = sum(weights)  # as mix.py normalises them
+    if not math.isfinite(total) or any(w / total == 0 for w in weights):
+        raise ConfigError(f"{where}: data.sources weights {weights} cannot be normalised (their sum is {total!r}; "
+                          f"each source's share must be a number > 0): give weights of a sensible scale, such as "
+                          f"0.7 and 0.3")
     names = [s.name for s in data.sources]
     if len(set(names)) != len(names):
         raise ConfigError(f"{where}: data.sources names must be unique, got {names}")

@@ -14,6 +14,7 @@ label space for the run, and the mix a checkpoint records (and what changed sinc
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -73,6 +74,8 @@ def read_mixture(cfg: DataConfig) -> Mixture:
     given = [sc.weight if sc.weight is not None else sc.samples if sc.samples is not None else sc.repeat * n
              for sc, n in zip(cfg.sources, sizes)]
     total = float(sum(given))
+    if not math.isfinite(total):  # a repeat of 1e308 times a size: the config's checks see the factor only
+        raise DataError(f"data.sources: the samples per epoch {given} sum to {total}; give factors of a sensible scale")
     for s, g in zip(sources, given):
         s.weight = g / total
     names: list[str] = []

@@ -73,6 +73,21 @@ def classify(e: BaseException) -> Exception:
     return Transient(cause(e))  # connection refused or reset, a body cut short, a read timeout
 
 
+def refusal(e: BaseException) -> str | None:
+    """'HTTP 403 AccessDenied' when `e`, or the error it wraps (boto3's S3UploadFailedError wraps the
+    ClientError of a PutObject), is an answer of the store that no retry changes (Permanent); None for a
+    fault worth another attempt. A bucket policy that denies DeleteObject, a write-once bucket, a missing
+    bucket or wrong credentials answer the same every time: retrying them only delays the line that says so."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__name__ in ("ClientError", "NoCredentialsError", "PartialCredentialsError"):
+            verdict = classify(e)
+            return verdict.status if isinstance(verdict, Permanent) else None
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return None
+
+
 def s3_open(url: str, start: int, end: int | None, policy: RetryPolicy) -> tuple[int | None, Body]:
     from botocore.exceptions import BotoCoreError, ClientError
     from urllib3.exceptions import HTTPError

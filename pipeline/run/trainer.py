@@ -304,7 +304,8 @@ class Trainer:
                    "train/nonfinite_skipped": float(nonfinite_total),
                    **{f"perf/{k}": v for k, v in meter.read().items()},
                    "data/bad_samples": float(sum(self.train_loader.bad_counts().values())),
-                   **self.train_loader.source_metrics()}  # data.sources: data/<name>/... per source
+                   **self.train_loader.source_metrics(),  # data.sources: data/<name>/... per source
+                   **mirror.metrics(self.run_dir)}  # run.remote (rank 0): mirror/prunes_refused
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is not None:
             metrics["train/grad_norm"] = float(grad_norm)

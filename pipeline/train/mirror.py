@@ -19,15 +19,18 @@ for at most one tag beyond train.keep_last on the local disk while uploads lag t
 A failed upload is retried, with data.retry_backoff_s doubling up to MAX_WAIT_S, until it succeeds or the store has been
 failing for data.retry_time_s (an outage's clock, reset by any success: a store gone for good does not cost
 that long per queued tag; botocore's own retries are cut to 3 so that this loop, its clock and its lines
-govern an outage). A failure is kept only while it is current: a tag's until a newer tag goes up, the run's
-files' until they do. At the end the run waits for every upload, and exits 0 when the bucket holds its final
-state (the last tag and the run's files), whatever failed on the way; else 1 with the current failure
-(`raise_unless_up`, on every rank, said once by rank 0).
+govern an outage). An answer no retry changes (403 AccessDenied, 404 NoSuchBucket, wrong credentials:
+`remote.s3.refusal`) is not retried: the store answers it every time. A failure is kept only while it is
+current: a tag's until a newer tag goes up, the run's files' until they do. At the end the run waits for
+every upload, and exits 0 when the bucket holds its final state (the last tag and the run's files), whatever
+failed on the way; else 1 with the current failure (`raise_unless_up`, on every rank, said once by rank 0).
 
-A start whose run directory has no complete tag at least as new as the bucket's newest (a fresh node, a
-requeue onto another machine) downloads that tag first (`restore`: every name in its complete.json
-checked to stay inside the tag, every file against the size and sha256 it records, through
-pipeline/remote/storage.py's retries), then resumes from it exactly as from a local one.
+Pruning is housekeeping, never the run's failure: a bucket whose policy denies DeleteObject (retention,
+write-once) keeps the old tags; the refusal is said once, counted (mirror/prunes_refused in MLflow), and
+neither retried nor waited on. A pruning that failed for a transient fault is tried again at the next tag,
+and after the run's files at the end (no newer tag will); given up, it is a warning.
+
+A start whose run directory is behind the bucket restores the newest complete tag first (mirror_restore.py).
 
 Multi-node runs whose run directory is a node-local disk are not mirrored whole: rank 0 uploads what its
 own node's run directory holds (the whole tag on one node or on a shared file system).
@@ -37,8 +40,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -47,11 +48,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline import atomic
-from pipeline.remote import Expected, RetryPolicy, fetch, file_sha256
-from pipeline.remote.names import UnsafeName, relative_name
+from pipeline.remote import RetryPolicy, file_sha256
+from pipeline.remote.s3 import refusal
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.lock import RunDirLocked
+from pipeline.train.mirror_restore import checked_record, remote_tags, restore  # noqa: F401 (callers import them here)
 from pipeline.train.remote_lock import (  # noqa: F401 (LOCK_OBJECT, RemoteLock: what callers import from here)
     LOCK_OBJECT,
     RemoteError,
@@ -93,6 +94,7 @@ class Mirror:
         self._jobs: list[tuple[str, Any]] = []
         self._busy = False
         self._prune_due: str | None = None  # the tag whose bucket pruning failed, until a later one succeeds
+        self.prunes_refused = 0  # prunings the store refused (a DELETE denied): mirror/prunes_refused
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._work, name="run-mirror", daemon=True)
         self._thread.start()
@@ -112,8 +114,10 @@ class Mirror:
         self._put(("tag", tag))
 
     def files(self, names: tuple[str, ...] = RUN_FILES) -> None:
-        """Upload the run's files after the tags handed over (the end of the run)."""
+        """Upload the run's files after the tags handed over (the end of the run), then retry a pruning that
+        failed for a transient fault (no newer tag will)."""
         self._put(("files", names))
+        self._put(("prune", None))
 
     def _put(self, job: tuple[str, Any]) -> None:
         with self._cond:
@@ -145,7 +149,8 @@ class Mirror:
                     self._cond.notify_all()
 
     def _attempt(self, kind: str, what: Any) -> None:
-        """One job, retried until it succeeds or the outage's clock passes data.retry_time_s."""
+        """One job ('tag', 'files', 'prune'), retried until it succeeds or the outage's clock passes
+        data.retry_time_s; an answer no retry changes ends it at once."""
         done: set[str] = set()  # what of the job is up: a retry goes on from there
         failures = 0
         while True:
@@ -154,25 +159,51 @@ class Mirror:
                                        f"{what} and what follows were not uploaded")
                 return
             try:
-                up = self._upload_tag(what, done) if kind == "tag" else self._upload_files(what, done)
+                job = {"tag": self._upload_tag, "files": self._upload_files, "prune": self._prune_late}[kind]
+                up = job(what, done)
                 self._failing_since = None
                 if up:  # a tag pruned before its turn clears nothing: the bucket holds nothing newer
                     self._set_failed(kind, None)
                 return
-            except Exception as e:  # noqa: BLE001 - any failure of the store or the network: retried
+            except Exception as e:  # noqa: BLE001 - any failure of the store or the network
                 failures += 1
-                now = time.monotonic()
-                self._failing_since = self._failing_since or now
-                failure = f"run.remote {self.remote}: uploading {what} failed: {type(e).__name__}: " \
-                          f"{' '.join(str(e).split())[:300]}"
-                self._set_failed(kind, failure)
-                wait = min(MAX_WAIT_S, self.policy.delay(failures))
-                if now + wait - self._failing_since > self.policy.total_s:
-                    log(f"{failure}; gave up after {failures} attempt(s): the store has been failing for "
-                        f"{now - self._failing_since:.0f} s (data.retry_time_s={self.policy.total_s:g})")
+                if not self._again(kind, what, e, failures):
                     return
-                log(f"{failure}; retry {failures} in {wait:.1f} s")
-                time.sleep(wait)
+
+    def _again(self, kind: str, what: Any, e: Exception, failures: int) -> bool:
+        """After a job's `failures`-th failure `e`: wait and say True to retry it, or say why not and False.
+        A pruning's failure is a warning only (it never is what the run failed at)."""
+        refused = refusal(e)
+        doing = "pruning the bucket's old tags" if kind == "prune" else f"uploading {what}"
+        failure = f"run.remote {self.remote}: {doing} failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        if kind == "prune" and refused:
+            self._refused(refused)
+            return False
+        if kind != "prune":
+            self._set_failed(kind, failure)
+        if refused:
+            log(f"{failure}; not retried: the store gives this answer ({refused}) every time (a bucket policy, "
+                f"the credentials, the bucket's name)")
+            return False
+        now = time.monotonic()
+        self._failing_since = self._failing_since or now
+        wait = min(MAX_WAIT_S, self.policy.delay(failures))
+        if now + wait - self._failing_since > self.policy.total_s:
+            after = " (old tags stay in the bucket: not a failure of the run)" if kind == "prune" else ""
+            log(f"{failure}; gave up after {failures} attempt(s): the store has been failing for "
+                f"{now - self._failing_since:.0f} s (data.retry_time_s={self.policy.total_s:g}){after}")
+            return False
+        log(f"{failure}; retry {failures} in {wait:.1f} s")
+        time.sleep(wait)
+        return True
+
+    def _refused(self, status: str) -> None:
+        """The store refused a DELETE of pruning: said once, counted, never retried or waited on."""
+        self.prunes_refused += 1
+        if self.prunes_refused == 1:
+            log(f"pruning refused: {self.remote} answers DELETE with {status} (a bucket policy without "
+                f"s3:DeleteObject, retention or write-once): old tags stay in the bucket, train.keep_last applies "
+                f"to the run directory only; not retried, not a failure of the run (counted: mirror/prunes_refused)")
 
     def _set_failed(self, kind: str, failure: str | None) -> None:
         with self._cond:
@@ -206,12 +237,7 @@ class Mirror:
         for name in ("config.yaml", "metrics.jsonl"):  # small: a restored tag comes with what led to it
             if (self.run_dir / name).is_file():
                 _client().upload_file(str(self.run_dir / name), self.bucket, self.key(name))
-        try:
-            self._prune(tag)
-            self._prune_due = None
-        except Exception as e:  # noqa: BLE001 - the tag is up; the bucket's old tags go at the next one
-            self._prune_due = tag
-            log(f"pruning the bucket's tags older than {tag} failed ({type(e).__name__}: {e}); the next tag tries again")
+        self._prune_due = None if self._try_prune(tag) else tag
         return True
 
     def _upload_files(self, names: tuple[str, ...], done: set[str]) -> bool:
@@ -219,12 +245,28 @@ class Mirror:
             if name not in done and (self.run_dir / name).is_file():
                 _client().upload_file(str(self.run_dir / name), self.bucket, self.key(name))
             done.add(name)
+        log(f"{len(self.mirrored)} tag(s) and the run's files are in {self.remote}")
+        return True
+
+    def _try_prune(self, tag: str) -> bool:
+        """Prune after `tag` went up; False when it failed for a fault worth another try (the next tag's)."""
+        try:
+            self._prune(tag)
+        except Exception as e:  # noqa: BLE001 - the tag is up; pruning is housekeeping
+            refused = refusal(e)
+            if refused:
+                self._refused(refused)
+                return True
+            log(f"pruning the bucket's tags older than {tag} failed ({type(e).__name__}: {e}); the next tag tries again")
+            return False
+        return True
+
+    def _prune_late(self, *_: Any) -> bool:
+        """The end of the run: a pruning of the last tag that failed for a transient fault (a store just back
+        from an outage can fail a DELETE), retried as a job of its own after the run's files are up."""
         if self._prune_due:
-            # A failed pruning of the last tag is retried with this job: no newer tag will try again, and a store
-            # just back from an outage can fail a DELETE (seen: an old tag left in the bucket for good).
             self._prune(self._prune_due)
             self._prune_due = None
-        log(f"{len(self.mirrored)} tag(s) and the run's files are in {self.remote}")
         return True
 
     def _prune(self, current: str) -> None:
@@ -235,104 +277,12 @@ class Mirror:
                 _delete_tag(self.bucket, self.key("checkpoints", tag) + "/")
 
 
-def remote_tags(bucket: str, prefix: str) -> list[str]:
-    """Tag folders under PREFIX/checkpoints/ in the bucket, complete or not, newest first (one LIST)."""
-    c = _client()
-    base = f"{prefix}/checkpoints/" if prefix else "checkpoints/"
-    found = []
-    for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base, Delimiter="/"):
-        for p in page.get("CommonPrefixes", []):
-            name = p["Prefix"][len(base):].strip("/")
-            if ckpt.is_tag(name):  # anything else under checkpoints/ is not ours to restore or prune
-                found.append(name)
-    return sorted(found, key=ckpt.tag_step, reverse=True)
-
-
 def _delete_tag(bucket: str, base: str) -> None:
     c = _client()
     c.delete_object(Bucket=bucket, Key=base + ckpt.COMPLETE_FILE)  # first: a half-deleted tag is not complete
     for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
         for obj in page.get("Contents", []):
             c.delete_object(Bucket=bucket, Key=obj["Key"])
-
-
-def _remote_record(bucket: str, key: str) -> dict[str, Any] | None:
-    from botocore.exceptions import ClientError
-
-    try:
-        record = json.loads(_client().get_object(Bucket=bucket, Key=key)["Body"].read())
-    except ClientError as e:
-        if error_code(e) in ("NoSuchKey", "404"):
-            return None
-        raise
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) and isinstance(record.get("files"), dict) else None
-
-
-# ----------------------------------------------------------------------------- restore
-
-
-def checked_record(record: dict[str, Any], source: str) -> tuple[dict[str, int], dict[str, str]]:
-    """(file name -> size, file name -> sha256) of a bucket's complete.json, every name checked before any
-    is joined to a local folder (pipeline/remote/names.py: relative, no '..', inside the tag's folder), every
-    size a byte count and every digest hex: RemoteError naming `source` otherwise, before anything is written."""
-    files, digests = record["files"], record.get("sha256", {})
-    if not isinstance(digests, dict):
-        raise RemoteError(f"{source}: 'sha256' is not an object of file names and digests; nothing was restored")
-    try:
-        for name in files:
-            relative_name(name, source)
-    except UnsafeName as e:
-        raise RemoteError(str(e)) from None
-    for name, size in files.items():
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise RemoteError(f"{source}: the size of {name!r} is {size!r}, not a byte count; nothing was restored")
-        digest = digests.get(name)
-        if digest is not None and not (isinstance(digest, str) and len(digest) == 64
-                                       and all(c in "0123456789abcdef" for c in digest)):
-            raise RemoteError(f"{source}: the sha256 of {name!r} is {str(digest)[:80]!r}, not 64 hex digits; "
-                              f"nothing was restored")
-    return dict(files), {k: v for k, v in digests.items() if k in files}
-
-
-def restore(remote: str, run_dir: Path, policy: RetryPolicy | None = None) -> str | None:
-    """Download the bucket's newest complete tag into RUN_DIR/checkpoints when the run directory has no
-    complete tag at least as new (and config.yaml, metrics.jsonl when missing); the tag restored, or None."""
-    bucket, prefix = split_remote(remote)
-    run_dir = Path(run_dir)
-    local = ckpt.newest_complete_tag(run_dir)
-    for tag in remote_tags(bucket, prefix):
-        if local is not None and ckpt.tag_step(local) >= ckpt.tag_step(tag):
-            return None  # the run directory is as new as the bucket
-        base = f"{prefix}/checkpoints/{tag}/" if prefix else f"checkpoints/{tag}/"
-        record = _remote_record(bucket, base + ckpt.COMPLETE_FILE)
-        if record is None:
-            log(f"skipping {remote}/checkpoints/{tag}: no {ckpt.COMPLETE_FILE} (its upload did not finish)")
-            continue
-        files, digests = checked_record(record, f"{remote}/checkpoints/{tag}/{ckpt.COMPLETE_FILE}")
-        tag_dir = ckpt.checkpoint_dir(run_dir) / tag
-        partial = tag_dir.with_name(f".{tag}.restoring")  # renamed into place whole: a killed restore leaves no tag
-        shutil.rmtree(partial, ignore_errors=True)
-        for name, size in files.items():
-            out = partial / name  # a checked name: inside the tag's folder
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fetch(f"s3://{bucket}/{base}{name}", out, Expected(size, digests.get(name)), policy)
-        atomic.write_text(partial / ckpt.COMPLETE_FILE, json.dumps({"tag": tag, "files": files}))
-        shutil.rmtree(tag_dir, ignore_errors=True)  # an incomplete local tag of that name
-        os.replace(partial, tag_dir)
-        atomic.fsync_dir(tag_dir.parent)
-        for name in ("config.yaml", "metrics.jsonl"):
-            if not (run_dir / name).exists():
-                try:
-                    fetch(f"s3://{bucket}/{prefix + '/' if prefix else ''}{name}", run_dir / f".{name}.restoring",
-                          Expected(), policy)
-                    os.replace(run_dir / f".{name}.restoring", run_dir / name)
-                except Exception:  # noqa: BLE001 - uploaded at the end of a run only: often not there yet
-                    (run_dir / f".{name}.restoring").unlink(missing_ok=True)
-        log(f"restored {tag} from {remote} into {tag_dir}")
-        return tag
-    return None
 
 
 # ----------------------------------------------------------------------------- the trainer's hooks
@@ -411,6 +361,12 @@ def final_files(run_dir: Path) -> None:
     entry = _active.get(str(Path(run_dir).resolve()))
     if entry is not None:
         entry[1].files()
+
+
+def metrics(run_dir: Path) -> dict[str, float]:
+    """Rank 0 of a mirrored run, at a log step: the mirror's figures for MLflow ({} elsewhere)."""
+    entry = _active.get(str(Path(run_dir).resolve()))
+    return {"mirror/prunes_refused": float(entry[1].prunes_refused)} if entry is not None else {}
 
 
 def raise_unless_up(run_dir: Path, is_main: bool, group: Any = None) -> None:

@@ -14,7 +14,8 @@ returns one of FAULTS or None (pass through). The faults:
     stall         headers and half the body, then nothing for `stall_s`, then a close (stall_s=None: no
                   close until the server is shut down, so only the client's read timeout can end it)
     stall_forever headers, then nothing until the server is shut down
-    403, 404      that status with a short body
+    403, 404, 408 that status with a short body (408 Request Timeout: a refusal worth a retry that botocore's
+                  own retries leave to ours, where a 503 or a 429 is retried inside botocore first)
 
 `throttle_bps` slows every request body (an upload) to that many bytes per second, as a slow link would:
 the proxy reads it, then waits its length / throttle_bps before passing it on.
@@ -38,7 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
-FAULTS = ("503", "reset", "cut", "cut_nolength", "stall", "stall_forever", "403", "404")
+FAULTS = ("503", "reset", "cut", "cut_nolength", "stall", "stall_forever", "403", "404", "408")
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
 
 Plan = Callable[[int, str, str], "str | None"]
@@ -149,7 +150,7 @@ class _Handler(BaseHTTPRequestHandler):
         if fault is not None:
             with self.server.lock:
                 self.server.faults.append((n, method, self.path, fault))
-        if fault in ("403", "404", "503"):
+        if fault in ("403", "404", "408", "503"):
             return self._status(int(fault))
         status, headers, body = (self._from_upstream(method, body_in) if self.server.upstream
                                  else self._from_folder(method))

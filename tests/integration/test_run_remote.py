@@ -175,10 +175,10 @@ def proxied(s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch):
 
 def test_a_failed_upload_is_retried_and_only_a_current_failure_is_kept(proxied, s3: SeaweedS3,
                                                                        tmp_path: Path, capfd) -> None:
-    """PUTs refused for a while (a tag's file once, config.yaml twice after its complete.json): the tag goes
-    up at later attempts, counted once, and nothing failed remains. A tag whose
-    uploads keep failing past data.retry_time_s is given up, and its failure is the current one until the next
-    tag goes up: then none is (the bucket holds the newer state)."""
+    """PUTs refused for a while with a 408 (a tag's file once, config.yaml twice after its complete.json): the
+    tag goes up at later attempts, counted once, and nothing failed remains. A tag whose uploads keep failing
+    past data.retry_time_s is given up, and its failure is the current one until the next tag goes up: then
+    none is (the bucket holds the newer state). A 403 (a policy that denies the PUT) is not retried at all."""
     from pipeline.remote import RetryPolicy
 
     run = tmp_path / "run"
@@ -191,28 +191,36 @@ def test_a_failed_upload_is_retried_and_only_a_current_failure_is_kept(proxied, 
         hit = next((k for k, left in refused.items() if k in path and left and method == "PUT"), None)
         if hit:
             refused[hit] -= 1
-        return "403" if hit else None
+        return "408" if hit else None
 
     proxied.plan = plan
     m.tag(fake_tag(run, 1, mib=0))
     m.wait()
     assert m.mirrored == ["step_0000001"] and m.failure is None, m.failure
     said = capfd.readouterr().err
-    assert said.count("uploading step_0000001 failed: ") == 3 and said.count("(403)") == 3, said
-    proxied.plan = lambda n, method, path: "403" if "step_0000002" in path else None
+    assert said.count("uploading step_0000001 failed: ") == 3 and said.count("(408)") == 3, said
+    proxied.plan = lambda n, method, path: "408" if "step_0000002" in path else None
     m.tag(fake_tag(run, 2, mib=0))
     m.wait()
     assert m.mirrored == ["step_0000001"] and "uploading step_0000002 failed" in (m.failure or ""), m.failure
     assert "gave up after" in capfd.readouterr().err
+    proxied.plan = lambda n, method, path: "403" if "step_0000003" in path else None
+    puts = len(proxied.log)
     m.tag(fake_tag(run, 3, mib=0))
     m.wait()
-    assert m.mirrored == ["step_0000001", "step_0000003"] and m.failure is None, m.failure
-    assert complete_tags(s3, "retry")[-1] == "step_0000003"
+    assert len(proxied.log) == puts + 1 and "uploading step_0000003 failed" in (m.failure or ""), proxied.log[puts:]
+    said = capfd.readouterr().err
+    assert "not retried: the store gives this answer (HTTP 403" in said and "; retry " not in said, said
+    proxied.plan = lambda n, method, path: None
+    m.tag(fake_tag(run, 4, mib=0))
+    m.wait()
+    assert m.mirrored == ["step_0000001", "step_0000004"] and m.failure is None, m.failure
+    assert complete_tags(s3, "retry")[-1] == "step_0000004"
 
 
 def test_the_last_tags_pruning_is_retried_until_the_bucket_keeps_what_the_run_keeps(proxied, s3: SeaweedS3,
                                                                                      tmp_path: Path, capfd) -> None:
-    """A DELETE refused when the last tag's retention runs in the bucket (a store just back from an outage):
+    """A DELETE refused with a 408 when the last tag's retention runs in the bucket (a store just back from an outage):
     no newer tag will prune again, so the end of the run (its files' upload) retries it, and the bucket ends
     holding the run directory's tags only (before: the old tag stayed in the bucket for good)."""
     import shutil
@@ -228,7 +236,7 @@ def test_the_last_tags_pruning_is_retried_until_the_bucket_keeps_what_the_run_ke
     def plan(n: int, method: str, path: str) -> str | None:
         if method == "DELETE" and "/step_0000010/" in path and refused[0]:
             refused[0] -= 1
-            return "403"
+            return "408"
         return None
 
     proxied.plan = plan
@@ -242,6 +250,84 @@ def test_the_last_tags_pruning_is_retried_until_the_bucket_keeps_what_the_run_ke
     assert m.failure is None and refused == [0], (m.failure, refused)
     assert complete_tags(s3, "prune") == ["step_0000020"]
     assert not any(k.startswith("checkpoints/step_0000010/") for k in keys(s3, "prune")), keys(s3, "prune")
+
+
+def test_a_bucket_that_refuses_every_delete_ends_the_run_at_once_with_one_warning(
+        s3: SeaweedS3, tmp_path: Path, capfd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket policy without s3:DeleteObject (every DELETE answered 403), through the hooks the trainer calls
+    (start, saved with the local retention at train.keep_last=1, final_files, drain, raise_unless_up): the
+    pruning refused is said once and counted, never retried; the end waits for nothing but the uploads (before:
+    the refusal retried for data.retry_time_s, then exit 1); the bucket holds the last tag and the run's files
+    as the run directory does; the lock, whose DELETE is refused too, is left as an ended lease that the next
+    start takes over at once (before: the next start refused for up to 10 minutes)."""
+    from types import SimpleNamespace
+
+    from pipeline.config import DataConfig
+    from pipeline.train import remote_lock
+    from tests.integration.faults import FaultServer
+
+    with FaultServer(upstream=s3.url, plan=lambda n, method, path: "403" if method == "DELETE" else None) as proxy:
+        monkeypatch.setattr(mirror, "_client", lambda: s3.client(endpoint=proxy.url))
+        monkeypatch.setattr(remote_lock, "client", lambda: s3.client(endpoint=proxy.url))
+        run, remote = tmp_path / "run", f"s3://{BUCKET}/worm"
+        cfg = SimpleNamespace(run=SimpleNamespace(remote=remote), data=DataConfig(retry_time_s=120))
+        mirror.start(cfg, run)
+        for step in (1, 2, 3):
+            tag = fake_tag(run, step, mib=0)
+            ckpt.prune(ckpt.checkpoint_dir(run), keep_last=1, keep_every=0, current=tag, protect=mirror.protected(run))
+            mirror.saved(run, tag)
+            mirror._active[str(run.resolve())][1].wait()  # each tag up before the next save: the same tags pruned
+        for name in mirror.RUN_FILES:
+            (run / name).write_bytes(os.urandom(100))
+        mirror.final_files(run)
+        t0 = time.monotonic()
+        prunes = mirror.metrics(run)["mirror/prunes_refused"]
+        assert mirror.drain(run, timeout_s=60) is True
+        mirror.raise_unless_up(run, True)  # the bucket holds the final state: no error
+        ended = time.monotonic() - t0
+        deletes = [r for r in proxy.log if r[1] == "DELETE"]
+        nxt = mirror.RemoteLock(remote)
+        nxt.take()  # the ended lease: at once
+        nxt.release()
+    said = capfd.readouterr().err
+    assert ended < 30 and said.count("pruning refused") == 1 and "; retry " not in said, (ended, said)
+    assert prunes >= 1 and len(deletes) <= 5, (prunes, deletes)  # one refused DELETE per pruning and lock release
+    last = ckpt.checkpoint_dir(run) / "step_0000003"
+    assert ckpt.all_tags(run) == ["step_0000003"] and "step_0000003" in complete_tags(s3, "worm")
+    for f in [*last.rglob("*"), *(run / n for n in mirror.RUN_FILES)]:
+        if f.is_file() and f.name != ckpt.COMPLETE_FILE:
+            key = f"worm/{f.relative_to(run).as_posix()}"
+            assert s3.client().get_object(Bucket=BUCKET, Key=key)["Body"].read() == f.read_bytes(), key
+
+
+def test_a_lock_json_that_is_not_a_lock_says_what_it_is_and_how_to_clear_it(s3: SeaweedS3) -> None:
+    s3.client().put_object(Bucket=BUCKET, Key=f"broken/{mirror.LOCK_OBJECT}", Body=b'{"host": "a", "pid"')
+    with pytest.raises(mirror.RemoteError) as e:
+        mirror.RemoteLock(f"s3://{BUCKET}/broken").take()
+    msg = str(e.value)
+    assert "\n" not in msg and f"s3://{BUCKET}/broken/{mirror.LOCK_OBJECT} cannot be read as a lock" in msg, msg
+    assert f"delete it (aws s3 rm s3://{BUCKET}/broken/{mirror.LOCK_OBJECT})" in msg, msg
+
+
+def test_a_complete_json_claiming_more_bytes_than_its_object_is_refused_before_anything_is_allocated(
+        s3: SeaweedS3, tmp_path: Path) -> None:
+    """A record that claims 10^15 bytes for a file (before: a sparse file of that apparent size, then 'File too
+    large' naming nothing): one line naming the file and both sizes; the run directory stays empty."""
+    remote = f"s3://{BUCKET}/claims"
+    m = mirror.Mirror(remote, tmp_path / "writer")
+    m.tag(fake_tag(tmp_path / "writer", 4, mib=0))
+    m.wait()
+    key = f"claims/checkpoints/step_0000004/{ckpt.COMPLETE_FILE}"
+    record = json.loads(s3.client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    record["files"]["zero/optim_states.pt"] = 10**15
+    s3.client().put_object(Bucket=BUCKET, Key=key, Body=json.dumps(record).encode())
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(mirror.RemoteError) as e:
+        mirror.restore(remote, run)
+    msg = str(e.value)
+    assert "'zero/optim_states.pt' is 1000000000000000 bytes" in msg and "is 1004;" in msg and "\n" not in msg, msg
+    assert list(run.iterdir()) == []
 
 
 def test_on_a_slow_link_the_bucket_holds_a_complete_tag_from_the_first_on(proxied, s3: SeaweedS3,
