@@ -263,9 +263,37 @@ def _recipe_config(args: argparse.Namespace, files: ConfigFiles) -> tuple[Config
         cfg = apply_overrides(base, args.overrides)
     except ConfigError as e:
         _fail(str(e))
-    _say(f"no --config: the paper's fine-tuning recipe (train section of {recipe_file}) with the "
-         f"architecture and data of {source_cfg_path} (data.path={cfg.data.path}), run dir {cfg.run.dir}")
+    yours = {k.partition("=")[0].strip() for k in args.overrides}
+    data_given = any(k == "data.path" or k.startswith("data.sources") for k in yours)
+    if not data_given:
+        check_labelled(cfg.data.path, source_cfg_path)
+    _say(f"no --config: the paper's fine-tuning recipe (train section of {recipe_file}) on {source_cfg_path}: "
+         f"{_taken_from_source(cfg, data_given, any(k.startswith('eval.sets') for k in yours))}; run dir {cfg.run.dir}")
     return cfg, f"the source run's config ({source_cfg_path})"
+
+
+def _taken_from_source(cfg: Config, data_given: bool, sets_given: bool) -> str:
+    """What a fine-tune without --config took from its source's config.yaml, said in its one line: the
+    data and the eval.sets above all, which the user may have meant to change."""
+    data = "data.path (yours)" if data_given else f"its data.path={cfg.data.path}"
+    names = ", ".join(cfg.eval.sets) or "none"
+    sets = f"eval.sets {names} (yours)" if sets_given else f"its eval.sets ({names}; eval.sets={{}} leaves them out)"
+    return f"its architecture, {data}, {sets}, its deepspeed and tracking sections"
+
+
+def check_labelled(path: str, source_cfg_path: Path) -> None:
+    """A fine-tune trains on labels: the data.path it took from a self-supervised source is often label-free
+    (the pretraining pile), which one line says, asking for labelled shards. Local dataset.json only (read as
+    JSON, before torch); a remote one the supervised objective checks when it reads it."""
+    info = Path(path) / "dataset.json"
+    try:
+        classes = json.loads(info.read_text()).get("num_classes") if info.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return  # not ours to judge here: the run reads it and says what is wrong
+    if classes == 0:
+        _fail(f"data.path={path} (taken from {source_cfg_path}) has no labels ({info}: num_classes 0), and a "
+              f"fine-tune trains on labels: pass data.path=LABELLED_SHARDS (written by launch/make_shards.py "
+              f"--source folder:DIR with a subfolder per class, docs/data.md)")
 
 
 def finetune(argv: list[str]) -> int:

@@ -321,8 +321,11 @@ class DINOv3ViT(nn.Module):
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor, rope_aug: torch.Tensor | None = None) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x, rope_aug=rope_aug))
+    def forward(self, x: torch.Tensor, rope_aug: torch.Tensor | None = None, *, features: bool = False) -> torch.Tensor:
+        """The logits; `features`: the tokens after the final norm instead, as VisionTransformer's (what
+        eval.sets judges, through the engine's forward so that ZeRO-3's hooks gather the weights)."""
+        tokens = self.forward_features(x, rope_aug=rope_aug)
+        return tokens if features else self.forward_head(tokens)
 
 
 def build_dinov3(name: str, **overrides) -> DINOv3ViT:

@@ -35,9 +35,10 @@ class Supervised(Objective):
     def model_kwargs(self) -> dict[str, Any]:
         cfg, info = self.cfg, self.info
         if info.num_classes == 0:
-            raise DataError(f"{info.path}: the shards have no labels (dataset.json: num_classes 0); "
-                            f"supervised training needs them: pretrain on them with model.objective=mae, or "
-                            f"write labelled shards")
+            fix = ("a fine-tune trains on labels: pass data.path=LABELLED_SHARDS" if cfg.run.kind == "finetune" else
+                   "supervised training needs them: pretrain on them with model.objective=mae, or write labelled "
+                   "shards")
+            raise DataError(f"{info.path}: the shards have no labels (dataset.json: num_classes 0); {fix}")
         kwargs = model_kwargs_from_config(cfg.model, info.num_classes)
         if kwargs["num_classes"] != info.num_classes:
             raise DataError(f"model.num_classes={kwargs['num_classes']} but {info.path} has "

@@ -127,3 +127,29 @@ class ProgressLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+FEW_BATCHES = 4  # a pass over the training set shorter than this many global batches is worth a warning
+
+
+def schedule_warnings(cfg: Config, train_samples: int, global_batch: int) -> list[str]:
+    """What in the schedule is legal but rarely meant, each as one line: a warm-up that never ends (the lr
+    rises to the last step, never reaching train.lr: a recipe's 500-step warm-up on a 10-step try), and a
+    global batch that is most of the training set (the paper's 512 on a folder of a few hundred images)."""
+    tc, lines = cfg.train, []
+    if tc.warmup_steps and tc.warmup_steps >= tc.steps:
+        lines.append(f"warning: train.warmup_steps={tc.warmup_steps} >= train.steps={tc.steps}: the learning rate "
+                     f"rises to the last step and never reaches train.lr={tc.lr}; set train.warmup_steps below "
+                     f"train.steps (e.g. train.warmup_steps={max(1, tc.steps // 10)})")
+    if 0 < train_samples < FEW_BATCHES * global_batch:
+        lines.append(f"warning: train.global_batch_size={global_batch} against {train_samples} training samples: "
+                     f"fewer than {FEW_BATCHES} steps per pass over the data, each step sees "
+                     f"{min(100, round(100 * global_batch / train_samples))}% of it; set train.global_batch_size "
+                     f"to a fraction of the set (e.g. train.global_batch_size={_fraction(train_samples)} with "
+                     f"train.micro_batch_size dividing it)")
+    return lines
+
+
+def _fraction(samples: int) -> int:
+    """A power of two at most an eighth of `samples` (at least 1): a batch size a user can take as it is."""
+    return 1 << max(0, (samples // 8).bit_length() - 1)

@@ -42,6 +42,7 @@ from pipeline.run.step import (
     build_engine,
     build_model,
     format_log,
+    schedule_warnings,
 )
 from pipeline.tracking import start_metrics, start_tracking
 from pipeline.train import checkpoint as ckpt
@@ -105,6 +106,9 @@ class Trainer:
             view.data, img_size, cfg.train.micro_batch_size, seed=cfg.train.seed, rank=env.rank,
             world_size=env.world_size, info=info, global_batch_size=resolve_batch(cfg.train, env.world_size)[0],
             per_batch=view.per_batch, view=view.sample)
+        for line in schedule_warnings(cfg, info.splits[cfg.data.train_split].num_samples,
+                                      self.train_loader.global_batch):
+            say(line)
         # The objective's evaluation loaders: each batch is progress for the watchdog.
         self.eval_loaders = self.objective.build_eval(env, img_size,
                                                       cfg.train.eval_batch_size or cfg.train.micro_batch_size)
@@ -151,6 +155,15 @@ class Trainer:
             return result
         ema = self.ema.evaluate(self.objective, step)
         return EvalResult({**result.metrics, **ema.metrics}, f"{result.line}\n{ema.line}", result.artifacts)
+
+    def log_evaluation(self, step: int, log: ProgressLog) -> None:
+        """`evaluate` at `step` (collective), its metrics and files to MLflow, its line to the log."""
+        self.watchdog.beat("eval", step)
+        result = self.evaluate(step)
+        self.tracker.log_metrics(result.metrics, step)
+        for path, folder in result.artifacts:
+            self.tracker.log_artifact(path, folder)
+        log.line(result.line)
 
     # ------------------------------------------------------------------------- the loop
 
@@ -227,6 +240,7 @@ class Trainer:
             f"{env.world_size}) | ZeRO-{self.cfg.deepspeed.zero_stage} | steps {self.step}->{tc.steps} | run dir "
             f"{self.cfg.run.dir}")
         log = ProgressLog(env, self.step, tc.steps)
+        start = self.step
         data = iter(loader)
         guard = NonFiniteGuard(tc.max_nonfinite_steps) if tc.check_finite else None
         loss_sum = torch.zeros((), device=self.engine.device)  # summed on device; read only at log steps (no sync)
@@ -257,13 +271,13 @@ class Trainer:
                 micro_count = 0
                 self.tracker.log_metrics(metrics, step)
                 log.line(format_log(step, tc.steps, metrics))
+            if step == tc.steps and last_saved != step:
+                # The last step's checkpoint before its evaluation: an evaluation that fails (a set that will
+                # not read, a model the set cannot judge) loses no training; the next start evaluates it.
+                self.save()
+                last_saved = step
             if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
-                self.watchdog.beat("eval", step)
-                result = self.evaluate(step)
-                self.tracker.log_metrics(result.metrics, step)
-                for path, folder in result.artifacts:
-                    self.tracker.log_artifact(path, folder)
-                log.line(result.line)
+                self.log_evaluation(step, log)
                 meter.reset()  # eval time is not training throughput
             # train.ckpt_every_s: each rank's clock only proposes; the agreement makes every rank save one step.
             due = bool(tc.ckpt_every_s) and time.monotonic() - saved_at >= tc.ckpt_every_s
@@ -283,6 +297,9 @@ class Trainer:
 
         if last_saved != self.step:
             self.save()
+        if start == tc.steps and not (self.run_dir / "model.safetensors").is_file():
+            # Resumed at the end without an export: the final evaluation failed (or the export did); run it.
+            self.log_evaluation(self.step, log)
         self.finish(preemption.group)
         log.close()
         return 0

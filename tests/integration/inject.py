@@ -8,6 +8,8 @@ FAULT (environment) says what happens on rank FAULT_RANK (default 1), at its fir
   kill-eval-worker   SIGKILL to its eval DataLoader worker after the pass's first batch
   kill-eval-workers  SIGKILL to its eval worker at every batch, the restarted ones too (more deaths than
                      the pass's restart budget, pipeline.data.eval.WORKER_RESTARTS)
+  fail-final-eval    a TypeError from its final evaluation (at train.steps), as a model that a set cannot
+                     judge raised one (run with FAULT_RANK=0 for a single process)
 With EXIT_CODES=FOLDER, each rank writes its exit code to FOLDER/rank<RANK> as it leaves.
 """
 
@@ -46,9 +48,11 @@ if __name__ == "__main__":
 
 
     def evaluate(s, step):
-        if s.env.rank != FAULT_RANK or done:
+        if s.env.rank != FAULT_RANK or done or (FAULT == "fail-final-eval" and step < s.cfg.train.steps):
             return real_evaluate(s, step)
         done.append(True)
+        if FAULT == "fail-final-eval":
+            raise TypeError(f"inject: rank {FAULT_RANK}'s final evaluation (step {step}) failed")
         if FAULT == "signal-in-eval":
             os.kill(os.getpid(), signal.SIGUSR1)
             print(f"inject: rank {FAULT_RANK} got SIGUSR1 as its evaluation started", file=sys.stderr, flush=True)

@@ -123,3 +123,35 @@ def test_missing_shards_name_the_command(capsys):
         check_data("data/digits", "configs/pretrain/demo.yaml")
     err = capsys.readouterr().err
     assert "python launch/make_shards.py --source digits --out data/digits" in err
+
+
+def test_a_fine_tune_of_a_run_on_label_free_data_asks_for_labelled_data_in_one_line(tmp_path, capsys):
+    """The recipe takes the source's data.path; a self-supervised run's is often label-free: one line that
+    asks for data.path (not a suggestion to pretrain on it), before anything starts; given, it is said."""
+    source = make_run(tmp_path, "dino")
+    pile = tmp_path / "pile"
+    pile.mkdir()
+    (pile / "dataset.json").write_text('{"num_classes": 0, "splits": {}}')
+    cfg = load_config(source / "config.yaml", [f"data.path={pile}", "eval.sets.digits=data/digits"])
+    save_config(cfg, source / "config.yaml")
+    with pytest.raises(SystemExit) as stop:
+        finetune_config(parse_finetune_args(["--res", "64"]))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"data.path={pile} (taken from runs/dino/config.yaml) has no labels" in err
+    assert "pass data.path=LABELLED_SHARDS" in err and "pretrain" not in err
+    cfg, _ = finetune_config(parse_finetune_args(["--res", "64", "data.path=data/labelled"]))
+    assert cfg.data.path == "data/labelled" and cfg.eval.sets == {"digits": "data/digits"}
+    said = capsys.readouterr().out
+    assert "data.path (yours), its eval.sets (digits; eval.sets={} leaves them out)" in said
+
+
+def test_a_warm_up_as_long_as_the_run_and_a_batch_of_most_of_the_set_are_warnings():
+    from pipeline.run.step import schedule_warnings
+
+    cfg = load_config(REPO / "configs/finetune/vit_b16_384.yaml", ["train.steps=10"])  # its 500-step warm-up
+    warm, batch = schedule_warnings(cfg, train_samples=160, global_batch=512)
+    assert warm.startswith("warning: train.warmup_steps=500 >= train.steps=10: the learning rate rises")
+    assert batch.startswith("warning: train.global_batch_size=512 against 160 training samples")
+    assert "train.global_batch_size=16" in batch  # a power of two of at most an eighth of the set
+    assert schedule_warnings(load_config(REPO / "configs/finetune/vit_b16_384.yaml"), 1_000_000, 512) == []
