@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.model.dino_head import DINOHead
+from pipeline.model.dino_head import DINOHead, DINOv3Head
 from pipeline.model.dinov3 import DINOv3ViT
 from pipeline.model.layers import init_param, trunc_normal
 from pipeline.model.vit import VisionTransformer
@@ -32,6 +32,7 @@ class DINOv2Model(nn.Module):
     ARCH_KEYS = (*VisionTransformer.ARCH_KEYS, *HEAD_KEYS)
     """The constructor arguments that decide the weights: the backbone's and the heads'."""
     backbone_class: type[nn.Module] = VisionTransformer
+    head_class: type[DINOHead] = DINOHead  # the DINO and iBOT heads' class
 
     def __init__(self, head_n_prototypes: int = 65536, head_hidden_dim: int = 2048, head_bottleneck_dim: int = 256,
                  head_nlayers: int = 3, ibot_separate_head: bool = False, ibot_head_n_prototypes: int = 65536,
@@ -42,10 +43,13 @@ class DINOv2Model(nn.Module):
         dim = self.backbone.embed_dim
 
         def head(out_dim: int, bottleneck_dim: int) -> DINOHead:
-            h = DINOHead(dim, out_dim, hidden_dim=head_hidden_dim, bottleneck_dim=bottleneck_dim, nlayers=head_nlayers)
+            h = self.head_class(dim, out_dim, hidden_dim=head_hidden_dim, bottleneck_dim=bottleneck_dim,
+                                nlayers=head_nlayers)
             # DINOHead's own trunc-normal init ran on partitions under deepspeed.zero.Init (its Linears were
-            # partitioned when built): redo it on the gathered tensors (a no-op difference otherwise).
-            for m in h.mlp.modules() if isinstance(h.mlp, nn.Sequential) else [h.mlp]:
+            # partitioned when built): redo it on the gathered tensors (a no-op difference otherwise), DINOv3's
+            # plain prototypes included.
+            mlp = list(h.mlp.modules()) if isinstance(h.mlp, nn.Sequential) else [h.mlp]
+            for m in mlp + ([h.last_layer] if isinstance(h.last_layer, nn.Linear) else []):
                 if isinstance(m, nn.Linear):
                     init_param(m.weight, trunc_normal(0.02))
                     if m.bias is not None:
@@ -129,6 +133,7 @@ class DINOv3Model(DINOv2Model):
 
     ARCH_KEYS = (*DINOv3ViT.ARCH_KEYS, *HEAD_KEYS)
     backbone_class = DINOv3ViT
+    head_class = DINOv3Head  # Meta's DINOv3 head: plain prototypes (last_layer.weight), not weight-normalised
 
 
 def backbone_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

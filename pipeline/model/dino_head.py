@@ -1,6 +1,8 @@
 """DINO's projection head (Meta's dinov2/layers/dino_head.py): `DINOHead` with the official class's name,
 constructor arguments, defaults and state-dict keys, so Meta's head weights load (checked against the
-official code in tests/unit/test_dino_official.py, skipped without DINOV2_OFFICIAL_REPO).
+official code in tests/unit/test_dino_official.py, skipped without DINOV2_OFFICIAL_REPO). `DINOv3Head` is
+Meta's DINOv3 head (dinov3/layers/dino_head.py): the same MLP, its prototypes a plain bias-free Linear
+(tests/unit/test_dinov3_head.py, against DINOV3_OFFICIAL_REPO's code when set).
 
 Where we differ from Meta's code, on purpose: `DINOHead.last_layer` is weight-normalised by a small module
 of ours holding `weight_g` and `weight_v`, the parameters (names and shapes) that Meta's
@@ -70,7 +72,12 @@ class DINOHead(nn.Module):
         nlayers = max(nlayers, 1)
         self.mlp = _build_mlp(nlayers, in_dim, bottleneck_dim, hidden_dim, use_bn, mlp_bias)
         self.apply(self._init_weights)
-        self.last_layer = _WeightNormLinear(bottleneck_dim, out_dim)
+        self.last_layer = self.prototypes(bottleneck_dim, out_dim)
+
+    @staticmethod
+    def prototypes(bottleneck_dim: int, out_dim: int) -> nn.Module:
+        """The last layer, the K prototypes: DINOv2's weight-normalised rows of norm g = 1."""
+        return _WeightNormLinear(bottleneck_dim, out_dim)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -85,6 +92,20 @@ class DINOHead(nn.Module):
         eps = 1e-6 if x.dtype == torch.float16 else 1e-12
         x = F.normalize(x, dim=-1, p=2, eps=eps)
         return self.last_layer(x)
+
+
+class DINOv3Head(DINOHead):
+    """Meta's DINOv3 head: DINOv2's MLP and L2-normalised bottleneck, then the prototypes as a plain bias-free
+    Linear drawn truncated-normal (std 0.02) as the MLP's Linears are (Meta's `init_weights` applies one init to
+    every Linear). Its state-dict key is `last_layer.weight`, as Meta's; the prototypes' rows start at norm about
+    0.02 x sqrt(bottleneck) (0.32 for 256), not 1, so the first logits are that much smaller; and their weight is
+    decayed as every matrix is (Meta's `get_params_groups_with_decay`, dino_head_wd_multiplier 1)."""
+
+    @staticmethod
+    def prototypes(bottleneck_dim: int, out_dim: int) -> nn.Module:
+        layer = nn.Linear(bottleneck_dim, out_dim, bias=False)
+        nn.init.trunc_normal_(layer.weight, std=0.02)
+        return layer
 
 
 def dino_head_flops(head: dict[str, Any], embed_dim: int, prototypes: int) -> float:

@@ -1,7 +1,8 @@
 """DINOv3's declaration, light (read with the config, before torch): the `dinov3` and `gram` config sections,
 their checks, and the recipe `model.objective: dinov3` (the objective itself: dinov3/).
 
-`dinov3` is DINOv2's `dino` section (the same losses, heads, crops and Sinkhorn-Knopp centring) with DINOv3's
+`dinov3` is DINOv2's `dino` section (the same losses, crops and Sinkhorn-Knopp centring; heads of Meta's DINOv3
+layout, plain prototypes: pipeline/model/dino_head.py's `DINOv3Head`) with DINOv3's
 defaults (Meta's dinov3/configs/train/dinov3_vit7b16_pretrain.yaml where they do not depend on the model's size:
 constant weight decay and teacher momentum, Sinkhorn-Knopp, a separate iBOT head, no flips, RoPE rescaling) and
 what DINOv3 adds: the RoPE augmentation, the high-resolution stage's mix of crop sizes, and the run it continues.
@@ -41,6 +42,8 @@ class Dinov3Config(DinoConfig):
 
     local_crops_size: int = 112
     """Side of a local crop in pixels, a multiple of the patch size (DINOv3: 112 = 7 x 16)."""
+    head_bottleneck_dim: int = 256
+    """Bottleneck before the prototypes (Meta's DINOv3 head: a plain Linear drawn trunc-normal 0.02, not weight-normalised)."""
     ibot_separate_head: bool = True
     """Give iBOT its own head (every DINOv3 config)."""
     centering: Literal["centering", "sinkhorn_knopp"] = "sinkhorn_knopp"
