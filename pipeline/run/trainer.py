@@ -109,9 +109,15 @@ class Trainer:
         for line in schedule_warnings(cfg, info.splits[cfg.data.train_split].num_samples,
                                       self.train_loader.global_batch):
             say(line)
-        # The objective's evaluation loaders: each batch is progress for the watchdog.
-        self.eval_loaders = self.objective.build_eval(env, img_size,
-                                                      cfg.train.eval_batch_size or cfg.train.micro_batch_size)
+        # The objective's evaluation loaders: each batch is progress for the watchdog. A pretraining pile of
+        # one split (no val) judged by eval.sets skips the objective's own evaluation, which reads val.
+        self.own_eval = cfg.data.val_split in info.splits or not cfg.eval.sets
+        if not self.own_eval:
+            say(f"eval: {cfg.data.path or 'data.sources'} has no split '{cfg.data.val_split}' (it has: "
+                f"{', '.join(sorted(info.splits))}): the objective's own evaluation is skipped, eval.sets "
+                f"({', '.join(cfg.eval.sets)}) judge the run")
+        self.eval_loaders = self.objective.build_eval(env, img_size, cfg.train.eval_batch_size or
+                                                      cfg.train.micro_batch_size) if self.own_eval else []
         # eval.sets: labelled sets judged on the run's features at every evaluation (pipeline/eval/sets.py).
         self.eval_sets = EvalSets.build(cfg.eval, cfg.data, env, img_size,
                                         cfg.train.eval_batch_size or cfg.train.micro_batch_size)
@@ -145,13 +151,14 @@ class Trainer:
     def evaluate(self, step: int) -> EvalResult:
         """The objective's evaluation (collective); rank 0 is given the run directory to write figures to.
         With train.ema_decay the model EMA's too, its metrics beside the model's (eval/top1_ema)."""
-        result = self.objective.evaluate(self.engine, self.dtype, self.run_dir if self.env.is_main else None, step)
+        result = (self.objective.evaluate(self.engine, self.dtype, self.run_dir if self.env.is_main else None, step)
+                  if self.own_eval else EvalResult({}, f"eval step {step}"))
         if self.eval_sets:  # the objective says which features (Objective.features); collective
             with self.objective.features(self.engine) as embed:
                 judged = self.eval_sets.evaluate(embed, self.engine.device)
             result = EvalResult({**result.metrics, **judged}, f"{result.line} | {self.eval_sets.line(judged)}",
                                 result.artifacts)
-        if self.ema is None:
+        if self.ema is None or not self.own_eval:  # (the EMA is judged by the objective's evaluation only)
             return result
         ema = self.ema.evaluate(self.objective, step)
         return EvalResult({**result.metrics, **ema.metrics}, f"{result.line}\n{ema.line}", result.artifacts)
