@@ -4,9 +4,10 @@
     python launch/embed.py --from runs/demo-dino-pretrain --data data/digits --out embeddings/digits
     torchrun --nproc_per_node 8 launch/embed.py --from runs/vit_b16 --step 50000 --data s3://b/imgs --out s3://b/emb
 
-One part per input shard, OUT/<split>/part-NNNNN.parquet, with columns key (the sample's key in its shard),
-split, label (null where there is none), cls and mean_patch (float32[D] each), patch_tokens (float32[N*D],
-with --patch-tokens); OUT/embeddings.json says what was embedded. pandas, polars, DuckDB or pyarrow read it:
+One part per input shard, OUT/<split>/part-NNNNN.parquet, with columns key (<split>/<the sample's key in its
+shard>: unique), split, source (the file make_shards made the sample from, or null), label (null where there is
+none), cls and mean_patch (float32[D] each), patch_tokens (float32[N*D], with --patch-tokens);
+OUT/_embeddings.json says what was embedded. pandas, polars, DuckDB or pyarrow read it:
 `pd.read_parquet("OUT")`, `np.stack(df.cls)`. Every sample exactly once on any number of ranks; killed and
 started again with the same command, it writes only the parts that are missing (docs/evaluation.md).
 --from, --step: as launch/evaluate.py. Exit codes: 0 done, 1 bad input (one line), 2 bad arguments.
@@ -22,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--from", dest="source", required=True, type=Path, help="a run directory or a weights file")
+    # The DeepSpeed launcher appends --local_rank=N (LOCAL_RANK in the environment says the same): accepted.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--step", type=int, help="the run's checkpoint of this step (default: its export)")
     parser.add_argument("--data", required=True, help="shards with dataset.json (labels not needed)")
     parser.add_argument("--out", required=True, help="an empty or new folder, or s3://BUCKET/PREFIX")

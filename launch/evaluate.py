@@ -29,6 +29,8 @@ PROTOCOLS = ("knn", "linear")
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--from", dest="source", required=True, type=Path, help="a run directory or a weights file")
+    # The DeepSpeed launcher appends --local_rank=N (LOCAL_RANK in the environment says the same): accepted.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="the run's checkpoint of this step (it must be complete)")
     which.add_argument("--all-steps", action="store_true", help="every complete checkpoint of the run, oldest first")
@@ -37,7 +39,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="images per rank per forward (default 64)")
     parser.add_argument("--train-split", default="train", help="the split the k-NN memory and the probe learn from")
     parser.add_argument("--val-split", default="val", help="the split that is scored")
-    parser.add_argument("--name", help="the set's name in metric names (default: the --data folder's name)")
+    parser.add_argument("--name", help="the set's name in metric names (default: the run's eval.sets name for "
+                                       "--data when it has one, so the curves meet in MLflow; else the --data "
+                                       "folder's name)")
     parser.add_argument("--no-mlflow", action="store_true", help="print the table only")
     args = parser.parse_args(argv)
     args.protocols = tuple(p.strip() for p in args.protocol.split(",") if p.strip())
@@ -47,8 +51,28 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                      f"(a fine-tune is launch/finetune.py --from RUN --res N [--probe])")
     if (args.step is not None or args.all_steps) and not args.source.is_dir():
         parser.error(f"--step and --all-steps need a run directory; {args.source} is not one")
-    args.name = args.name or Path(args.data.rstrip("/")).name
+    args.name = args.name or run_set_name(args.source, args.data) or Path(args.data.rstrip("/")).name
     return args
+
+
+def run_set_name(source: Path, data: str) -> str | None:
+    """The name the source run gave `data` in its eval.sets (its config.yaml, read as YAML: before torch),
+    None when it has none: evaluate.py then logs under the run's metric names (eval/<name>/knn_top1)."""
+    import yaml
+
+    config = (source if source.is_dir() else source.parent) / "config.yaml"
+    try:
+        sets = (yaml.safe_load(config.read_text()) or {}).get("eval", {}).get("sets") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+
+    def same(path: str) -> bool:
+        if "://" in path or "://" in data:
+            return path.rstrip("/") == data.rstrip("/")
+        return Path(path).expanduser().resolve() == Path(data).expanduser().resolve()
+
+    found = [name for name, path in sets.items() if isinstance(path, str) and same(path)] if isinstance(sets, dict) else []
+    return found[0] if found else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,8 +9,13 @@
     python launch/make_shards.py --source folder:/data/imagenet --out s3://bucket/imagenet   # straight to a bucket
     python launch/make_shards.py --source 'shards:s3://bucket/laion/{00000..00099}.tar' --out s3://bucket/laion
 
-`folder:PATH` takes PATH/train and PATH/val when they exist (one sub-folder per class), else
-PATH/CLASS/* split by --val-fraction (stratified, seeded). `shards:PATTERN` describes shards
+`folder:PATH`, in each of its forms (every image's path under PATH is recorded with it: KEY.src):
+  PATH/CLASS/*.jpg                      labelled; --val-fraction of each class held out (stratified, seeded)
+  PATH/train/CLASS/*, PATH/val/CLASS/*  labelled, the two splits as they are (no val/: train only)
+  PATH/*.jpg                            no sub-folders: label-free (MAE, DINO); --val-fraction held out, 0 for
+                                        a train split alone (judged by eval.sets, docs/evaluation.md)
+  PATH/train/*.jpg, PATH/val/*.jpg      label-free, the two splits as they are
+--no-labels writes any form without its labels. `shards:PATTERN` describes shards
 written by others (img2dataset, timm) in --out/dataset.json without copying them. An s3://bucket/prefix
 --out gets each shard as it is complete and dataset.json last (boto3's credentials and endpoint
 variables: docs/data.md, Object storage).

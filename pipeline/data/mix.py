@@ -130,8 +130,7 @@ class Labels:
     def decode(self, raw: Any, shard_no: int, max_pixels: int) -> tuple[Any, int]:
         """(RGB image, the run's label), as tario.decode: the label checked before the image is decoded."""
         label = self.parse(raw, shard_no)
-        _, data = tario.image_member(raw)
-        return tario.decode_image(data, max_pixels), label
+        return tario.sample_image(raw, max_pixels), label
 
 
 def labels_for(cfg: DataConfig, info: DatasetInfo, split: str) -> Labels:

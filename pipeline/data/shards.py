@@ -1,4 +1,5 @@
-"""Write WebDataset shards: `train-000000.tar` of `KEY.jpg|png` + `KEY.cls`, and a `dataset.json`.
+"""Write WebDataset shards: `train-000000.tar` of `KEY.jpg|png` + `KEY.cls` (+ `KEY.src`, the file a folder's
+sample came from), and a `dataset.json`.
 
 Sources (sources.py; see `launch/make_shards.py`):
 
@@ -269,7 +270,10 @@ def _write_dataset(source: Source, out: Path, max_samples_per_shard: int, max_by
                     formats.add(ext)
                     # A label-free source (label -1) writes the image alone: MAE needs no label.
                     label = {"cls": str(item.label).encode()} if item.label >= 0 else {}
-                    writer.write(f"{n:06d}", {ext: data, **label})
+                    # The file it came from, relative to the folder (KEY.src, UTF-8): readers that do not
+                    # know the member pass it over; tario.source_name reads it back.
+                    name = {tario.SOURCE_MEMBER: source.name_of(item).encode()} if source.name_of is not None else {}
+                    writer.write(f"{n:06d}", {ext: data, **label, **name})
                     n += 1
             except BaseException:
                 writer.abort()

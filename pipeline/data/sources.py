@@ -40,6 +40,9 @@ class Source:
     encode: Callable[[Item], tuple[str, bytes]]
     """Item -> (image extension, image bytes); runs in worker processes when --workers > 1."""
     image_format: str
+    name_of: Callable[[Item], str] | None = None
+    """Item -> the name of the file it came from, recorded with the sample (`tario.SOURCE_MEMBER`) so that its
+    embedding can be traced back to the user's file; None: a source of no files (digits, synthetic)."""
 
 
 def stratified_split(labels: Sequence[int], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -239,7 +242,7 @@ class _FolderEncoder:
             img.save(buf, format="JPEG", quality=self.quality)
             return "jpg", buf.getvalue()
         except Exception as e:
-            raise tario.SampleError(tario.CORRUPT_IMAGE, f"{item.ref}: {e}") from None
+            raise tario.SampleError(tario.CORRUPT_IMAGE, f"{item.ref}: {tario.image_error(e, data)}") from None
 
 
 def folder_source(path: str, val_fraction: float = 0.1, seed: int = 0, resize: int | None = None,
@@ -260,4 +263,5 @@ def folder_source(path: str, val_fraction: float = 0.1, seed: int = 0, resize: i
             splits["val"] = [items[i] for i in val]
     if not splits["train"]:
         raise DataError(f"image folder '{root}' holds no images ({', '.join(sorted(FOLDER_IMAGE_EXTS))})")
-    return Source(f"folder:{root}", classes, splits, _FolderEncoder(resize, quality), "jpg")
+    return Source(f"folder:{root}", classes, splits, _FolderEncoder(resize, quality), "jpg",
+                  name_of=lambda item: Path(item.ref).relative_to(root).as_posix())

@@ -45,7 +45,7 @@ MAX_IMAGE_PIXELS = 89_478_485
 class SampleError(Exception):
     def __init__(self, kind: str, detail: str = ""):
         super().__init__(f"{kind}: {detail}")
-        self.kind = kind
+        self.kind, self.detail = kind, detail
 
 
 class ShardError(Exception):
@@ -152,7 +152,7 @@ def open_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
     except Image.DecompressionBombError as e:
         raise SampleError(OVERSIZED_IMAGE, str(e)) from None
     except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError)
-        raise SampleError(CORRUPT_IMAGE, str(e)) from None
+        raise SampleError(CORRUPT_IMAGE, image_error(e, data)) from None
     if width * height > max_pixels:
         raise SampleError(OVERSIZED_IMAGE, f"{width}x{height} = {width * height} pixels > data.max_image_pixels="
                                            f"{max_pixels}; not decoded")
@@ -167,7 +167,36 @@ def decode_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image
         img.load()
         return img.convert("RGB") if img.mode != "RGB" else img
     except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError)
-        raise SampleError(CORRUPT_IMAGE, str(e)) from None
+        raise SampleError(CORRUPT_IMAGE, image_error(e, data)) from None
+
+
+def image_error(e: Exception, data: bytes) -> str:
+    """PIL's reason, without what names nothing to a user: its 'cannot identify image file <_io.BytesIO object
+    at 0x...>' for bytes that are no image it knows (an empty file among them) says so and their size."""
+    if isinstance(e, Image.UnidentifiedImageError):
+        return f"not an image file PIL can read ({'empty: 0 bytes' if not data else f'{len(data)} bytes'})"
+    return str(e)
+
+
+def sample_image(sample: RawSample, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """`decode_image` of the sample's image, its error naming the sample (and the file make_shards made it from,
+    when recorded); the reader that counts it names the shard."""
+    _, data = image_member(sample)
+    try:
+        return decode_image(data, max_pixels)
+    except SampleError as e:
+        name = source_name(sample)
+        raise SampleError(e.kind, f"sample '{sample.key}'{f' ({name})' if name else ''}: {e.detail}") from None
+
+
+SOURCE_MEMBER = "src"  # make_shards' KEY.src: the file a sample came from, relative to the --source folder
+
+
+def source_name(sample: RawSample) -> str | None:
+    """The name of the file `sample` was made from, as make_shards recorded it (KEY.src); None for shards
+    written before it did, by others, or from a source of no files."""
+    raw = sample.members.get(SOURCE_MEMBER)
+    return raw.decode("utf-8", errors="replace") if raw is not None else None
 
 
 def parse_label(sample: RawSample, label_key: str, num_classes: int | None = None) -> int:
@@ -211,6 +240,5 @@ def decode(raw: RawSample, label_key: str, num_classes: int | None, max_pixels: 
            ) -> tuple[Image.Image, int]:
     """(RGB image, label) or SampleError; the label and the image's size are checked before the (costly)
     decode."""
-    _, data = image_member(raw)
     label = parse_label(raw, label_key, num_classes)
-    return decode_image(data, max_pixels), label
+    return sample_image(raw, max_pixels), label

@@ -2,9 +2,15 @@
 
 Output (a local folder or an s3:// prefix):
 
-    OUT/embeddings.json                what was embedded (source, checkpoint, data, splits, dims), rows when complete
-    OUT/<split>/part-00000.parquet     one part per input shard: key, split, label (null without), cls
-                                       (float32[D]), mean_patch (float32[D]), patch_tokens (float32[N*D], on request)
+    OUT/_embeddings.json               what was embedded (source, checkpoint, data, splits, dims), rows when complete
+    OUT/<split>/part-00000.parquet     one part per input shard: key (<split>/<the sample's key>, unique), split,
+                                       source (the file make_shards made the sample from; null for shards without
+                                       KEY.src), label (null without), cls (float32[D]), mean_patch (float32[D]),
+                                       patch_tokens (float32[N*D], on request)
+
+`pandas.read_parquet(OUT)` reads the folder whole: Arrow's dataset discovery passes over names that start with
+'_' or '.', the manifest's among them (an output of version 1, its manifest `embeddings.json`, is refused as
+another run's, not written into).
 
 Parquet, because any data tool reads it without this project (pandas, polars, DuckDB, Spark, Hugging Face
 datasets, pyarrow), columnar (read the keys or one column alone), typed (fixed-size float32 lists become
@@ -43,7 +49,8 @@ from pipeline.remote import RetryPolicy, read_bytes, s3
 from pipeline.run.backbone import Backbone
 from pipeline.signals import WorkerInit, reap_workers_at_exit, worker_context
 
-MANIFEST = "embeddings.json"
+MANIFEST = "_embeddings.json"  # '_': not a part to pandas/pyarrow/polars reading the folder
+OLD_MANIFEST = "embeddings.json"  # an output begun before the rename, resumed under the name it has
 
 
 class OutputError(ValueError):
@@ -74,7 +81,7 @@ class ShardImages(IterableDataset):
         try:
             for i in range(w, len(self.parts), n):
                 local = indexes.get(self.parts[i].shard).path  # a remote shard: copied and checked first
-                keys, labels, images, bad = [], [], [], 0
+                keys, names, labels, images, bad = [], [], [], [], 0
                 for raw in tario.iter_raw_samples(local):
                     try:
                         img = tario.decode_image(tario.image_member(raw)[1], self.cfg.max_image_pixels)
@@ -82,13 +89,15 @@ class ShardImages(IterableDataset):
                         bad += 1
                         continue
                     label = self.label(raw) if labelled else -1
-                    keys.append(raw.key)
+                    keys.append(f"{self.parts[i].split}/{raw.key}")  # a shard's keys repeat in the next split
+                    names.append(tario.source_name(raw))
                     labels.append(label)
                     images.append(normalize(transform(img), out=torch.empty(3, *self.img_size)))
                     if len(keys) == self.batch:
-                        yield {"part": i, "keys": keys, "labels": labels, "images": torch.stack(images), "last": False}
-                        keys, labels, images = [], [], []
-                yield {"part": i, "keys": keys, "labels": labels, "bad": bad, "last": True,
+                        yield {"part": i, "keys": keys, "names": names, "labels": labels, "images": torch.stack(images),
+                               "last": False}
+                        keys, names, labels, images = [], [], [], []
+                yield {"part": i, "keys": keys, "names": names, "labels": labels, "bad": bad, "last": True,
                        "images": torch.stack(images) if images else torch.empty(0, 3, *self.img_size)}
         finally:
             indexes.close()
@@ -107,10 +116,13 @@ def is_bucket(out: str) -> bool:
 
 
 def _read_manifest(out: str) -> dict[str, Any] | None:
-    if is_bucket(out):
-        return json.loads(read_bytes(f"{out}/{MANIFEST}")) if s3.exists(f"{out}/{MANIFEST}") else None
-    path = Path(out) / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else None
+    for name in (MANIFEST, OLD_MANIFEST):
+        if is_bucket(out):
+            if s3.exists(f"{out}/{name}"):
+                return json.loads(read_bytes(f"{out}/{name}"))
+        elif (Path(out) / name).is_file():
+            return json.loads((Path(out) / name).read_text())
+    return None
 
 
 def _has_other_content(out: str) -> bool:
@@ -160,6 +172,7 @@ def _table(part: Part, rows: dict[str, list], patch_tokens: bool) -> Any:
         return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1), pa.float32()), x.shape[1])
 
     columns = {"key": pa.array(rows["keys"], pa.string()), "split": pa.array([part.split] * len(rows["keys"])),
+               "source": pa.array(rows["names"], pa.string()),
                "label": pa.array([x if x >= 0 else None for x in rows["labels"]], pa.int64()),
                "cls": matrix(rows["cls"]), "mean_patch": matrix(rows["mean_patch"])}
     if patch_tokens:
@@ -196,7 +209,9 @@ def embed(backbone: Backbone, data_path: str, splits: list[str], out: str, env: 
     for split in splits:
         info.split(split)  # a DataError naming the splits there are
     parts = [Part(s, shard, f"{s}/part-{i:05d}.parquet") for s in splits for i, shard in enumerate(info.split(s).shards)]
-    manifest = {"format": "vit-pipeline-embeddings", "version": 1, "source": str(backbone.source),
+    # Version 2: keys prefixed by their split, the source column, the manifest's '_' name (an output of version 1
+    # is refused by `start` as another run's, not mixed into).
+    manifest = {"format": "vit-pipeline-embeddings", "version": 2, "source": str(backbone.source),
                 "checkpoint": backbone.tag or "export", "data": data_path, "splits": splits,
                 "dim": backbone.model.embed_dim, "patch_tokens": patch_tokens, "img_size": list(backbone.kwargs["img_size"])
                 if not isinstance(backbone.kwargs["img_size"], int) else [backbone.kwargs["img_size"]] * 2}
@@ -213,12 +228,13 @@ def embed(backbone: Backbone, data_path: str, splits: list[str], out: str, env: 
                             worker_init_fn=WorkerInit("embed") if workers else None)
         pending: dict[int, dict[str, list]] = {}
         for item in loader:
-            rows = pending.setdefault(item["part"], {"keys": [], "labels": [], "cls": [], "mean_patch": [],
-                                                     "patch_tokens": []})
+            rows = pending.setdefault(item["part"], {"keys": [], "names": [], "labels": [], "cls": [],
+                                                     "mean_patch": [], "patch_tokens": []})
             if len(item["keys"]):
                 with torch.no_grad():
                     tokens = model.forward_features(item["images"].to(device))
                 rows["keys"] += item["keys"]
+                rows["names"] += item["names"]
                 rows["labels"] += item["labels"]
                 feats = embedding(tokens, model)  # the features evaluate.py and eval.sets judge, side by side
                 rows["cls"].append(feats[:, :model.embed_dim].cpu().numpy())

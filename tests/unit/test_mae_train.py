@@ -121,7 +121,7 @@ def test_folder_without_classes_writes_label_free_shards(tmp_path):
     assert info.splits["train"].num_samples == 16 and info.splits["val"].num_samples == 4
     with tarfile.open(info.splits["train"].shards[0]) as tar:
         names = tar.getnames()
-    assert names and all(n.endswith(".png") for n in names)  # no .cls member
+    assert names and all(n.endswith((".png", ".src")) for n in names)  # no .cls member; .src: the file's name
     # Shards written by others without labels index as label-free too.
     reindexed = tmp_path / "indexed"
     lines = []

@@ -199,6 +199,26 @@ def test_folder_source_reads_an_image_folder(tmp_path: Path) -> None:
     assert info.splits["val"].num_samples in (3, 4)  # 2 of 10 cats, 2 of 11 dogs (one unreadable)
 
 
+def test_an_empty_image_is_named_by_its_file_and_a_bad_sample_by_its_key_never_by_a_bytesio(tmp_path: Path) -> None:
+    from pipeline.data import tario
+    from pipeline.data.sources import Item, _FolderEncoder
+
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "empty.jpg").write_bytes(b"")
+    # make_shards' skipped line (the encoder's error) names the file and what is wrong with it
+    with pytest.raises(tario.SampleError) as bad:
+        _FolderEncoder(None, 95)(Item(-1, str(tmp_path / "imgs" / "empty.jpg")))
+    assert str(bad.value) == f"corrupt_image: {tmp_path / 'imgs' / 'empty.jpg'}: not an image file PIL can read " \
+                             "(empty: 0 bytes)"
+    # A sample whose image is empty, read back: the sample's key and the file it came from, no '<_io.BytesIO'.
+    raw = tario.RawSample("000007", 7, {"jpg": b"", tario.SOURCE_MEMBER: b"cats/IMG_7.jpg"})
+    with pytest.raises(tario.SampleError) as bad:
+        tario.decode(raw, "", None)
+    assert str(bad.value) == "corrupt_image: sample '000007' (cats/IMG_7.jpg): not an image file PIL can read " \
+                             "(empty: 0 bytes)"
+    assert "BytesIO" not in str(bad.value) and tario.source_name(raw) == "cats/IMG_7.jpg"
+
+
 @pytest.mark.slow
 def test_make_shards_cli_writes_digits_and_reports_errors(tmp_path: Path) -> None:
     out = tmp_path / "digits"
