@@ -40,6 +40,9 @@ ABOUT = {
             "heads of 65,536 prototypes) against a supervised step on the same backbone: step times, and the FLOPs "
             "per image `DINOv2.flops_per_image` predicts against those PyTorch's FlopCounterMode counts over a "
             "step (`benchmarks/dino.py`).",
+    "syncs": "device-to-host reads per non-log training step of each recipe at ZeRO-1 and ZeRO-3, through the "
+             "real trainer (tiny model, bf16, one process), reads of host-side tensors by design apart "
+             "(`benchmarks/syncs.py`, docs/performance.md: Host reads).",
     "gpu": "training MFU of ViT-B/16 and L/16 on one GPU, end to end from JPEG shards, bf16 and nvjpeg "
            "checks (`benchmarks/gpu.py`).",
 }

@@ -10,6 +10,7 @@
     python launch/bench.py fetch           # local disk vs rate-limited HTTP, with and without fetch ahead
     python launch/bench.py mae             # an MAE step against a supervised one on the same ViT-B/16
     python launch/bench.py dino            # a DINOv2 step against a supervised one on the same backbone
+    python launch/bench.py syncs           # host reads per training step, per recipe and ZeRO stage
     python launch/bench.py all             # every benchmark (gpu only where there is a GPU), then render
     python launch/bench.py render          # docs/benchmarks.md from results/benchmarks.csv
     python launch/bench.py merge FILE.csv  # the rows of a copy from another machine, then render
@@ -68,6 +69,8 @@ BENCHES: dict[str, Bench] = {
                  "a supervised one on the same ViT."),
     "dino": Bench("dino", "bench_dino", "add_dino_args", "A DINOv2 training step (2 global + 8 local crops, "
                   "teacher, heads) against a supervised one on the same backbone; FLOPs predicted vs counted."),
+    "syncs": Bench("syncs", "bench_syncs", "add_syncs_args", "Device-to-host reads per non-log training step, "
+                   "per recipe at ZeRO-1 and ZeRO-3 (host-side reads by design apart)."),
 }
 
 

@@ -40,7 +40,10 @@ class Preemption:
         import torch
         import torch.distributed as dist
 
-        flags = torch.tensor([0 if received() is None else 1, int(save_due)], dtype=torch.int32)
+        from pipeline.train.host_reads import host_tensor
+
+        # On the host by design (a gloo group): reading it waits for no device (host_reads.py counts it so).
+        flags = host_tensor(torch.tensor([0 if received() is None else 1, int(save_due)], dtype=torch.int32))
         if self.group is not None:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flags[0].item()), bool(flags[1].item())
