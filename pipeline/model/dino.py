@@ -91,20 +91,21 @@ class DINOv2Model(nn.Module):
 
     # -- the student's forward (through the DeepSpeed engine) and the teacher's
     def forward(self, global_crops: torch.Tensor, local_crops: torch.Tensor | None,
-                masks: torch.Tensor | None, rope_aug: tuple[torch.Tensor, torch.Tensor | None] | None = None
-                ) -> dict[str, torch.Tensor]:
+                masks: torch.Tensor | None, rope_aug: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                mask_indices: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Student: global crops (2B, 3, G, G) crop-major, with iBOT's `masks` (2B, N) on their patches;
         local crops (nB, 3, L, L) or None; `rope_aug` (DINOv3's) the RoPE boxes of the global and the local
         crops, (2B, depth, 5) and (nB, depth, 5). Returns the heads' outputs of the global and local class
-        tokens, of the masked patches (in `masks`' row-major order), the global class tokens before the head
-        (KoLeo's input) and the global patch tokens after the final norm (Gram anchoring's)."""
+        tokens, of the masked patches (in `masks`' row-major order; with `mask_indices`, `masked_rows`'
+        fixed-size gather instead), the global class tokens before the head (KoLeo's input) and the global
+        patch tokens after the final norm (Gram anchoring's)."""
         g_aug, l_aug = rope_aug if rope_aug is not None else (None, None)
         g = self._tokens(global_crops, masks, g_aug)
         out = {"global_cls": g.cls_token, "global": self.dino_head(g.cls_token), "global_patch": g.patch_tokens}
         if local_crops is not None:
             out["local"] = self.dino_head(self._tokens(local_crops, None, l_aug).cls_token)
         if masks is not None:
-            out["masked"] = self.patch_head(g.patch_tokens[masks])
+            out["masked"] = self.patch_head(gather_rows(g.patch_tokens, masks, mask_indices))
         return out
 
     def _tokens(self, images: torch.Tensor, masks: torch.Tensor | None, rope_aug: torch.Tensor | None) -> Any:
@@ -114,15 +115,17 @@ class DINOv2Model(nn.Module):
         return self.backbone.forward_tokens(images, masks, rope_aug)
 
     @torch.no_grad()
-    def teacher_forward(self, global_crops: torch.Tensor, masks: torch.Tensor | None
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def teacher_forward(self, global_crops: torch.Tensor, masks: torch.Tensor | None,
+                        mask_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Teacher: the DINO head's output for each global crop's class token, the two crops of an image
         swapped (crop A's target is crop B's output, as Meta's), and the patch head's output on the masked
-        patches of the unmasked crops."""
+        patches of the unmasked crops (the rows `mask_indices` gathers, as the student's)."""
         t = self.backbone.forward_tokens(global_crops)
         first, second = t.cls_token.chunk(2)
         cls_out = self.dino_head(torch.cat([second, first]))
-        return cls_out, (self.patch_head(t.patch_tokens[masks]) if masks is not None else None)
+        if masks is None:
+            return cls_out, None
+        return cls_out, self.patch_head(gather_rows(t.patch_tokens, masks, mask_indices))
 
 
 class DINOv3Model(DINOv2Model):
@@ -134,6 +137,28 @@ class DINOv3Model(DINOv2Model):
     ARCH_KEYS = (*DINOv3ViT.ARCH_KEYS, *HEAD_KEYS)
     backbone_class = DINOv3ViT
     head_class = DINOv3Head  # Meta's DINOv3 head: plain prototypes (last_layer.weight), not weight-normalised
+
+
+def masked_rows(masks: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """iBOT's masked patches as a gather of a fixed size, as Meta's collate gives them (`mask_indices_list`
+    padded to `upperbound`): the flat indices of `masks`' (B, N) True entries in row-major order, then
+    indices of unmasked patches up to `bound` rows, and which rows are masked ones. Shapes depend on
+    `bound` only, and nothing is read on the host (a stable sort puts the masked entries first, where
+    `nonzero` or `patch_tokens[masks]` would wait for the device to say how many there are). `bound` must
+    be at least the masked count (the objective's `mask_bound`); beyond it patches would be dropped."""
+    flat = masks.flatten()
+    bound = min(bound, flat.numel())
+    order = torch.argsort((~flat).to(torch.uint8), stable=True)[:bound]
+    valid = torch.arange(bound, device=flat.device) < flat.sum()
+    return order, valid
+
+
+def gather_rows(tokens: torch.Tensor, masks: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+    """(B, N, D) tokens -> the masked ones, (M, D): the rows `indices` names (`masked_rows`: a fixed M, no
+    host read) or, without them, `tokens[masks]` (M the data's: a host read, in forward and backward)."""
+    if indices is None:
+        return tokens[masks]
+    return tokens.flatten(0, 1).index_select(0, indices)
 
 
 def backbone_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

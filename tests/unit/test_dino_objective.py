@@ -226,8 +226,8 @@ class FakeEngine(torch.nn.Module):
         self.module, self.device = module, torch.device("cpu")
         self.optimizer = SimpleNamespace(param_groups=groups)
 
-    def forward(self, *args):
-        return self.module(*args)
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
 
 
 def test_a_step_applies_the_schedules_and_moves_centres_and_teacher_once():
@@ -267,6 +267,53 @@ def test_a_step_applies_the_schedules_and_moves_centres_and_teacher_once():
         fresh.load_state_dict({})
 
 
+@pytest.mark.parametrize("centering", ["centering", "sinkhorn_knopp"])
+def test_ibot_on_a_fixed_size_gather_is_the_loss_of_the_masked_patches_and_reads_nothing(centering, monkeypatch):
+    """The masked patches gathered at mask_bound rows (masked.py: no host read) give the loss, and after the
+    step the centres, that `patch_tokens[masks]` gave (the gather of the data's size, a read in forward and
+    backward), within 1e-6; and that gather is the only read the loss made."""
+    from pipeline.objectives.dino import objective as dino_objective
+    from pipeline.train.host_reads import HostReads
+
+    def step(gather: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        obj = objective("dino.mask_probability=1.0", f"dino.centering={centering}", "dino.koleo_loss_weight=0")
+        torch.manual_seed(0)
+        model = obj.build_all(obj.model_kwargs())
+        engine = FakeEngine(model, [{"decay": True, "weight_decay": 0.04}])
+        view = obj.train_view(obj.model_kwargs()).sample
+        batch = tuple(torch.stack(part) for part in zip(*[view(image(i), i) for i in range(4)]))
+        if not gather:  # the data-sized gather: no indices, no padding
+            monkeypatch.setattr(dino_objective, "masked_rows", lambda masks, bound: (None, None))
+        obj.before_step(engine, 5)
+        with HostReads() as reads:
+            loss = obj.loss(engine, batch, torch.zeros(4), None)
+            loss.backward()
+            obj.after_step(engine, 6)
+        monkeypatch.undo()
+        return loss.detach(), obj.ibot_loss.center, reads.device
+
+    fixed, centre, reads = step(gather=True)
+    data_sized, data_centre, data_reads = step(gather=False)
+    assert abs(fixed.item() - data_sized.item()) < 1e-6
+    assert (centre.abs().sum() > 0) == (centering == "centering")  # Sinkhorn-Knopp moves no centre
+    torch.testing.assert_close(centre, data_centre, atol=1e-6, rtol=0)
+    assert reads == 0 and data_reads > 0  # the data-sized gathers read (and the counter sees them)
+
+
+def test_mask_bound_holds_every_mask_block_mask_draws():
+    """The fixed gather's size is a bound, not a guess: no image's mask exceeds int(N x mask_ratio[1])."""
+    from pipeline.data.multicrop import block_mask
+    from pipeline.objectives.dino.masked import mask_bound, masked_rows
+
+    masks = torch.stack([block_mask(seed, (6, 6), 1.0, (0.1, 0.5)).flatten() for seed in range(300)])
+    assert masks.sum(-1).max() <= int(36 * 0.5) and masks.sum(-1).max() >= 14  # reached near the bound
+    bound = mask_bound(masks, 1.0, (0.1, 0.5))
+    assert bound == 300 * 18 and mask_bound(masks, 0.0, (0.1, 0.5)) == 1
+    rows, valid = masked_rows(masks, bound)
+    assert rows.shape == valid.shape == (bound,) and int(valid.sum()) == int(masks.sum())
+    assert torch.equal(rows[valid], masks.flatten().nonzero().flatten())  # row-major, as patch_tokens[masks]
+
+
 def entropy(targets: torch.Tensor) -> float:
     """Mean over rows of -sum p log p (0 log 0 = 0), in float64."""
     p = targets.double()
@@ -279,8 +326,8 @@ def teacher_outputs(obj: DINOv2, replace: Callable[[torch.Tensor], torch.Tensor]
     seen: list[torch.Tensor] = []
     real = obj.teacher.teacher_forward
 
-    def forward(crops: torch.Tensor, masks: torch.Tensor | None):
-        cls, masked = real(crops, masks)
+    def forward(crops: torch.Tensor, masks: torch.Tensor | None, mask_indices: torch.Tensor | None = None):
+        cls, masked = real(crops, masks, mask_indices)
         cls = replace(cls) if replace is not None else cls
         seen.append(cls.detach().float().clone())
         return cls, masked

@@ -2,6 +2,7 @@
 
     loss/         DINOLoss (dino_clstoken_loss.py), iBOTPatchLoss, KoLeoLoss: one file per loss
     view.py       MultiCropView: each sample's crops and iBOT masks, in the loader workers
+    masked.py     iBOT's masked patches gathered at a fixed size per micro batch (no host read)
     evaluate.py   the teacher's k-NN top-1 and the PCA figure of its patch features
     objective.py  DINOv2, the objective `model.objective: dinov2`: the schedules, the step, the state
 

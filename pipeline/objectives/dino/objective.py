@@ -33,6 +33,7 @@ from pipeline.objectives.base import EvalResult, Objective, TrainView
 from pipeline.objectives.dino.collapse import CollapseMonitor
 from pipeline.objectives.dino.evaluate import evaluate_teacher
 from pipeline.objectives.dino.loss import DINOLoss, KoLeoLoss, iBOTPatchLoss
+from pipeline.objectives.dino.masked import mask_bound, masked_rows, masked_weights
 from pipeline.objectives.dino.view import MultiCropView
 from pipeline.train import ds_compat
 from pipeline.train.checkpoint import CheckpointError, checkpoint_dir, read_client_state
@@ -81,6 +82,10 @@ class Views:
     n_local: int
     student: dict[str, Any] = field(default_factory=dict)
     """More keyword arguments of the student's forward (DINOv3's RoPE draws)."""
+    mask_indices: torch.Tensor | None = None
+    """(M,) the masked patches' rows, padded to the fixed `mask_bound` (masked.py); set by `loss`"""
+    mask_valid: torch.Tensor | None = None
+    """(M,) which of those rows are masked patches"""
 
 
 def crop_major(x: torch.Tensor) -> torch.Tensor:
@@ -217,9 +222,10 @@ class DINOv2(Objective):
         for loss in (self.dino_loss, self.ibot_loss):
             loss.to(device)
 
-    def _accumulate(self, name: str, outputs: torch.Tensor) -> None:
-        """This micro batch's teacher outputs toward the step's centre update (sum and count, float64)."""
-        total = torch.cat([outputs.double().sum(0), outputs.new_tensor([outputs.shape[0]], dtype=torch.float64)])
+    def _accumulate(self, name: str, outputs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """This micro batch's teacher outputs (the rows `valid` says) toward the step's centre update (sum, count)."""
+        w = outputs.new_ones(outputs.shape[0], dtype=torch.float64) if valid is None else valid.double()
+        total = torch.cat([(outputs.double() * w[:, None]).sum(0), w.sum().reshape(1)])
         self._sums[name] = self._sums[name] + total if name in self._sums else total
 
     # -- a step
@@ -239,11 +245,14 @@ class DINOv2(Objective):
         with ds_compat.gathered(self.teacher), torch.autocast(engine.device.type, dtype=crops.dtype,
                                                               enabled=engine.device.type == "cuda"
                                                               and crops.dtype != teacher_dtype):
-            t_cls, t_masked = self.teacher.teacher_forward(crops.to(teacher_dtype), views.masks)
+            t_cls, t_masked = self.teacher.teacher_forward(crops.to(teacher_dtype), views.masks, views.mask_indices)
         return t_cls.float(), (t_masked.float() if t_masked is not None else None)
 
     def loss(self, engine: Any, images: Any, targets: torch.Tensor, extras: torch.Tensor | None) -> torch.Tensor:  # noqa: ARG002 - the interface
         views = self.views(images)
+        if views.masks is not None:  # a gather of a fixed size: no host read (masked.py)
+            bound = mask_bound(views.masks, self.d.mask_probability, self.d.mask_ratio)
+            views.mask_indices, views.mask_valid = masked_rows(views.masks, bound)
         temp = self.teacher_temp(self.step)
         t_cls, t_masked = self.teacher_outputs(engine, views)
         if self.d.centering == "centering":
@@ -252,7 +261,8 @@ class DINOv2(Objective):
         else:
             t_dino = self.dino_loss.sinkhorn_knopp_teacher(t_cls, temp)
         t_dino = t_dino.view(2, views.batch, -1)
-        out = engine(views.global_crops, views.local_crops, views.masks, **views.student)
+        out = engine(views.global_crops, views.local_crops, views.masks, mask_indices=views.mask_indices,
+                     **views.student)
         losses = self.loss_terms(engine, views, out, t_dino, t_masked, temp)
         total = sum(losses.values())
         self._log_terms(losses, t_dino, total)
@@ -274,14 +284,16 @@ class DINOv2(Objective):
             losses["koleo_loss"] = d.koleo_loss_weight * sum(self.koleo_loss(c.float())
                                                              for c in out["global_cls"].chunk(2))
         if views.masks is not None:
+            valid = views.mask_valid
             if d.centering == "centering":
                 t_ibot = self.ibot_loss.softmax_center_teacher(t_masked.unsqueeze(0), temp).squeeze(0)
-                self._accumulate("ibot", t_masked)
+                self._accumulate("ibot", t_masked, valid)
             else:
-                t_ibot = self.ibot_loss.sinkhorn_knopp_teacher(t_masked, temp, views.masks.sum())
+                t_ibot = self.ibot_loss.sinkhorn_knopp_teacher(t_masked, temp, views.masks.sum(), valid=valid)
+            weights = None if valid is None else masked_weights(views.masks, views.mask_indices, valid)
             # Meta's scale: x2 (the global crops together) x 1/2 (per global crop) = 1.
-            losses["ibot_loss"] = d.ibot_loss_weight * self.ibot_loss.forward_masked(out["masked"].float(), t_ibot,
-                                                                                      views.masks)
+            losses["ibot_loss"] = d.ibot_loss_weight * self.ibot_loss.forward_masked(
+                out["masked"].float(), t_ibot, views.masks, masks_weight=weights)
         return losses
 
     @torch.no_grad()
@@ -318,9 +330,10 @@ class DINOv2(Objective):
             total = self._sums.pop(name)
             if dist.is_initialized():
                 dist.all_reduce(total)
-            if total[-1] > 0:
-                batch_center = (total[:-1] / total[-1]).float().view_as(loss.center)
-                loss.center = loss.center * loss.center_momentum + batch_center * (1 - loss.center_momentum)
+            # Unmoved when nothing was counted (no masked patch in the step), decided on the device: no read.
+            batch_center = (total[:-1] / total[-1].clamp(min=1.0)).float().view_as(loss.center)
+            moved = loss.center * loss.center_momentum + batch_center * (1 - loss.center_momentum)
+            loss.center = torch.where(total[-1] > 0, moved, loss.center)
         self.teacher_ema.update(engine.module, self.momentum(step - 1))  # the momentum of the step just taken
         self.step = step
 

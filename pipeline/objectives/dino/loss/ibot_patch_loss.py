@@ -28,11 +28,13 @@ class iBOTPatchLoss(nn.Module):  # noqa: N801 - Meta's name, kept so their code 
 
     @torch.no_grad()
     def sinkhorn_knopp_teacher(self, teacher_output: torch.Tensor, teacher_temp: float,
-                               n_masked_patches_tensor: torch.Tensor, n_iterations: int = 3) -> torch.Tensor:
+                               n_masked_patches_tensor: torch.Tensor, n_iterations: int = 3,
+                               valid: torch.Tensor | None = None) -> torch.Tensor:
         """`teacher_output` is (local masked patches, K); `n_masked_patches_tensor` this rank's count,
-        summed over ranks here (on a copy: Meta's all-reduces the caller's tensor in place)."""
+        summed over ranks here (on a copy: Meta's all-reduces the caller's tensor in place); `valid` which
+        rows are masked patches when the gather is padded to a fixed size (the others get zeros)."""
         n_total = all_reduce_sum(torch.as_tensor(n_masked_patches_tensor, device=teacher_output.device).clone())
-        return sinkhorn_knopp(teacher_output, teacher_temp, n_total, n_iterations)
+        return sinkhorn_knopp(teacher_output, teacher_temp, n_total, n_iterations, valid)
 
     def forward(self, student_patch_tokens: torch.Tensor, teacher_patch_tokens: torch.Tensor,
                 student_masks_flat: torch.Tensor) -> torch.Tensor:
