@@ -14,7 +14,7 @@ source run; with several checkpoints also one run of accuracy against pretrainin
 The protocols (docs/evaluation.md): k-NN as DINOv2's eval/knn.py (cosine on L2-normalised class tokens,
 k 10/20/100, T 0.07, the train split as memory); linear as its eval/linear.py (a grid of learning rates on the
 class token and mean patch token, chosen on 10% of the train split held out), on features computed once.
-Exit codes: 0 done, 1 bad input (one line), 2 bad arguments.
+Exit codes: 0 done, 1 bad input (one line naming it; --debug: the traceback), 2 bad arguments.
 """
 
 import argparse
@@ -23,14 +23,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.errors import add_launcher_arguments, one_line_errors, set_debug  # noqa: E402
+
 PROTOCOLS = ("knn", "linear")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--from", dest="source", required=True, type=Path, help="a run directory or a weights file")
-    # The DeepSpeed launcher appends --local_rank=N (LOCAL_RANK in the environment says the same): accepted.
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="the run's checkpoint of this step (it must be complete)")
     which.add_argument("--all-steps", action="store_true", help="every complete checkpoint of the run, oldest first")
@@ -43,7 +43,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                        "--data when it has one, so the curves meet in MLflow; else the --data "
                                        "folder's name)")
     parser.add_argument("--no-mlflow", action="store_true", help="print the table only")
+    add_launcher_arguments(parser)
     args = parser.parse_args(argv)
+    set_debug(args)
     args.protocols = tuple(p.strip() for p in args.protocol.split(",") if p.strip())
     unknown = [p for p in args.protocols if p not in PROTOCOLS]
     if unknown or not args.protocols:
@@ -77,38 +79,36 @@ def run_set_name(source: Path, data: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    return one_line_errors(lambda: evaluate(args), f"--from {args.source}")
+
+
+def evaluate(args: argparse.Namespace) -> int:
     import torch
 
-    from pipeline.data import DataError
     from pipeline.dist import detect_env, init_distributed
     from pipeline.model.weights import WeightsError
     from pipeline.run.backbone import complete_tags, load_backbone, tag_of_step
     from pipeline.run.judge import Judge, table
-    from pipeline.train.checkpoint import CheckpointError
 
     env = init_distributed() if detect_env().world_size > 1 else detect_env()
     device = torch.device(f"cuda:{env.local_rank}" if torch.cuda.is_available() else "cpu")
-    try:
-        if args.all_steps:
-            tags = complete_tags(args.source)
-            if not tags:
-                raise WeightsError(f"{args.source}: no complete checkpoint in {args.source / 'checkpoints'}")
-        else:
-            tags = [tag_of_step(args.source, args.step) if args.step is not None else None]
-        rows, results, judge = [], [], None
-        for tag in tags:
-            backbone = load_backbone(args.source, tag)
-            judge = judge or Judge(args.data, backbone, env, args.batch_size, args.protocols, args.train_split,
-                                   args.val_split)
-            name = f"step {backbone.step}" if backbone.step is not None else backbone.source.name
-            found, metrics = judge.judge(backbone, device, name)
-            rows += found
-            results.append((name, backbone.step, metrics))
-            if env.is_main:
-                print(f"{name}: " + " | ".join(f"{r.protocol} {100 * r.top1:.2f}%" for r in found), flush=True)
-    except (WeightsError, DataError, CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    if args.all_steps:
+        tags = complete_tags(args.source)
+        if not tags:
+            raise WeightsError(f"{args.source}: no complete checkpoint in {args.source / 'checkpoints'}")
+    else:
+        tags = [tag_of_step(args.source, args.step) if args.step is not None else None]
+    rows, results, judge = [], [], None
+    for tag in tags:
+        backbone = load_backbone(args.source, tag)
+        judge = judge or Judge(args.data, backbone, env, args.batch_size, args.protocols, args.train_split,
+                               args.val_split)
+        name = f"step {backbone.step}" if backbone.step is not None else backbone.source.name
+        found, metrics = judge.judge(backbone, device, name)
+        rows += found
+        results.append((name, backbone.step, metrics))
+        if env.is_main:
+            print(f"{name}: " + " | ".join(f"{r.protocol} {100 * r.top1:.2f}%" for r in found), flush=True)
     if env.is_main:
         print(f"\n{args.name} ({args.data}), {args.val_split} split:\n{table(rows)}", flush=True)
         if not args.no_mlflow:

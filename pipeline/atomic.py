@@ -3,7 +3,8 @@ never half of one.
 
 The data go to a temporary name beside the target that is unique per process and call (two writers,
 or a rank and its helper, never share one), are fsynced, renamed over the target (atomic on POSIX),
-and the directory is fsynced so that the rename itself survives a power loss.
+and the directory is fsynced so that the rename itself survives a power loss. The file gets the mode
+the user's umask gives (0644 under 022), whatever the writer created its temporary file with.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         yield tmp
+        # The mode a plain open() would give under the user's umask: some writers create their file 0600
+        # whatever the umask (safetensors' save_file), which would hide a run's weights from everyone else.
+        os.chmod(tmp, 0o666 & ~umask())
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -33,6 +37,19 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def umask() -> int:
+    """The process's umask: Linux says it in /proc/self/status; elsewhere it is set and restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_bytes(path: str | Path, data: bytes) -> None:

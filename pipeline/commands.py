@@ -25,6 +25,7 @@ from pathlib import Path
 
 from pipeline.config import Config, ConfigError, ConfigFiles, FinetuneConfig, apply_overrides
 from pipeline.dist import PortInUse, import_deepspeed, is_rank0, say
+from pipeline.errors import SourceError, add_launcher_arguments, reading_source, set_debug
 from pipeline.exit_codes import ExitCode
 from pipeline.objectives import RECIPES, config_files, load_or_exit
 from pipeline.remote import StorageError
@@ -41,8 +42,7 @@ RUNS = Path("runs")
 
 def _parser(kind: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"launch/{kind}.py", description=f"{kind} a Vision Transformer")
-    # The DeepSpeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_launcher_arguments(parser)  # --debug; the --local_rank=N the DeepSpeed launcher appends
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=3e-4")
     return parser
 
@@ -53,7 +53,9 @@ def parse_pretrain_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--from", dest="source", help="a finished run this one continues (a later stage of the same "
                                                       "recipe: DINOv3's Gram and high-resolution stages), not a "
                                                       "fine-tune: its model, teachers and state are this run's start")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    set_debug(args)
+    return args
 
 
 def parse_finetune_args(argv: list[str]) -> argparse.Namespace:
@@ -65,7 +67,9 @@ def parse_finetune_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--res", help="fine-tuning resolution: 384 or 384x512 (height x width)")
     parser.add_argument("--probe", action="store_true", help="linear probe: train only a BatchNorm + linear head on "
                                                              f"the frozen encoder (default recipe: {PROBE_RECIPE})")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    set_debug(args)
+    return args
 
 
 def parse_res(text: str) -> int | list[int]:
@@ -361,7 +365,8 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None, files: 
         env, plan = resume.start(cfg)
         prepare = None
         if cfg.run.kind == "finetune":
-            cfg, prepare = prepare_finetune(cfg, plan, cli_model_keys or set(), files)
+            with reading_source(f"--from {cfg.finetune.source}"):  # whatever a reader raises: one line, exit 1
+                cfg, prepare = prepare_finetune(cfg, plan, cli_model_keys or set(), files)
         if cfg.data.num_workers > 0:
             # The loaders' fork server imports the data modules (torch, torchvision, timm: about 4 s of CPU) in
             # its own process. Started here, it does so while this rank builds the model and the engine and
@@ -375,7 +380,7 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None, files: 
     except (ConfigError, RunDirLocked, PortInUse) as e:  # e.g. fine-tuning without --from
         _error(e, shared=not isinstance(e, PortInUse))
         return ExitCode.USAGE
-    except (DataError, BadDataError, StorageError, WeightsError, TrainError, CheckpointError,
+    except (DataError, BadDataError, StorageError, WeightsError, TrainError, CheckpointError, SourceError,
             FileNotFoundError) as e:
         _error(e, shared=isinstance(e, (TrainError, CheckpointError, EvalFailed)))
         return ExitCode.ERROR

@@ -54,7 +54,7 @@ def embedding(tokens: torch.Tensor, model: nn.Module) -> torch.Tensor:
     final norm (B, prefix + patches, D; timm's forward_features). A model that pools its patches
     (global_pool='avg', MAE's fine-tuning) has no final norm: its mean goes through fc_norm, as its head sees it."""
     pooled = tokens[:, model.num_prefix_tokens:].mean(1)
-    if getattr(model, "global_pool", "token") == "avg":
+    if getattr(model, "global_pool", "token") == "avg" and hasattr(model, "fc_norm"):  # DINOv3ViT's avg: no fc_norm
         pooled = model.fc_norm(pooled)
     return torch.cat([tokens[:, 0], pooled], dim=1).float()
 

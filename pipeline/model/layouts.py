@@ -167,15 +167,20 @@ def _timm(state: dict[str, torch.Tensor], mask_token: bool = False, name: str = 
     return Recognised(name, {k: state[k] for k in keys | head}, encoder_arch(stem, depth), left_out=left_out)
 
 
+# The names of our own layouts, by the model whose names they are (a recipe's read-back says which it exports).
+OURS_VIT, OURS_MAE, OURS_DINOV3 = ("ours (VisionTransformer's names)", "ours (an MAE run's MaskedAutoencoderViT)",
+                                   "ours (DINOv3ViT's names)")
+
+
 def _ours(state: dict[str, torch.Tensor]) -> Recognised:
     try:
-        return _timm(state, mask_token=True, name="ours (VisionTransformer's names)")
+        return _timm(state, mask_token=True, name=OURS_VIT)
     except NotThis as vit:
         try:
-            return _meta_mae(state, tables=False, name="ours (an MAE run's MaskedAutoencoderViT)")
+            return _meta_mae(state, tables=False, name=OURS_MAE)
         except NotThis as mae:
             try:
-                return timm_dinov3(state, mask_token=True, name="ours (DINOv3ViT's names)", complete=False)
+                return timm_dinov3(state, mask_token=True, name=OURS_DINOV3, complete=False)
             except NotThis as v3:
                 raise NotThis(f"VisionTransformer's names: {vit}; MaskedAutoencoderViT's: {mae}; "
                               f"DINOv3ViT's: {v3}") from None

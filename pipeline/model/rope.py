@@ -108,12 +108,14 @@ def rope_periods(head_dim: int, temperature: float | None = 100.0, min_period: f
 def patch_coords(grid: tuple[int, int], normalize: NormalizeCoords = "separate") -> torch.Tensor:
     """(H*W, 2) patch centres in [-1, 1], row-major, (height, width) per row."""
     h, w = grid
+    # Divided by the sizes as they come, not by float() of them: under an ONNX export's tracer they are the
+    # input's traced sizes, and 'separate' (every released model's) then gives a graph that takes any grid.
     if normalize == "separate":
-        den = (float(h), float(w))
+        den = (h, w)
     elif normalize == "min":
-        den = (float(min(h, w)),) * 2
+        den = (min(h, w),) * 2
     elif normalize == "max":
-        den = (float(max(h, w)),) * 2
+        den = (max(h, w),) * 2
     else:
         raise ValueError(f"rope_normalize_coords must be 'separate', 'min' or 'max', got {normalize!r}")
     ch = torch.arange(0.5, h, dtype=torch.float32) / den[0]

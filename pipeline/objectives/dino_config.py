@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipeline.config import Check, Config
-from pipeline.objectives.recipe import Recipe
+from pipeline.objectives.recipe import ReadBack, Recipe
 
 
 @dataclass
@@ -140,4 +140,5 @@ def _objective() -> type:
     return DINOv2
 
 
-RECIPE = Recipe("dinov2", _objective, section="dino", config=DinoConfig, checks=dino_checks)
+RECIPE = Recipe("dinov2", _objective, section="dino", config=DinoConfig, checks=dino_checks,
+                read_back=ReadBack(model="vit", kwargs=(("dynamic_img_size", True),)))

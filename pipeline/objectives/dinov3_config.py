@@ -17,7 +17,7 @@ from typing import Literal
 from pipeline.config import Check, Config
 from pipeline.model.variants import DINOV3_VARIANTS
 from pipeline.objectives.dino_config import DinoConfig, section_checks
-from pipeline.objectives.recipe import Recipe
+from pipeline.objectives.recipe import ReadBack, Recipe
 
 
 @dataclass
@@ -142,4 +142,5 @@ def _objective() -> type:
 
 
 RECIPE = Recipe("dinov3", _objective, section="dinov3", config=Dinov3Config, checks=dinov3_checks,
-                more_sections=(("gram", GramConfig),), continue_key="dinov3.continue_from")
+                more_sections=(("gram", GramConfig),), continue_key="dinov3.continue_from",
+                read_back=ReadBack(model="dinov3"))

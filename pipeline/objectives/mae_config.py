@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.config import Check, Config
-from pipeline.objectives.recipe import Recipe
+from pipeline.objectives.recipe import ReadBack, Recipe
 
 
 @dataclass
@@ -60,4 +60,5 @@ def finetune_recipe(variant: str) -> str:
 
 RECIPE = Recipe("mae", _objective, section="mae", config=MaeConfig, checks=mae_checks,
                 finetune_recipe=finetune_recipe,
-                finetune_data=("auto_augment", "mixup", "cutmix", "label_smoothing", "scale", "interpolation"))
+                finetune_data=("auto_augment", "mixup", "cutmix", "label_smoothing", "scale", "interpolation"),
+                read_back=ReadBack(model="vit", keys="mae"))

@@ -12,9 +12,27 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.config import Check, Config
+
+
+@dataclass(frozen=True)
+class ReadBack:
+    """How the backbone a run of the recipe exports is read back outside training (pipeline/run/backbone.py, for
+    launch/evaluate.py, embed.py and export_weights.py): the class it is, the names its weights are in, and what
+    the recipe built it with beyond model.*. tests/unit/test_recipe_matrix.py runs every command on every recipe."""
+
+    model: Literal["variant", "vit", "dinov3"] = "variant"
+    """'vit': pipeline.model.vit.VisionTransformer; 'dinov3': pipeline.model.dinov3.DINOv3ViT (RoPE, storage
+    tokens); 'variant': the class model.variant builds (a supervised run, or a fine-tune, of either)."""
+    keys: Literal["model", "mae"] = "model"
+    """Its weights' names: 'model' the class's own (a DINO run's backbone adds iBOT's mask_token, left out);
+    'mae' MaskedAutoencoderViT's (the encoder read, the decoder left out; the fixed sin-cos position table
+    rebuilt where a checkpoint, which holds parameters only, lacks it)."""
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    """Constructor arguments beyond model.* that the recipe builds its backbone with (DINOv2's position table
+    interpolated at forward time, for its local crops)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +59,8 @@ class Recipe:
     continue_key: str | None = None
     """The config key `launch/pretrain.py --from RUN_DIR` sets: the recipe continues a finished run of its own
     (DINOv3's later stages, dinov3.continue_from); None: the recipe does not continue runs."""
+    read_back: ReadBack = ReadBack()
+    """How its backbone is read back after training (evaluate, embed, the timm and ONNX exports)."""
 
 
 def objectives_config(recipes: Iterable[Recipe],

@@ -77,21 +77,22 @@ class Source:
     config: Config | None  # the source run's config, when known
 
 
-def find_source(source: str, files: ConfigFiles | None = None) -> Source:
-    """The source `--from` names, and its run's config.yaml when it has one (read through `files`: once)."""
+def find_source(source: str, files: ConfigFiles | None = None, flag: str = "--from") -> Source:
+    """The source `--from` names, and its run's config.yaml when it has one (read through `files`: once).
+    `flag`: how the command names the source in its messages ('': a positional argument)."""
     path = Path(source).expanduser()
+    named = f"{flag} '{source}'" if flag else f"'{source}'"
     if not path.exists():
-        raise WeightsError(f"--from '{source}': no such run directory or weights file")
+        raise WeightsError(f"{named}: no such run directory or weights file")
     if path.is_file():
         try:
             weights_format(path)
         except NotWeightsFile as e:
-            raise ConfigError(f"--from '{source}' is not a weights file: {e}") from None
+            raise WeightsError(f"{named} is not a weights file: {e}") from None
     folder = path if path.is_dir() else path.parent
     config = (files or config_files()).load(folder / "config.yaml") if (folder / "config.yaml").is_file() else None
     if path.is_dir() and not (path / "model.safetensors").is_file() and ckpt.newest_complete_tag(path) is None:
-        raise WeightsError(f"--from '{source}': a directory without model.safetensors or a complete checkpoint "
-                           f"in checkpoints/")
+        raise WeightsError(f"{named}: a directory without model.safetensors or a complete checkpoint in checkpoints/")
     return Source(path.resolve(), config)
 
 
@@ -156,7 +157,7 @@ def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[s
         kwargs = model_kwargs_from_config(model_cfg, num_classes=1)
         problem = found.mismatch(kwargs)
         if problem:
-            raise ConfigError(f"--from {src.path} ({found.layout}): {problem}")
+            raise WeightsError(f"--from {src.path} ({found.layout}): {problem}")
         _say(f"--from {src.path}: {found.describe()}; {kwargs['num_heads']} heads (from "
              f"{'its config.yaml' if src.config is not None else 'the config: the file does not say'})")
     # The paper replaces the pretraining head (and its tanh pre-logits) with one zero-initialised Linear.

@@ -46,3 +46,18 @@ def test_model_safetensors_goes_through_it(tmp_path, monkeypatch):
     monkeypatch.setattr("pipeline.model.weights.atomic_path", spy)
     save_weights({"w": torch.ones(2)}, tmp_path / "model.safetensors")
     assert used == [tmp_path / "model.safetensors"] and os.listdir(tmp_path) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_a_file_gets_the_users_umask_whatever_its_writer_made(tmp_path, mask):
+    """safetensors creates its file 0600 whatever the umask: a run's model.safetensors, a timm export, the
+    embeddings' parts (all through atomic_path) would be unreadable by anyone else on a shared filesystem."""
+    was = os.umask(mask)
+    try:
+        assert atomic.umask() == mask
+        save_weights({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+        atomic.write_text(tmp_path / "notes.txt", "x")
+    finally:
+        os.umask(was)
+    for name in ("model.safetensors", "notes.txt"):
+        assert os.stat(tmp_path / name).st_mode & 0o777 == 0o666 & ~mask, name

@@ -114,7 +114,7 @@ def test_a_file_whose_encoder_the_config_contradicts_is_refused_before_anything_
     # A deeper file used to fine-tune its first blocks with a warning for the rest; now neither way passes.
     source = build_vit("vit_ti16", img_size=16, patch_size=4, embed_dim=width, depth=depth, num_heads=2, num_classes=3)
     save_weights(source.state_dict(), tmp_path / "other.safetensors")
-    with pytest.raises(ConfigError, match=rf"other.safetensors \(timm's VisionTransformer\): the file's encoder is "
+    with pytest.raises(WeightsError, match=rf"other.safetensors \(timm's VisionTransformer\): the file's encoder is "
                                           rf"patch 4, width {width}, depth {depth}; the config's model is patch 4, "
                                           rf"width 32, depth 2"):
         finetuned(tmp_path / "other.safetensors", 16, extra=ARCH)

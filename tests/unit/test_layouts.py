@@ -17,12 +17,12 @@ import pytest
 import timm
 import torch
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import load_config
 from pipeline.model import layouts
 from pipeline.model.layouts import LayoutError, recognise
 from pipeline.model.mae import build_mae
 from pipeline.model.vit import VisionTransformer, build_vit, model_kwargs_from_config
-from pipeline.model.weights import save_weights
+from pipeline.model.weights import WeightsError, save_weights
 from pipeline.run.finetune import prepare_finetune
 
 # --- the layouts of Meta's code, as data ---
@@ -158,7 +158,7 @@ def test_meta_mae_checkpoint_is_not_taken_for_dinov2_and_its_architecture_is_che
     torch.save({"model": random_tensors(MAE, size)}, path)
     assert recognise(torch.load(path)["model"]).layout == "Meta's MAE pretraining checkpoint"
     # A config of another width is refused in one line before any model is built (it once read as vit_b14).
-    with pytest.raises(ConfigError, match=r"mae.pth \(Meta's MAE pretraining checkpoint\): the file's encoder is "
+    with pytest.raises(WeightsError, match=r"mae.pth \(Meta's MAE pretraining checkpoint\): the file's encoder is "
                                           r"patch 4, width 32, depth 2; the config's model is patch 16, width 768"):
         fine_tune(path, 16, ["model.variant=vit_b16"])
 

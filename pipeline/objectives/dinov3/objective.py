@@ -27,6 +27,7 @@ from torch import nn
 from pipeline.config import Config
 from pipeline.data import label_free
 from pipeline.dist import say
+from pipeline.errors import reading_source
 from pipeline.model.dino import HEAD_KEYS, DINOv3Model
 from pipeline.model.dinov3 import DINOv3ViT
 from pipeline.model.rope import RopeAugment
@@ -92,9 +93,10 @@ class DINOv3(DINOv2):
 
     def continue_run(self, model: nn.Module, model_kwargs: dict[str, Any]) -> None:
         """This run starts from dinov3.continue_from's newest checkpoint (continuation.py)."""
-        run_dir, tag = source_checkpoint(self.d.continue_from, self.model_class, model_kwargs)
-        load_student(model, run_dir, tag)
-        state = objective_state(run_dir, tag)
+        with reading_source(f"dinov3.continue_from={self.d.continue_from}"):  # a reader's error: one line, exit 1
+            run_dir, tag = source_checkpoint(self.d.continue_from, self.model_class, model_kwargs)
+            load_student(model, run_dir, tag)
+            state = objective_state(run_dir, tag)
         self.teacher_ema.load_state_dict(state["teacher"])
         self.dino_loss.center = state["dino_center"].clone()
         self.ibot_loss.center = state["ibot_center"].clone()
