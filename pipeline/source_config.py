@@ -32,6 +32,8 @@ class SourceConfig:
 class MixtureConfig:
     sources: list[SourceConfig] = field(default_factory=list)
     """Several data sets mixed in one run, each at its weight in every global batch (docs/data.md, Mixtures): a list of {name, path, weight} (or repeat, or samples, the same kind for all). Empty: data.path alone."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """Places other than its own location a data set's shards may be fetched from: origins (https://cdn.example.org, s3://bucket) or prefixes under one (s3://bucket/datasets). Empty: a dataset.json's shards resolve under its own location only (the same bucket and prefix, the same http origin, the same folder), and one naming a shard elsewhere is refused in one line (docs/data.md, Object storage)."""
     allow_mix_change: bool = False
     """Resume a checkpoint written with another mix (a weight changed, a source added or removed): the new mix applies from the resumed step on, each source continuing where it was; recorded in RUN_DIR/data_mix.jsonl and MLflow. Off: such a resume is refused in one line naming the change."""
 
@@ -84,6 +86,11 @@ def check_sources(data: Any, where: str) -> None:
     if len(kinds) > 1:
         raise ConfigError(f"{where}: data.sources mixes weight with repeat/samples; use weights for all, or "
                           f"repeat/samples for all")
+    for i, entry in enumerate(data.allowed_origins):
+        scheme, sep, rest = entry.partition("://")
+        if scheme not in ("s3", "http", "https") or not sep or not rest.split("/")[0]:
+            raise ConfigError(f"{where}: data.allowed_origins[{i}] is {entry!r}; expected an origin such as "
+                              f"https://HOST[:PORT] or s3://BUCKET, or a prefix under one (s3://BUCKET/PREFIX)")
     if data.sources and data.partitions is not None:
         raise ConfigError(f"{where}: key 'data.partitions' applies to data.path alone; a mixture's sources are "
                           f"partitioned each on its own (docs/data.md, Mixtures)")

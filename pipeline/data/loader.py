@@ -30,6 +30,7 @@ from .info import DatasetInfo, check_shard_names
 from .mix import labels_for, read_data
 from .nodes import node_place
 from .order import SlicedOrder
+from .origins import check_origins
 from .stream import LOADER_STATE_VERSION, TrainLoader, TrainStream
 
 __all__ = ["LOADER_STATE_VERSION", "Counters", "EvalLoader", "TrainLoader", "build_eval_loader", "build_train_loader",
@@ -75,6 +76,7 @@ def build_train_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_s
     accum = accumulation_steps(global_batch, world_size, batch_size)
     info = info or read_data(cfg)  # with data.sources: the mixture's merged description (mix.py)
     check_shard_names(info, cfg.allow_pipe_shards)  # before any worker could run one
+    check_origins(info, cfg.allowed_origins)  # nor fetch from where the data set is not (origins.py)
     split = info.split(cfg.train_split)
     if split.num_samples == 0:
         raise DataError(f"split '{cfg.train_split}' of {info.path} has no samples")
@@ -152,6 +154,7 @@ def build_eval_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_si
     _check_placement(batch_size, rank, world_size)
     info = info or read_data(cfg)
     check_shard_names(info, cfg.allow_pipe_shards)
+    check_origins(info, cfg.allowed_origins)
     split = info.split(cfg.val_split)
     n = split.num_samples if limit is None else min(limit, split.num_samples)
     lo, hi = rank * n // world_size, (rank + 1) * n // world_size

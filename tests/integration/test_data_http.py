@@ -75,7 +75,8 @@ def test_two_nodes_fetch_each_http_shard_once_and_train_the_one_node_weights(sha
         train_bytes = sum(s["bytes"] for s in train)
         remote = remote_dataset(shards, f"http://127.0.0.1:{server.server_address[1]}", tmp_path / "remote")
         port = free_port()
-        finish([torchrun(2, i, 1, port, overrides(remote, tmp_path / "two_nodes", tmp_path / f"cache{i}"))
+        allowed = f"data.allowed_origins=[http://127.0.0.1:{server.server_address[1]}]"  # a local json naming URLs
+        finish([torchrun(2, i, 1, port, [*overrides(remote, tmp_path / "two_nodes", tmp_path / f"cache{i}"), allowed])
                 for i in range(2)])
         fetched = server.sent
     finally:
@@ -98,7 +99,8 @@ def test_over_a_faulty_http_server_the_same_weights_the_retries_logged_no_bad_co
     kinds = ("503", "reset", "cut", "cut_nolength", "stall")
     with FaultServer(folder=shards, plan=every_nth_plan(4, kinds), stall_s=6) as server:
         remote = remote_dataset(shards, server.url, tmp_path / "remote")
-        retry = ["data.read_timeout_s=2", "data.retry_backoff_s=0.05", "data.range_mb=0.01"]
+        retry = ["data.read_timeout_s=2", "data.retry_backoff_s=0.05", "data.range_mb=0.01",
+                 f"data.allowed_origins=[{server.url}]"]
         p = torchrun(1, 0, 2, free_port(), [*overrides(remote, tmp_path / "faulty", tmp_path / "cache"), *retry])
         out, _ = p.communicate(timeout=900)
         faults = list(server.faults)
@@ -113,7 +115,8 @@ def test_a_server_that_stalls_forever_stops_the_run_with_one_line_naming_the_url
                                                                                  ) -> None:
     with FaultServer(folder=shards, plan=lambda n, method, path: "stall_forever") as server:
         remote = remote_dataset(shards, server.url, tmp_path / "remote")
-        retry = ["data.read_timeout_s=1", "data.retry_backoff_s=0.05", "data.retry_attempts=3"]
+        retry = ["data.read_timeout_s=1", "data.retry_backoff_s=0.05", "data.retry_attempts=3",
+                 f"data.allowed_origins=[{server.url}]"]
         p = torchrun(1, 0, 2, free_port(), [*overrides(remote, tmp_path / "stalled", tmp_path / "cache"), *retry])
         out, _ = p.communicate(timeout=600)
     assert p.returncode != 0

@@ -309,3 +309,34 @@ def test_a_cache_just_above_its_minimum_turns_no_good_shard_bad(s3: SeaweedS3, t
     evals = [r["metrics"]["eval/samples"] for r in rows if "eval/samples" in r["metrics"]]
     assert evals == [info["splits"]["val"]["num_samples"]] * 2, evals
     assert_same_weights(weights(tmp_path / "s3run"), weights(tmp_path / "local"))
+
+
+def test_a_dataset_json_in_the_bucket_naming_a_shard_under_another_prefix_is_refused_unless_allowed(
+        s3: SeaweedS3, bucket_shards: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """s3://data/foreign/dataset.json names its shards by URL under s3://data/synth (another prefix: another
+    team's data in the same bucket, read with this job's credentials): refused in one line naming the json, the
+    shard and the switch, before any shard is read; with s3://data/synth in data.allowed_origins the loaders are
+    built. In-process, no training: the loaders' check is the gate a run meets first."""
+    from dataclasses import replace
+
+    from pipeline.config import DataConfig
+    from pipeline.data import DataError, build_train_loader
+    from pipeline.remote import s3 as s3_clients
+
+    monkeypatch.setattr(s3_clients, "_clients", {})  # this process's clients: made now, for this store
+    for key, value in s3.env().items():
+        monkeypatch.setenv(key, value)
+    c = s3.client()
+    info = json.loads(c.get_object(Bucket=BUCKET, Key="synth/dataset.json")["Body"].read())
+    for split in info["splits"].values():
+        for entry in split["shards"]:
+            entry["name"] = f"{bucket_shards}/{entry['name'].rsplit('/', 1)[-1]}"
+    c.put_object(Bucket=BUCKET, Key="foreign/dataset.json", Body=json.dumps(info).encode())
+    cfg = DataConfig(path=f"s3://{BUCKET}/foreign", num_workers=0, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError) as e:
+        build_train_loader(cfg, 16, 8, seed=0)
+    msg = str(e.value)
+    assert msg.startswith(f"s3://{BUCKET}/foreign/dataset.json: split 'train' names shard '{bucket_shards}/"), msg
+    assert f"(its own shards are under s3://{BUCKET}/foreign)" in msg and "data.allowed_origins" in msg, msg
+    assert "\n" not in msg and not list((tmp_path / "cache").glob("*.tar"))
+    build_train_loader(replace(cfg, allowed_origins=[bucket_shards]), 16, 8, seed=0)
