@@ -168,7 +168,13 @@ def bench_dino(args: Any) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     samples = [view(Image.fromarray(rng.integers(0, 255, (res + 32, res + 32, 3), dtype=np.uint8)), i)
                for i in range(batch)]
-    crops = tuple(torch.stack(part).to(device) for part in zip(*samples))
+    # On a GPU the crops come in bf16, as the trainer's loader hands them over (`to_device` casts the floating
+    # parts to the run's dtype): the objective runs its float32 teacher under bf16 autocast only when the crops
+    # are not float32. Float32 crops (this bench before 2026-11-28) timed the teacher's forward in float32 on
+    # CUDA cores: 402 of the 863 ms of the H200's DINOv2 ViT-L/14 step (docs/performance.md).
+    low = torch.bfloat16 if gpu else torch.float32
+    crops = tuple(torch.stack(part).to(device, low if part[0].is_floating_point() else part[0].dtype)
+                  for part in zip(*samples))
     masked = int(crops[2].sum())
     # The supervised ViT: the same backbone (variant, size, weights) with a 1000-class head.
     sup_kwargs = model_kwargs_from_config(cfg.model, 1000)

@@ -260,8 +260,17 @@ def test_render_writes_the_newest_row_per_machine_and_the_committed_page_is_curr
          json.dumps({"ours": {"img_s": 1.0}})],
         ["2026-01-02T00:00:00", "cpu box", "2.0", "0.19", "python launch/bench.py model --batch 4", "model",
          json.dumps({"ours": {"img_s": 2.5, "mfu": None}, "windows": [1, 2]})],
-        ["2026-01-03T00:00:00", "gpu box", "2.1", "0.19", "python launch/bench.py gpu", "gpu", "{}"])]
+        ["2026-01-03T00:00:00", "gpu box", "2.1", "0.19", "python launch/bench.py gpu", "gpu", "{}"],
+        # A lease runs gpu's parts and dino's recipes as rows of their own: each subject's newest row is shown.
+        ["2026-01-04T00:00:00", "gpu box", "2.1", "0.19", "python launch/bench.py gpu --parts correctness", "gpu",
+         json.dumps({"parts": ["correctness"], "correctness": {"gap": 0.1}})],
+        ["2026-01-04T00:00:00", "gpu box", "2.1", "0.19", "python launch/bench.py dino", "dino",
+         json.dumps({"recipe": "dinov2", "variant": "vit_l14", "dino": {"mfu": 0.15}})],
+        ["2026-01-05T00:00:00", "gpu box", "2.1", "0.19", "python launch/bench.py dino --dino-recipe dinov3", "dino",
+         json.dumps({"recipe": "dinov3", "variant": "dinov3_vitl16", "dino": {"mfu": 0.12}})])]
     page = render(rows)
+    assert "| `dino.mfu` | 0.15 |" in page and "| `dino.mfu` | 0.12 |" in page
+    assert "| `correctness.gap` | 0.1 |" in page and "### gpu box: parts correctness" in page
     assert "| `ours.img_s` | 2.5 |" in page and "| `ours.img_s` | 1.0 |" not in page  # the newest row only
     assert "| `ours.mfu` | n/a |" in page and "| `windows` | [1, 2] |" in page
     assert "python launch/bench.py model --batch 4" in page and "(1 earlier row(s) in the CSV)" in page
