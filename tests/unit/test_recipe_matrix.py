@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pipeline.eval.features import embedding
-from tests.unit.recipe_runs import ROOT, SOURCES, Source, foreign_file, labelled_set, tiny_run
+from tests.unit.recipe_runs import ROOT, SHRINK, SOURCES, Source, foreign_file, labelled_set, tiny_run
 
 pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::DeprecationWarning",
                                         "ignore::UserWarning")
@@ -155,7 +155,7 @@ def test_every_command_reads_every_recipe_and_layout(source, command, sources, d
 
 def bad_source(kind: str, good: Path, tmp_path: Path) -> Path:
     """A DINOv3 run directory made wrong in one way: its config of another width than its weights, its weights
-    a text file, its weights truncated."""
+    a text file, its weights truncated (and, as every tiny run here, no checkpoint: a stage cannot continue it)."""
     bad = tmp_path / "bad"
     shutil.copytree(good, bad)
     weights = bad / "model.safetensors"
@@ -170,10 +170,25 @@ def bad_source(kind: str, good: Path, tmp_path: Path) -> Path:
     return bad
 
 
+def _finetune(src: str, data: str, out: str) -> int:
+    from pipeline import commands  # what launch/finetune.py runs
+
+    return commands.finetune(["--from", src, "--res", "32", f"run.dir={out}", f"data.path={data}"])
+
+
+def _pretrain(src: str, data: str, out: str) -> int:
+    from pipeline import commands  # what launch/pretrain.py runs: --from is the run a DINOv3 stage continues
+
+    return commands.pretrain(["--config", "configs/pretrain/dinov3_demo.yaml", "--from", src, *SHRINK,
+                              f"run.dir={out}", f"data.path={data}"])
+
+
 LAUNCHERS = {
     "evaluate": lambda src, data, out: launcher("evaluate").main(["--from", src, "--data", data, "--no-mlflow"]),
     "embed": lambda src, data, out: launcher("embed").main(["--from", src, "--data", data, "--out", out]),
     "export_weights": lambda src, data, out: launcher("export_weights").main([src, "--format", "onnx", "--out", out]),
+    "finetune": _finetune,
+    "pretrain": _pretrain,
 }
 
 
@@ -183,7 +198,8 @@ def test_a_bad_source_is_one_line_naming_it_and_exit_1(sources, data, tmp_path, 
     bad = bad_source(kind, sources("run-dinov3").path, tmp_path)
     assert LAUNCHERS[name](str(bad), str(data), str(tmp_path / "out")) == 1
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: ") and str(bad) in err, err
+    lines = [line for line in err.splitlines() if line.startswith(("error", "Traceback"))]  # (and the launchers' says)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(bad) in lines[0], err
     assert "Traceback" not in err
 
 
@@ -212,3 +228,39 @@ def test_export_weights_replaces_only_what_it_wrote_unless_forced(sources, tmp_p
     assert export([str(tmp_path / "missing"), "--format", "onnx"]) == 1
     err = capsys.readouterr().err
     assert "missing" in err and "--from" not in err, err
+
+
+def test_debug_gives_the_traceback_instead_of_the_line(sources, data, tmp_path, monkeypatch):
+    from pipeline.errors import DEBUG_ENV
+    from pipeline.model.weights import WeightsError
+
+    bad = bad_source("not_weights", sources("run-dinov3").path, tmp_path)
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    with pytest.raises(WeightsError, match="is not a weights file"):  # raised: Python prints its traceback
+        launcher("embed").main(["--from", str(bad), "--data", str(data), "--out", str(tmp_path / "o"), "--debug"])
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(WeightsError, match="is not a weights file"):
+        launcher("evaluate").main(["--from", str(bad), "--data", str(data), "--no-mlflow"])
+
+
+@pytest.mark.slow  # one subprocess: DeepSpeed's launcher and two ranks
+def test_embed_on_two_ranks_under_deepspeeds_launcher_writes_what_one_rank_writes(sources, data, tmp_path):
+    """The launcher the docs name for N ranks appends --local_rank=N; the two ranks write each part once, the
+    same rows as one rank in this process (a DINOv3 run: the recipe the registry read-back is newest for)."""
+    import subprocess
+
+    import pandas as pd
+
+    from tests.integration.runs import DEEPSPEED, env, free_port
+
+    src = sources("run-dinov3")
+    args = ["--from", str(src.path), "--data", str(data), "--workers", "0", "--batch-size", "8"]
+    assert launcher("embed").main([*args, "--out", str(tmp_path / "one")]) == 0
+    out = subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "launch/embed.py", *args,
+                          "--out", str(tmp_path / "two")], cwd=ROOT, env=env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    one, two = (pd.read_parquet(tmp_path / n).sort_values("key").reset_index(drop=True) for n in ("one", "two"))
+    assert len(one) == 48 and list(one.key) == list(two.key)
+    for column in ("cls", "mean_patch"):
+        torch.testing.assert_close(torch.tensor(list(one[column])), torch.tensor(list(two[column])), atol=1e-5, rtol=0)
