@@ -82,6 +82,9 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
     _add(p, "--parts", default="training,e2e,correctness",
          help="which parts, each alone a shorter run and its own row: training (the arms and the profile), e2e, "
               "correctness (default: all three)")
+    _add(p, "--arms", default=None,
+         help="training arms to run, by name, comma-separated (default: every arm but the max-autotune one; "
+              "benchmarks/gpu.py ARMS, AUTOTUNE_ARMS)")
     _add(p, "--budget-s", type=float, default=360.0,
          help="start no training arm after this many seconds (compiling dominates; default 360)")
     _add(p, "--correctness-steps", type=int, default=300, help="steps of the bf16-vs-fp32 loss curves (default 300)")
@@ -194,6 +197,7 @@ def run_gpu(args: argparse.Namespace, print_table: PrintTable) -> dict[str, Any]
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     try:
         gpu.check_parts(parts)  # before anything slow: one line, not a traceback
+        arms = gpu.select_arms(args.arms)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     models = None
@@ -201,7 +205,7 @@ def run_gpu(args: argparse.Namespace, print_table: PrintTable) -> dict[str, Any]
         models = [(m.split("@")[0], int(m.split("@")[1])) for m in args.models.split(",")]
     figures = gpu.run(smoke=args.smoke, models=models, overrides=args.overrides, peak=peak_flops(args),
                       workers=args.e2e_workers, correctness_steps=args.correctness_steps, tmp=args.tmp,
-                      budget_s=args.budget_s, parts=parts)
+                      budget_s=args.budget_s, parts=parts, arms=arms)
     if figures["training"]:
         print_table("training step, bf16, SDPA attention, one device; arms one after another", gpu.HEADER,
                     gpu.rows(figures))

@@ -98,13 +98,13 @@ def build_plain(spec: BenchSpec, images: torch.Tensor, targets: torch.Tensor,
                 overrides: Sequence[str] = ()) -> PlainStep:
     """The plain loop on the very model the trainer builds (same seed, so the same weights)."""
     from pipeline.model.vit import model_kwargs_from_config
-    from pipeline.run.step import build_model
+    from pipeline.run.step import build_model, compile_kwargs
 
     cfg = run_config(spec, 0, overrides)
     model = build_model(cfg, model_kwargs_from_config(cfg.model), deepspeed_config(cfg, 1))
     step = PlainStep(model, spec, images, targets, cfg.train)
     if spec.compile:
-        step.model = torch.compile(step.model)
+        step.model = torch.compile(step.model, **compile_kwargs(cfg.train.compile_mode))
     return step
 
 

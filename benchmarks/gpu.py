@@ -86,9 +86,32 @@ def check_parts(parts: Sequence[str]) -> None:
         what = f"{','.join(unknown)} is not" if unknown else "none given; expected some"
         raise ValueError(f"bench gpu --parts: {what} among {','.join(PARTS)}")
 
+# The ViT step's options for the GPU (docs/performance.md): the patch embedding as one matmul, and Inductor's
+# matmul templates (max-autotune: the bias and GELU in the matmul's epilogue; minutes of autotuning per model).
+MATMUL_PATCH_EMBED = "model.patch_embed_impl=matmul"
+MAX_AUTOTUNE = "train.compile_mode=max-autotune-no-cudagraphs"
+
 ARMS = [Arm("plain", False), Arm("plain", True), Arm("zero1", False), Arm("zero1", True),
         Arm("zero1", True, overrides=(NO_OVERFLOW_CHECK,), label="no-overflow-check"),
+        Arm("zero1", True, overrides=(NO_OVERFLOW_CHECK, MATMUL_PATCH_EMBED), label="no-overflow-check matmul-patch"),
         Arm("zero1", True, grad_ckpt=True, batch_scale=2)]
+# Not among the default arms: its autotuning takes minutes, so a lease runs it as a part of its own (--arms), where
+# a cap that stops it loses only its own row.
+AUTOTUNE_ARMS = [Arm("zero1", True, overrides=(NO_OVERFLOW_CHECK, MATMUL_PATCH_EMBED, MAX_AUTOTUNE),
+                     label="no-overflow-check matmul-patch max-autotune")]
+
+
+def select_arms(names: str | None) -> list[Arm] | None:
+    """`--arms`: arm names, comma-separated, from ARMS and AUTOTUNE_ARMS (None: the default ARMS)."""
+    if not names:
+        return None
+    known = {a.name: a for a in ARMS + AUTOTUNE_ARMS}
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in known]
+    if unknown or not chosen:
+        raise ValueError(f"bench gpu --arms: {', '.join(unknown) or 'none given'}: expected some of: "
+                         + ", ".join(known))
+    return [known[n] for n in chosen]
 
 
 def _free() -> None:

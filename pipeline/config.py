@@ -61,6 +61,8 @@ class ModelConfig:
     """Width of the paper's tanh pre-logits layer for pretraining; None for a plain linear head."""
     grad_checkpointing: bool = False
     """Recompute each block in backward to save activation memory (about 30% more compute)."""
+    patch_embed_impl: Literal["conv", "matmul"] = "conv"
+    """How the patch embedding's projection is computed: 'conv' (timm's convolution, bit for bit) or 'matmul' (one matrix product of the unfolded patches: the same weights and names, equal within float rounding; for the GPU, where the convolution ran at a fraction of the matmuls' rate: docs/performance.md). Not part of the architecture: a run may resume or fine-tune with the other."""
     init_values: float | None = None
     """LayerScale's starting value in every block (DINOv2: 1e-5); None keeps the variant's (the DINOv2 variants have it, the others none)."""
     reg_tokens: int | None = None
@@ -201,6 +203,8 @@ class TrainConfig:
     """Peak bf16 FLOP/s of one device for MFU; None looks the GPU up in a table (no MFU on CPU)."""
     compile: bool = False
     """torch.compile the model (GPU performance; off by default on CPU)."""
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs", "max-autotune"] = "default"
+    """torch.compile's mode with train.compile: 'default', or 'max-autotune-no-cudagraphs' (Inductor tries its Triton matmul templates, which can take the bias and GELU into the matmul's epilogue instead of a pass of their own: docs/performance.md; compiling takes minutes longer), or 'max-autotune' (the same with CUDA graphs)."""
     check_finite: bool = True
     """Check each micro batch's loss on all ranks before backward (skips non-finite steps; one host sync per micro batch)."""
     eval_batch_size: int | None = None

@@ -160,6 +160,7 @@ class DINOv3ViT(nn.Module):
         rope_jitter_coords: float | None = None,
         rope_rescale_coords: float | None = None,
         mask_token: bool = False,
+        patch_embed_impl: str = "conv",
     ):
         super().__init__()
         if global_pool not in ("token", "avg"):
@@ -177,7 +178,8 @@ class DINOv3ViT(nn.Module):
         self.dynamic_img_size = True
         self.grad_checkpointing = False
 
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_size=True)
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_size=True,
+                                      impl=patch_embed_impl)  # 'conv' or 'matmul': layers.PatchProjection
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None  # Meta: storage_tokens
         self.mask_token = nn.Parameter(torch.zeros(1, embed_dim)) if mask_token else None

@@ -56,14 +56,50 @@ def uniform(bound: float) -> Callable[[torch.Tensor], object]:
     return partial(nn.init.uniform_, a=-bound, b=bound)
 
 
+PATCH_EMBED_IMPLS = ("conv", "matmul")
+
+
+class PatchProjection(nn.Conv2d):
+    """The per-patch linear projection E of Eq. 1, stored as timm stores it (a Conv2d with kernel = stride = P:
+    `proj.weight` (D, C, P, P), `proj.bias`), computed one of two ways:
+
+    - 'conv' (default): the convolution, bit for bit timm's;
+    - 'matmul': one matrix product of the unfolded patches (B, N, C P P) with the weight as (D, C P P). The same
+      sum of products in another order: equal to the convolution within float rounding, not bit for bit. On an
+      H100 the convolution ran as cuDNN's `precomputed_convolve_sgemm` at about 30 TFLOP/s (7.8 ms of a ViT-B/16
+      step, docs/performance.md); as a matmul the product goes to cuBLAS's tensor-core kernels.
+
+    The matmul runs in this module's own forward, not on its weight from outside: ZeRO-3 gathers a module's
+    parameters when that module runs."""
+
+    def __init__(self, in_chans: int, embed_dim: int, patch_size: int, impl: str = "conv"):
+        super().__init__(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+        if impl not in PATCH_EMBED_IMPLS:
+            raise ValueError(f"patch_embed_impl must be one of {', '.join(PATCH_EMBED_IMPLS)}, got {impl!r}")
+        self.impl = impl
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "conv":
+            return super().forward(x)
+        B, C, H, W = x.shape
+        p = self.kernel_size[0]
+        h, w = H // p, W // p  # as the convolution, a partial last row/column is dropped (PatchEmbed refuses it)
+        # (B, C, h, p, w, p) -> (B, h, w, C, p, p): each patch's pixels in the weight's (C, P, P) order.
+        patches = x[..., :h * p, :w * p].reshape(B, C, h, p, w, p).permute(0, 2, 4, 1, 3, 5).reshape(B, h * w, -1)
+        y = F.linear(patches, self.weight.reshape(self.out_channels, -1), self.bias)  # (B, N, D)
+        # The convolution's (B, D, h, w), as a view: PatchEmbed's flatten and transpose give y back uncopied.
+        return y.transpose(1, 2).unflatten(2, (h, w))
+
+
 class PatchEmbed(nn.Module):
     """Eq. 1: cut the image into P x P patches and project each linearly to D.
 
-    A Conv2d whose kernel and stride are both P is exactly that per-patch linear projection.
+    A Conv2d whose kernel and stride are both P is exactly that per-patch linear projection (`impl`: how it is
+    computed, PatchProjection).
     """
 
     def __init__(self, img_size: int | tuple[int, int] = 224, patch_size: int = 16, in_chans: int = 3,
-                 embed_dim: int = 768, dynamic_img_size: bool = False):
+                 embed_dim: int = 768, dynamic_img_size: bool = False, impl: str = "conv"):
         super().__init__()
         self.img_size = pair(img_size)
         self.dynamic_img_size = dynamic_img_size
@@ -72,7 +108,7 @@ class PatchEmbed(nn.Module):
             raise ValueError(f"img_size {self.img_size} is not divisible by patch_size {patch_size}")
         self.grid_size = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+        self.proj = PatchProjection(in_chans, embed_dim, patch_size, impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dynamic_img_size:

@@ -108,10 +108,11 @@ class MaskedAutoencoderViT(VisionTransformer):
         decoder_depth: int = 8,
         decoder_num_heads: int = 16,
         norm_pix_loss: bool = True,
+        patch_embed_impl: str = "conv",
     ):
         super().__init__(img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=0,
                          embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio,
-                         qkv_bias=qkv_bias, drop_path_rate=drop_path_rate)
+                         qkv_bias=qkv_bias, drop_path_rate=drop_path_rate, patch_embed_impl=patch_embed_impl)
         self.in_chans = in_chans
         self.norm_pix_loss = norm_pix_loss
         grid = self.patch_embed.grid_size
@@ -259,7 +260,7 @@ def mae_kwargs(variant: str, **overrides) -> dict:
 
 
 _MAE_ARGS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
-             "drop_path_rate")
+             "drop_path_rate", "patch_embed_impl")
 
 
 def build_mae(variant: str, img_size: int | tuple[int, int] = 224, **overrides) -> MaskedAutoencoderViT:

@@ -62,7 +62,8 @@ class VisionTransformer(nn.Module):
     `mlp_layer` 'mlp' or 'swiglu'; `dynamic_img_size` accept any input size divisible by the patch size and
     resize the position table to it at forward time (bicubic, antialiased: timm's resample_abs_pos_embed,
     and Meta's for its register models); `mask_token` a learnable embedding that `masks` put in place of
-    patch embeddings (iBOT; Meta's prepare_tokens_with_masks).
+    patch embeddings (iBOT; Meta's prepare_tokens_with_masks); `patch_embed_impl` how the patch projection is
+    computed, 'conv' (timm's, bit for bit) or 'matmul' (layers.PatchProjection): the same weights either way.
     """
 
     ARCH_KEYS: tuple[str, ...] = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio",
@@ -95,6 +96,7 @@ class VisionTransformer(nn.Module):
         mlp_layer: str = "mlp",
         dynamic_img_size: bool = False,
         mask_token: bool = False,
+        patch_embed_impl: str = "conv",
     ):
         super().__init__()
         if global_pool not in ("token", "avg"):
@@ -110,7 +112,7 @@ class VisionTransformer(nn.Module):
         self.dynamic_img_size = dynamic_img_size
         self.grad_checkpointing = False
 
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_size)
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_size, patch_embed_impl)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         # timm's name and shape; Meta calls it register_tokens (converted on load).
         self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None

@@ -39,7 +39,8 @@ def mae_model_kwargs(cfg: Config) -> dict[str, Any]:
                       num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, qkv_bias=m.qkv_bias,
                       drop_path_rate=m.drop_path_rate, decoder_embed_dim=mae.decoder_embed_dim,
                       decoder_depth=mae.decoder_depth, decoder_num_heads=mae.decoder_num_heads,
-                      norm_pix_loss=mae.norm_pix_loss)
+                      norm_pix_loss=mae.norm_pix_loss,
+                      **({"patch_embed_impl": m.patch_embed_impl} if m.patch_embed_impl != "conv" else {}))
 
 
 def mask_noise(namespace: int, seed: int, positions, num_patches: int) -> torch.Tensor:

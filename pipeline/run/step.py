@@ -48,8 +48,13 @@ def build_engine(cfg: Config, model: nn.Module, depth: int, ds_config: dict[str,
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=build_scheduler(optimizer, cfg.train), config=ds_config)
     if cfg.train.compile:
-        engine.compile()
+        engine.compile(compile_kwargs=compile_kwargs(cfg.train.compile_mode))
     return engine, optimizer, groups
+
+
+def compile_kwargs(mode: str) -> dict[str, Any]:
+    """torch.compile's arguments for train.compile_mode ('default' passes none: torch's own default)."""
+    return {} if mode == "default" else {"mode": mode}
 
 
 def backward_and_step(engine: Any, loss: torch.Tensor) -> None:

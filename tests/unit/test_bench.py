@@ -189,10 +189,26 @@ def test_the_no_overflow_check_arm_turns_deepspeeds_bf16_check_off():
     from pipeline.config import load_config
     from pipeline.derived import deepspeed_config
 
-    (arm,) = [a for a in gpu.ARMS if a.overrides]
+    (arm,) = [a for a in gpu.ARMS if a.label == "no-overflow-check"]
     assert arm.name == "zero1 compiled no-overflow-check"
     cfg = load_config(None, [*arm.overrides, "deepspeed.bf16=true"])
     assert deepspeed_config(cfg, world_size=1)["bf16"]["check_grad_overflow"] is False
+
+
+def test_the_new_option_arms_reach_the_run_config_and_are_chosen_by_name():
+    """The matmul patch embedding and max-autotune arms set the config keys the trainer reads; --arms takes
+    the autotune arm by name (it is not a default arm: minutes of autotuning) and refuses a name it lacks."""
+    from benchmarks import gpu
+    from pipeline.config import load_config
+
+    (patch,) = [a for a in gpu.ARMS if a.label == "no-overflow-check matmul-patch"]
+    (tuned,) = gpu.AUTOTUNE_ARMS
+    cfg = load_config(None, list(tuned.overrides))
+    assert cfg.model.patch_embed_impl == "matmul" and cfg.train.compile_mode == "max-autotune-no-cudagraphs"
+    assert load_config(None, list(patch.overrides)).train.compile_mode == "default"
+    assert gpu.select_arms(None) is None and gpu.select_arms(tuned.name) == [tuned]
+    with pytest.raises(ValueError, match="expected some of: plain eager"):
+        gpu.select_arms("zero1 fastest")
 
 
 def test_gpu_e2e_times_the_profiled_arm_or_zero1_compiled_at_the_first_models_batch():
@@ -353,9 +369,13 @@ def test_gpu_bench_script_parts_are_commands_bench_py_accepts():
     assert len(parts) >= 10, parts  # the smoke parts and the GPU ones
     for name, _, _, args in parts:
         try:
-            bench.build_parser().parse_args(shlex.split(args))
+            parsed = bench.build_parser().parse_args(shlex.split(args))
         except SystemExit as e:
             raise AssertionError(f"gpu_bench.sh part {name}: launch/bench.py {args} does not parse") from e
+        if getattr(parsed, "arms", None):  # arm names are checked when the part starts: check them here
+            from benchmarks import gpu
+
+            gpu.select_arms(parsed.arms)
 
 
 def test_offline_wheels_cover_what_deepspeed_and_webdataset_need_beyond_a_torch_image():
