@@ -82,7 +82,9 @@ def _timm_dinov3_config(backbone: Backbone) -> dict[str, Any]:
             "num_heads": k["num_heads"], "mlp_ratio": k["mlp_ratio"], "qkv_bias": k["qkv_bias"],
             "init_values": k["init_values"], "num_reg_tokens": k["reg_tokens"], "rope_temperature": k["rope_temperature"],
             "global_pool": k["global_pool"], "num_classes": k["num_classes"],
-            **({"swiglu_align_to": k["swiglu_align_to"]} if swiglu else {})}
+            # timm's Eva packs SwiGLU's gate and value into one fc1 unless it aligns (or scales): rounding to a
+            # multiple of 1 keeps the width and gives the separate fc1_g/fc1_x our weights have.
+            **({"swiglu_align_to": k["swiglu_align_to"] or 1} if swiglu else {})}
     return {"architecture": TIMM_DINOV3_ENTRY[k["mlp_layer"]], "num_classes": k["num_classes"],
             "num_features": k["embed_dim"], "model_args": args,
             "pretrained_cfg": _pretrained_cfg(backbone, (h, w), False, k["num_classes"])}

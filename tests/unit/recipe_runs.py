@@ -106,8 +106,9 @@ def foreign_file(layout: str, folder: Path) -> Source:
     folder.mkdir(parents=True)
     torch.manual_seed(0)
     if layout in ("timm_dinov3", "meta_dinov3"):
-        theirs = timm.create_model("vit_small_patch16_dinov3_qkvb", pretrained=False, **TINY, num_classes=0,
-                                   global_pool="token")
+        # timm's with SwiGLU (S+: the export must keep its separate gate and value), Meta's with the GELU MLP.
+        name = "vit_small_plus_patch16_dinov3_qkvb" if layout == "timm_dinov3" else "vit_small_patch16_dinov3_qkvb"
+        theirs = timm.create_model(name, pretrained=False, **TINY, num_classes=0, global_pool="token")
         theirs.load_state_dict(randomised(theirs.state_dict()))
         path = folder / ("model.safetensors" if layout == "timm_dinov3" else "dinov3_vits16_pretrain.pth")
         if layout == "timm_dinov3":
