@@ -85,6 +85,8 @@ def run(spec: BenchSpec, workers: int = 1, images: int = 512, image_size: int | 
                               decode_device=decode_device)
         loader = build_train_loader(data_cfg, spec.res, spec.batch, seed=0)
         engine = build_engine(spec, zero_stage, overrides)
+        if loader.decoder is not None:  # as the trainer: the next batch's device decode overlaps this step
+            loader.decode_ahead_on = engine.device
         batch = synthetic_batch(spec, device)
         loader_step = LoaderStep(engine, loader, DTYPES[spec.dtype])
         prefetched = max(1, workers) * data_cfg.prefetch_factor if workers > 0 else 0

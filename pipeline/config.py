@@ -430,11 +430,8 @@ def validate(cfg: Config, where: str = "config") -> None:
 def to_dict(cfg: Any) -> dict[str, Any]:
     """Plain nested dict (tuples as lists) for YAML, JSON and MLflow."""
     def plain(v: Any) -> Any:
-        if isinstance(v, tuple):
-            return [plain(x) for x in v]
-        if isinstance(v, dict):
-            return {k: plain(x) for k, x in v.items()}
-        return v
+        return ([plain(x) for x in v] if isinstance(v, tuple) else
+                {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v)
     return {k: plain(v) for k, v in dataclasses.asdict(cfg).items()}
 
 

@@ -44,6 +44,7 @@ from . import tario
 from .bad import BadDataError, Counters, DataError
 from .buffers import RING, BatchRing, Releaser
 from .cache import needs_copy
+from .decode_ahead import DecodeAhead, side_stream
 from .fetch import FetchAhead
 from .gpu_decode import CropDraw, GpuBatchDecoder, open_lazy, pack_batch, replace_bad
 from .info import SplitInfo, expected_of
@@ -230,6 +231,9 @@ class TrainLoader:
         self.last_per_batch: torch.Tensor | None = None  # stream.per_batch of the last micro batch
         self.decoder = (GpuBatchDecoder(stream.img_size, cfg.mean, cfg.std, cfg.interpolation)
                         if stream.gpu_decode else None)
+        # Where the next micro batch's decode starts as this one is handed out (the trainer's, decode_ahead.py).
+        self.decode_ahead_on: torch.device | None = None
+        self._ahead, self._side = None, None  # that micro batch (taken, not handed out); its side stream
         self.mix_change: dict[str, Any] | None = None  # what a resume changed in the mix (data.allow_mix_change)
         self.recheck: Callable[[Any], None] | None = None  # the cache check, again for a resumed mixture's order
 
@@ -271,7 +275,7 @@ class TrainLoader:
         assert self._it is not None
         if self._releaser is not None:
             self._releaser.poll()  # before the next batch: the caller may have let go of the last one
-        item = next(self._it)
+        item, self._ahead = (self._ahead, None) if self._ahead is not None else (next(self._it), None)
         if "error" in item:
             self.close()
             raise BadDataError(item["error"])
@@ -289,7 +293,17 @@ class TrainLoader:
         if self._releaser is not None and "buffer" in item:
             # pinned: the DataLoader's pin thread made a copy, the shared buffer is free already
             self._releaser.handed_out(item["buffer"], item["images"], copied=self.pin_memory)
+        if self.decode_ahead_on is not None and self.decoder is not None:
+            self._take_ahead()
         return item["images"], torch.from_numpy(item["targets"])
+
+    def _take_ahead(self) -> None:
+        """Take the next raw micro batch from the workers and start its device decode (decode_ahead.py)."""
+        self._ahead = next(self._it)
+        self._side = self._side or side_stream(self.decode_ahead_on)
+        if "error" not in self._ahead:
+            self._ahead["images"]["decoded"] = DecodeAhead(self.decoder, self._ahead["images"], self.decode_ahead_on,
+                                                           self._side)
 
     def _add(self, counters: Counters) -> None:
         self._counters = self._counters + counters
@@ -308,7 +322,8 @@ class TrainLoader:
                     targets.to(device, non_blocking=True))
         if self.decoder is None:
             return images.to(device, dtype, non_blocking=True), targets.to(device, non_blocking=True)
-        out, bad = self.decoder(images, device)
+        ahead = images.get("decoded")  # started on a side stream when the batch before was handed out
+        out, bad = ahead.wait() if ahead is not None else self.decoder(images, device)
         targets = targets.to(device, non_blocking=True)
         if bad:
             extra = Counters()
@@ -323,8 +338,8 @@ class TrainLoader:
         return out.to(dtype), targets
 
     def close(self) -> None:
-        """Stop the worker processes (they restart on the next batch)."""
-        self._it = None
+        """Stop the worker processes (they restart on the next batch); a batch taken ahead is dropped."""
+        self._it, self._ahead = None, None
 
     def seek_step(self, step: int) -> None:
         """Continue at the first micro batch of optimizer step `step`. A no-op when already there; after

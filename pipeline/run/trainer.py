@@ -189,6 +189,8 @@ class Trainer:
         self.watchdog = Watchdog(self.cfg.dist.timeout_s, env.rank, self.run_dir)
         for loader in self.eval_loaders:
             loader.progress = self.watchdog.touch  # each eval batch is progress
+        if self.train_loader.decoder is not None:  # data.decode_device: cuda: the next decode overlaps this step
+            self.train_loader.decode_ahead_on = self.engine.device
         try:
             return self.train_loop(preemption)
         finally:
