@@ -198,15 +198,15 @@ class TrainConfig:
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of M (0: none)."""
     max_nonfinite_steps: int = 5
-    """Stop after this many non-finite losses in a row: micro batches, each skipped on every rank and replaced by the next; a completed optimizer step starts the count again (the name is kept for existing configs)."""
+    """Stop (exit 3, saving nothing) after this many non-finite ones in a row: with train.check_finite, micro batches whose loss is not finite, each skipped on every rank and replaced by the next (a completed optimizer step starts the count again); without it, optimizer steps whose gradient norm is not finite, seen at the next log step."""
     peak_flops: float | None = None
     """Peak bf16 FLOP/s of one device for MFU; None looks the GPU up in a table (no MFU on CPU)."""
     compile: bool = False
     """torch.compile the model (GPU performance; off by default on CPU)."""
     compile_mode: Literal["default", "max-autotune-no-cudagraphs", "max-autotune"] = "default"
     """torch.compile's mode with train.compile: 'default', or 'max-autotune-no-cudagraphs' (Inductor tries its Triton matmul templates, which can take the bias and GELU into the matmul's epilogue instead of a pass of their own: docs/performance.md; compiling takes minutes longer), or 'max-autotune' (the same with CUDA graphs)."""
-    check_finite: bool = True
-    """Check each micro batch's loss on all ranks before backward (skips non-finite steps; one host sync per micro batch)."""
+    check_finite: bool = False
+    """Check each micro batch's loss on all ranks before backward: a non-finite one is skipped and replaced by the next (one host read per micro batch, and DeepSpeed's bf16 overflow check stays on, another). Off (the default), a step reads nothing on the host: one whose gradient norm is not finite is taken with zero gradients on the device (AdamW's moments decay, weight decay applies), counted there and read at log steps (docs/performance.md, Host reads)."""
     eval_batch_size: int | None = None
     """Images per rank per eval forward; None uses micro_batch_size."""
     ema_decay: float | None = None

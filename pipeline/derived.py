@@ -60,7 +60,9 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         "gradient_accumulation_steps": accum,
         "train_batch_size": global_batch,
         "gradient_clipping": train.grad_clip,
-        "bf16": {"enabled": ds.bf16},
+        # Its bf16 overflow check reads a flag on the host every step; without train.check_finite the step
+        # decides on the device instead (pipeline/train/ds_compat.py: read_free_steps).
+        "bf16": {"enabled": ds.bf16, "check_grad_overflow": train.check_finite},
         "zero_optimization": zero,
         # ZeRO wraps any torch optimizer correctly; DeepSpeed only whitelists Adam(W)/Lamb by name.
         "zero_allow_untested_optimizer": True,

@@ -5,6 +5,7 @@ and step, the agreement on a finite loss, and the progress lines.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from pipeline.config import Config
 from pipeline.dist import DistEnv, say
 from pipeline.objectives import OBJECTIVES
 from pipeline.objectives.base import Objective
+from pipeline.train import ds_compat
 from pipeline.train.optim import build_optimizer, build_scheduler, param_groups
 
 
@@ -47,6 +49,8 @@ def build_engine(cfg: Config, model: nn.Module, depth: int, ds_config: dict[str,
     optimizer = build_optimizer(groups, cfg.train, offload=cfg.deepspeed.offload_optimizer)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=build_scheduler(optimizer, cfg.train), config=ds_config)
+    if not cfg.train.check_finite:  # no host read per step: non-finite gradients zeroed on the device
+        ds_compat.read_free_steps(engine)
     if cfg.train.compile:
         engine.compile(compile_kwargs=compile_kwargs(cfg.train.compile_mode))
     return engine, optimizer, groups
@@ -92,6 +96,42 @@ class NonFiniteGuard:
         if self.in_a_row >= self.limit:
             raise NonFiniteLosses(f"{self.in_a_row} non-finite losses in a row at step {step}")
         return False
+
+
+class NonFiniteWatch:
+    """Without train.check_finite: the optimizer steps that were not finite, counted on the device (no host
+    read) and read at log steps (`Trainer.window_metrics`). A step is not finite when its global gradient
+    norm is not (DeepSpeed's: the same on every rank; the step zeroed its gradients, ds_compat.read_free_steps)
+    or, where DeepSpeed computed none, when its loss was not finite on some rank (an all-reduce, no read)."""
+
+    def __init__(self, limit: int, device: torch.device) -> None:
+        self.limit = limit
+        self.counts = torch.zeros(3, device=device)  # steps in all, in a row now, most in a row since a read
+
+    @torch.no_grad()
+    def after_step(self, engine: Any, step_loss: torch.Tensor) -> None:
+        norm = engine.get_global_grad_norm()
+        if torch.is_tensor(norm):
+            bad = ~torch.isfinite(norm.detach().float().to(self.counts.device))
+        elif norm is not None:  # a float where DeepSpeed wrote one (its overflow path): known on the host
+            bad = torch.tensor(not math.isfinite(float(norm)), device=self.counts.device)
+        else:
+            flag = (~torch.isfinite(step_loss.detach())).float().reshape(1).to(self.counts.device)
+            if dist.is_initialized():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            bad = flag[0] > 0
+        total, row, worst = self.counts.unbind()
+        row = torch.where(bad, row + 1, 0.0)
+        self.counts = torch.stack([total + bad.float(), row, torch.maximum(worst, row)])
+
+    def read(self, counts: list[float], step: int) -> float:
+        """`counts` as read at a log step: the total; NonFiniteLosses when the most in a row reached the limit."""
+        total, _, worst = counts
+        if worst >= self.limit:
+            raise NonFiniteLosses(f"{worst:.0f} optimizer steps in a row with a non-finite gradient norm by step "
+                                  f"{step} (train.check_finite=true skips non-finite micro batches instead)")
+        self.counts[2] = self.counts[1]  # the most in a row since this read
+        return total
 
 
 def format_log(step: int, total: int, m: dict[str, float]) -> str:

@@ -36,6 +36,7 @@ from pipeline.run.data_mix import record_mix
 from pipeline.run.step import (
     NonFiniteGuard,
     NonFiniteLosses,
+    NonFiniteWatch,
     ProgressLog,
     all_finite,
     backward_and_step,
@@ -211,16 +212,20 @@ class Trainer:
             if guard is None or guard.finite(loss, self.step):
                 return loss
 
-    def optimizer_step(self, data, meter: ThroughputMeter, guard: NonFiniteGuard | None,
+    def optimizer_step(self, data, meter: ThroughputMeter, guard: NonFiniteGuard | NonFiniteWatch,
                        loss_sum: torch.Tensor) -> int:
         """One optimizer step: the objective's schedules, the step's micro batches (DeepSpeed steps the
         optimizer at the last one), the objective's and the model EMA's updates. The micro batches run."""
         engine = self.engine
         self.objective.before_step(engine, self.step)  # schedules that write into the optimizer's groups
+        step_loss = torch.zeros((), device=loss_sum.device)
         for _ in range(self.train_loader.accum):  # micro batches per rank per step: global batch / layout
-            loss = self.micro_batch_loss(data, meter, guard)
+            loss = self.micro_batch_loss(data, meter, guard if isinstance(guard, NonFiniteGuard) else None)
             backward_and_step(engine, loss)
-            loss_sum += loss.detach()
+            step_loss += loss.detach()
+        loss_sum += step_loss
+        if isinstance(guard, NonFiniteWatch):
+            guard.after_step(engine, step_loss)
         self.objective.after_step(engine, self.step + 1)  # DeepSpeed stepped the optimizer at the last one
         if self.ema is not None:
             self.ema.update(self.step + 1)
@@ -251,7 +256,9 @@ class Trainer:
         log = ProgressLog(env, self.step, tc.steps)
         start = self.step
         data = iter(loader)
-        guard = NonFiniteGuard(tc.max_nonfinite_steps) if tc.check_finite else None
+        # train.check_finite: each micro batch's loss read before backward; else the steps watched on the device
+        guard = NonFiniteGuard(tc.max_nonfinite_steps) if tc.check_finite else \
+            NonFiniteWatch(tc.max_nonfinite_steps, self.engine.device)
         loss_sum = torch.zeros((), device=self.engine.device)  # summed on device; read only at log steps (no sync)
         micro_count = 0
         last_saved = self.step if self.step > 0 else -1  # a resumed run's checkpoint is the one at `step`
@@ -261,25 +268,24 @@ class Trainer:
             try:
                 micro_count += self.optimizer_step(data, meter, guard, loss_sum)
             except NonFiniteLosses as e:
-                good = ckpt.newest_complete_tag(self.run_dir)
-                print(f"error: {e}; stopping without saving. Last good checkpoint: {good or 'none'} in "
-                      f"{ckpt.checkpoint_dir(self.run_dir)}", file=sys.stderr, flush=True)
-                self.tracker.finish("FAILED")
-                return ExitCode.NONFINITE
+                return self.stop_nonfinite(e)
             self.step = step = self.step + 1
             # A micro batch skipped for a non-finite loss was replaced by the next one: realign the stream
             # so that every step keeps its own samples and the checkpoint's data position is exact.
             loader.seek_step(step)
-            if guard is not None:
+            if isinstance(guard, NonFiniteGuard):
                 guard.in_a_row = 0
             log.advance()
 
             if step % tc.log_every == 0 or step == tc.steps:
-                metrics = self.window_metrics(loss_sum, micro_count, meter, guard.total if guard else 0)
+                metrics = self.window_metrics(loss_sum, micro_count, meter, guard)
+                error = metrics.pop("error", None)  # the watch's limit: the figures logged, nothing saved
                 loss_sum.zero_()
                 micro_count = 0
                 self.tracker.log_metrics(metrics, step)
                 log.line(format_log(step, tc.steps, metrics))
+                if error is not None:
+                    return self.stop_nonfinite(error)
             if step == tc.steps and last_saved != step:
                 # The last step's checkpoint before its evaluation: an evaluation that fails (a set that will
                 # not read, a model the set cannot judge) loses no training; the next start evaluates it.
@@ -313,21 +319,38 @@ class Trainer:
         log.close()
         return 0
 
+    def stop_nonfinite(self, e: NonFiniteLosses) -> int:
+        good = ckpt.newest_complete_tag(self.run_dir)
+        print(f"error: {e}; stopping without saving. Last good checkpoint: {good or 'none'} in "
+              f"{ckpt.checkpoint_dir(self.run_dir)}", file=sys.stderr, flush=True)
+        self.tracker.finish("FAILED")
+        return ExitCode.NONFINITE
+
     def window_metrics(self, loss_sum: torch.Tensor, micro_count: int, meter: ThroughputMeter,
-                       nonfinite_total: int) -> dict[str, float]:
-        """The figures of one log line. Reads the device (one sync per log step, not per step): the loss sum
-        and the objective's own figures (per-rank means) in one all-reduce."""
+                       guard: NonFiniteGuard | NonFiniteWatch) -> dict[str, Any]:
+        """The figures of one log line. Reads the device (one sync per log step, not per step): the loss sum,
+        the objective's own figures (per-rank means) and the watch's counts in one all-reduce. With the
+        watch's limit reached, the figures carry the NonFiniteLosses under "error"."""
         own = self.objective.train_metrics()
-        window = torch.stack([loss_sum, *(v.to(loss_sum.device, torch.float32) for v in own.values())])
+        watched = guard.counts if isinstance(guard, NonFiniteWatch) else torch.zeros(0)
+        window = torch.cat([loss_sum.reshape(1), *(v.to(loss_sum.device, torch.float32).reshape(1)
+                                                    for v in own.values()), watched.to(loss_sum.device)])
         if dist.is_initialized():
             dist.all_reduce(window)
         window = window.tolist()
         world = self.env.world_size
+        error, nonfinite_total = None, float(getattr(guard, "total", 0))
+        if isinstance(guard, NonFiniteWatch):  # the same on every rank: summed over them above
+            try:
+                nonfinite_total = guard.read([v / world for v in window[-3:]], self.step)
+            except NonFiniteLosses as e:
+                error, nonfinite_total = e, window[-3] / world
+            window = window[:-3]
         # Grouped by prefix: MLflow's chart view groups and sorts by it (data/, eval/, perf/, train/).
         metrics = {"train/loss": window[0] / max(micro_count * world, 1),
                    **{f"train/{name}": v / world for name, v in zip(own, window[1:])},
                    "train/lr": peak_group_lr(self.optimizer.param_groups),
-                   "train/nonfinite_skipped": float(nonfinite_total),
+                   "train/nonfinite_skipped": nonfinite_total,
                    **{f"perf/{k}": v for k, v in meter.read().items()},
                    "data/bad_samples": float(sum(self.train_loader.bad_counts().values())),
                    **self.train_loader.source_metrics(),  # data.sources: data/<name>/... per source
@@ -335,7 +358,7 @@ class Trainer:
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is not None:
             metrics["train/grad_norm"] = float(grad_norm)
-        return metrics
+        return metrics if error is None else {**metrics, "error": error}
 
     def finish(self, group: Any = None) -> None:
         """Export consolidated weights (collective), hand the artifacts to MLflow, end the run."""

@@ -97,10 +97,17 @@ def test_non_finite_losses_stop_the_run_without_saving(shards, tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     # Resume with inputs that become infinite (std 1e-38): every loss is NaN from here on.
     poisoned = [*base(shards, run_dir, 1, steps=8), "data.std=[1e-38, 1e-38, 1e-38]", "train.max_nonfinite_steps=3"]
-    second = run("pretrain.py", CONFIG, poisoned, ranks=1)
+    # train.check_finite: each micro batch read before backward, skipped and replaced; 3 in a row stop it.
+    second = run("pretrain.py", CONFIG, [*poisoned, "train.check_finite=true"], ranks=1)
     assert second.returncode == 3, second.stdout[-2000:] + second.stderr[-2000:]
     assert "3 non-finite losses in a row at step 4" in second.stderr
     assert "Last good checkpoint: step_0000004" in second.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_0000004"]
+    # The default reads nothing per step: the steps are taken with zero gradients, counted on the device and
+    # read at the log steps (TINY: every 2): 4 in a row by step 8 stop it there, before its checkpoint.
+    third = run("pretrain.py", CONFIG, poisoned, ranks=1)
+    assert third.returncode == 3, third.stdout[-2000:] + third.stderr[-2000:]
+    assert "4 optimizer steps in a row with a non-finite gradient norm by step 8" in third.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_0000004"]
 
 

@@ -267,6 +267,7 @@ def test_a_step_applies_the_schedules_and_moves_centres_and_teacher_once():
         fresh.load_state_dict({})
 
 
+@pytest.mark.slow  # two objectives built and stepped per centring: about 8 s
 @pytest.mark.parametrize("centering", ["centering", "sinkhorn_knopp"])
 def test_ibot_on_a_fixed_size_gather_is_the_loss_of_the_masked_patches_and_reads_nothing(centering, monkeypatch):
     """The masked patches gathered at mask_bound rows (masked.py: no host read) give the loss, and after the

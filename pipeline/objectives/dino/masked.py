@@ -10,7 +10,7 @@ import torch
 
 from pipeline.model.dino import masked_rows
 
-__all__ = ["mask_bound", "masked_rows", "masked_weights"]
+__all__ = ["gathered_per_image", "mask_bound", "masked_rows", "masked_weights"]
 
 
 def mask_bound(masks: torch.Tensor, mask_probability: float, mask_ratio: tuple[float, float]) -> int:
@@ -22,6 +22,15 @@ def mask_bound(masks: torch.Tensor, mask_probability: float, mask_ratio: tuple[f
     crops, patches = masks.shape
     per_crop = int(patches * mask_ratio[1]) if mask_probability > 0 else 0
     return max(1, crops * per_crop)
+
+
+def gathered_per_image(model_kwargs: dict, mask_probability: float, mask_ratio: tuple[float, float]) -> int:
+    """The rows the patch heads run on per image (its 2 global crops' share of `mask_bound`): what a step
+    computes, padding included. `DINOv2.flops_per_image` (MFU's numerator) counts the masked patches
+    expected instead, the useful work; the padding is overhead, as a padded token is."""
+    img, patch = model_kwargs["img_size"], model_kwargs["patch_size"]
+    h, w = (img, img) if isinstance(img, int) else img
+    return 2 * int((h // patch) * (w // patch) * mask_ratio[1]) if mask_probability > 0 else 0
 
 
 def masked_weights(masks: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
