@@ -322,9 +322,13 @@ def _scale_grads(opt: Any, grads: list[torch.Tensor], total_norm: Any) -> None:
         clip = torch.clamp(((torch.where(finite, norm, float("inf")) / opt.loss_scale) + 1e-6) / opt.clip_grad,
                            min=1.0)
         combined_scale = clip * opt.loss_scale
+    factor, bad = 1.0 / combined_scale, ~finite
     for grad in grads:
-        grad.data.mul_(1.0 / combined_scale)
-        grad.data.masked_fill_(~finite, 0.0)  # a NaN times 0 is NaN: zeroed, not scaled
+        if bad.device != grad.device:  # optimizer offload: the partitions on the host
+            factor = factor.to(grad.device) if torch.is_tensor(factor) else factor
+            bad = bad.to(grad.device)
+        grad.data.mul_(factor)
+        grad.data.masked_fill_(bad, 0.0)  # a NaN times 0 is NaN: zeroed, not scaled
 
 
 def read_free_steps(engine: Any) -> None:
