@@ -73,8 +73,8 @@ else
   # leaving the profile and the parts after it their time.
   part b16-training 150 330 gpu --models vit_b16@224 --parts training --budget-s 240
   # (1b) The same step through Inductor's max-autotune (the bias and GELU in the matmuls' epilogues), with the
-  # matmul patch embedding and no overflow check: minutes of autotuning, so a part of its own.
-  part b16-autotune 150 300 gpu --models vit_b16@224 --parts training --budget-s 60 --arms "zero1 compiled no-overflow-check matmul-patch max-autotune"
+  # matmul patch embedding: minutes of autotuning, so a part of its own.
+  part b16-autotune 150 300 gpu --models vit_b16@224 --parts training --budget-s 60 --arms "zero1 compiled matmul-patch max-autotune"
   # (2) DINOv2's multi-crop ViT-L/14 step and (3) DINOv3's ViT-L/16 step (2 x 256 + 8 x 112, 262,144 and
   # 98,304 prototypes), each profiled: what their gap to the supervised step is made of.
   part dino-l14-step 90 180 dino --dino-variant vit_l14 --dino-batch 64 --dino-profile

@@ -91,7 +91,7 @@ DIST_SCRIPT = textwrap.dedent("""
                                  decode_device="cuda")}
     # `bench gpu`'s code on the CPU, without the compiled arms (Inductor's C++ build takes minutes here)
     out["gpu"] = gpu.run(smoke=True, arms=[gpu.Arm("plain", False), gpu.Arm("zero1", False, True, 2),
-                                           gpu.Arm("zero1", False, overrides=(gpu.NO_OVERFLOW_CHECK,), label="nocheck")],
+                                           gpu.Arm("zero1", False, overrides=(gpu.DEEPSPEED_CHECKS,), label="checks")],
                          correctness_steps=4, log=lambda *_: None)
     # The baseline does DeepSpeed's work: same weights, same bf16 + fp32-master AdamW, same clipping.
     spec = common.BenchSpec("vit_ti16", res=32, batch=4, dtype="bf16", num_classes=10)
@@ -166,7 +166,7 @@ def test_gpu_bench_code_runs_on_cpu_and_reports_every_part(dist_figures):
     f = dist_figures["gpu"]
     (model,) = f["training"].values()
     arms = model["arms"]
-    assert list(arms) == ["plain eager", "zero1 eager ckpt", "zero1 eager nocheck"]
+    assert list(arms) == ["plain eager", "zero1 eager ckpt", "zero1 eager checks"]
     assert arms["zero1 eager ckpt"]["batch"] == 2 * arms["plain eager"]["batch"] == 2 * model["batch"]
     for r in arms.values():
         _positive(r, "img_s", "step_ms")
@@ -183,16 +183,19 @@ def test_gpu_bench_code_runs_on_cpu_and_reports_every_part(dist_figures):
     assert len(gpu.rows(f)) == 3
 
 
-def test_the_no_overflow_check_arm_turns_deepspeeds_bf16_check_off():
-    """The arm's override reaches DeepSpeed's config under the key DeepSpeed reads."""
+def test_the_deepspeed_checks_arm_turns_deepspeeds_bf16_check_on_and_the_default_arms_off():
+    """The arm's override reaches DeepSpeed's config under the key DeepSpeed reads; the default arms run as the
+    trainer's default does, without it (docs/performance.md, Host reads)."""
     from benchmarks import gpu
     from pipeline.config import load_config
     from pipeline.derived import deepspeed_config
 
-    (arm,) = [a for a in gpu.ARMS if a.label == "no-overflow-check"]
-    assert arm.name == "zero1 compiled no-overflow-check"
+    (arm,) = [a for a in gpu.ARMS if a.label == "deepspeed-checks"]
+    assert arm.name == "zero1 compiled deepspeed-checks"
     cfg = load_config(None, [*arm.overrides, "deepspeed.bf16=true"])
-    assert deepspeed_config(cfg, world_size=1)["bf16"]["check_grad_overflow"] is False
+    assert deepspeed_config(cfg, world_size=1)["bf16"]["check_grad_overflow"] is True
+    default = load_config(None, ["deepspeed.bf16=true"])
+    assert deepspeed_config(default, world_size=1)["bf16"]["check_grad_overflow"] is False
 
 
 def test_the_new_option_arms_reach_the_run_config_and_are_chosen_by_name():
@@ -201,7 +204,7 @@ def test_the_new_option_arms_reach_the_run_config_and_are_chosen_by_name():
     from benchmarks import gpu
     from pipeline.config import load_config
 
-    (patch,) = [a for a in gpu.ARMS if a.label == "no-overflow-check matmul-patch"]
+    (patch,) = [a for a in gpu.ARMS if a.label == "matmul-patch"]
     (tuned,) = gpu.AUTOTUNE_ARMS
     cfg = load_config(None, list(tuned.overrides))
     assert cfg.model.patch_embed_impl == "matmul" and cfg.train.compile_mode == "max-autotune-no-cudagraphs"
