@@ -67,7 +67,9 @@ def objectives_config(recipes: Iterable[Recipe],
                       sections: Iterable[tuple[str, type, Callable[[Any], list[Check]]]] = ()) -> type[Config]:
     """The run config class: `Config`'s core sections, then each recipe's section (its key, its dataclass,
     its defaults), then `sections` that belong to no recipe (key, dataclass, checks: eval), and
-    `section_checks` giving model.objective's check, every recipe's and every section's."""
+    `section_checks` giving model.objective's check, every recipe's and every section's, and `recipes` (name ->
+    Recipe): what a config says of its recipe without importing the registry (a reader inside an objective, as a
+    distillation's teacher, would close a loop through pipeline/objectives/__init__.py)."""
     recipes, sections = list(recipes), list(sections)
     names = [r.name for r in recipes]
 
@@ -81,7 +83,8 @@ def objectives_config(recipes: Iterable[Recipe],
     fields += [(key, section, dataclasses.field(default_factory=section)) for r in recipes for key, section in r.more_sections]
     fields += [(key, section, dataclasses.field(default_factory=section)) for key, section, _ in sections]
     cls = dataclasses.make_dataclass("ObjectivesConfig", fields, bases=(Config,),
-                                     namespace={"section_checks": section_checks})
+                                     namespace={"section_checks": section_checks,
+                                                "recipes": {r.name: r for r in recipes}})
     cls.__module__ = "pipeline.objectives"  # where it is bound (pickled by that name)
     cls.__doc__ = "The run config: the core sections and every objective's own (pipeline/objectives/recipe.py)."
     return cls
