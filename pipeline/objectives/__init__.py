@@ -17,7 +17,7 @@ from typing import Any
 from pipeline import config
 from pipeline.config import Config, ConfigFiles
 from pipeline.eval.sets_config import EvalConfig, eval_checks
-from pipeline.objectives import dino_config, dinov3_config, mae_config, supervised_config
+from pipeline.objectives import dino_config, dinov3_config, distill_config, mae_config, supervised_config
 from pipeline.objectives.recipe import Recipe, objectives_config
 from pipeline.typed_yaml import describe
 
@@ -26,6 +26,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     mae_config.RECIPE,
     dino_config.RECIPE,
     dinov3_config.RECIPE,
+    distill_config.RECIPE,
 )}
 
 ObjectivesConfig = objectives_config(RECIPES.values(), [("eval", EvalConfig, eval_checks)])

@@ -56,10 +56,19 @@ def randomise(*modules: nn.Module) -> None:
                 p.copy_(torch.randn_like(p) / (math.sqrt(p[0].numel()) if p.ndim > 1 else 4.0))
 
 
+def recipe_needs(recipe: str, folder: Path) -> list[str]:
+    """Overrides for what a recipe's demo config names outside the repository, made in `folder`: a
+    distillation's teacher (timm's DINOv3 layout: patch 16, a grid resized to the student's)."""
+    if recipe == "distill":
+        return [f"distill.teacher={foreign_file('timm_dinov3', folder).path}"]
+    return []
+
+
 def tiny_run(recipe: str, run_dir: Path, data: Path) -> Source:
     """A run directory of `recipe` as its trainer leaves it (config.yaml; model.safetensors with the trainer's
     metadata), from the objective's own models, random."""
-    cfg = load_config(demo_config(recipe), [*SHRINK, f"data.path={data}", f"run.dir={run_dir}"])
+    needs = recipe_needs(recipe, run_dir.with_name(run_dir.name + "-needs"))
+    cfg = load_config(demo_config(recipe), [*SHRINK, f"data.path={data}", f"run.dir={run_dir}", *needs])
     objective = build_objective(cfg, dataset_info_of(cfg.data))
     kwargs = objective.model_kwargs()
     torch.manual_seed(0)

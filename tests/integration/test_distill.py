@@ -1,0 +1,50 @@
+"""Feature distillation end to end on CPU (gloo): a teacher in Meta's DINOv2 layout (patch 8: its 2x2 grid resized
+to the student's 4x4) distilled into TINY's ViT, preempted on 2 ranks and resumed on 1 at ZeRO-3 (the student
+and the teacher partitioned; gradient checkpointing on: TINY's), ends where the uninterrupted 2-rank ZeRO-1 run
+ends: the exported student and the whole trained model (its projections too) within 1e-6. The checkpoints
+hold the teacher's digest and none of its weights."""
+
+import pytest
+import torch
+
+from pipeline.train import checkpoint as ckpt
+from tests.integration.runs import TINY, run, run_and_signal, weights
+from tests.integration.test_dino import assert_close
+from tests.unit.test_layouts import DINOV2, random_tensors, sizes
+
+pytestmark = pytest.mark.dist
+CONFIG = "configs/pretrain/distill_demo.yaml"
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("teacher") / "dinov2_vits8_pretrain.pth"
+    torch.save(random_tensors(DINOV2, sizes(img=16, P=8, D=48, L=2)), path)
+    return path
+
+
+def base(data, run_dir, teacher, *extra):
+    # No clipping: the global norm is summed over ZeRO partitions in a layout-dependent order (test_dino.py).
+    return [*TINY, "model.objective=distill", f"distill.teacher={teacher}", "distill.knn_train_samples=64",
+            "deepspeed.bf16=false", "train.grad_clip=0.0", f"data.path={data}", f"run.dir={run_dir}",
+            "deepspeed.zero_stage=1", "train.steps=8", "train.ckpt_every=4", "train.eval_every=0", *extra]
+
+
+@pytest.mark.slow
+def test_distill_preempted_on_2_ranks_resumes_on_1_at_zero3_and_ends_where_the_uninterrupted_run_ends(
+        shards, teacher, tmp_path):
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "preempted"
+    ref = run("pretrain.py", CONFIG, base(shards, ref_dir, teacher), ranks=2)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    zero3 = "deepspeed.zero_stage=3"
+    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, teacher, zero3), when="step 4/8")
+    assert code == 75, out[-3000:]
+    resumed = run("pretrain.py", CONFIG, base(shards, run_dir, teacher, zero3), ranks=1)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "layout changed (world size 2 -> 1)" in resumed.stdout
+    assert_close(weights(ref_dir), weights(run_dir))  # the exported student backbone
+    assert_close(ckpt.consolidate(ref_dir), ckpt.consolidate(run_dir))  # the trained model, projections too
+    state = ckpt.read_client_state(run_dir, ckpt.newest_complete_tag(run_dir))["objective"]
+    assert set(state) == {"teacher_digest", "teacher_source"}
+    assert not any(k.startswith(("teacher", "module.teacher")) for k in ckpt.consolidate(run_dir))

@@ -1,0 +1,142 @@
+"""Feature distillation (pipeline/objectives/distill/), in process: the loss equals its formula; the teacher read
+from Meta's DINOv2 layout, timm's DINOv3 file and a DINOv2 run of ours gives, in the loss, the file's own
+features; a few optimizer steps move the student toward the teacher and leave the teacher bit for bit as read;
+the export is the student's backbone; a resume against another teacher is refused in one line. The run under
+DeepSpeed (preempted, resumed on another layout): tests/integration/test_distill.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError
+from pipeline.data import dataset_info_of
+from pipeline.model.vit import VisionTransformer
+from pipeline.model.weights import WeightsError
+from pipeline.objectives import build_objective, load_config
+from pipeline.objectives.distill.loss import FeatureLoss, token_loss
+from tests.unit.recipe_runs import SHRINK, _Engine, foreign_file, labelled_set, tiny_run
+
+DEMO = "configs/pretrain/distill_demo.yaml"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return labelled_set(tmp_path_factory.mktemp("set") / "labelled")
+
+
+@pytest.fixture(scope="module")
+def teachers(tmp_path_factory, data):
+    """kind -> (the source, its reference features: embedding rows of the model that wrote it, the student's side)."""
+    root = tmp_path_factory.mktemp("teachers")
+    meta = foreign_file("meta_dinov2", root / "meta")  # patch 14, 2x2 grid at 28 px
+    timm_v3 = foreign_file("timm_dinov3", root / "timm")  # patch 16, RoPE
+    ours = tiny_run("dinov2", root / "dino-run", data)  # the teacher backbone of a DINOv2 run of ours
+    return {"meta_dinov2": (meta.path, meta.reference, 28), "timm_dinov3": (timm_v3.path, timm_v3.reference, 32),
+            "dino_run": (ours.path, ours.reference, 32)}
+
+
+def objective(data: Path, teacher: Path, side: int, *extra: str):
+    cfg = load_config(DEMO, [*SHRINK, f"data.path={data}", f"distill.teacher={teacher}", f"model.img_size={side}",
+                             "model.embed_dim=32", "model.num_heads=2", *extra])
+    obj = build_objective(cfg, dataset_info_of(cfg.data))
+    kwargs = obj.model_kwargs()
+    torch.manual_seed(0)
+    return obj, obj.build_all(kwargs), kwargs
+
+
+def test_the_loss_is_its_formula_term_by_term():
+    torch.manual_seed(0)
+    s_cls, t_cls, s_p, t_p = torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 4, 5), torch.randn(3, 4, 5)
+    cos = lambda a, b: (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))  # noqa: E731
+    terms = FeatureLoss("cosine", 0.5, 2.0)(s_cls, s_p, t_cls, t_p)
+    assert torch.allclose(terms["cls_loss"], 0.5 * (1 - cos(s_cls, t_cls)).mean())
+    assert torch.allclose(terms["patch_loss"], 2.0 * (1 - cos(s_p, t_p)).mean())
+    d = (s_p - t_p).abs()
+    huber = torch.where(d < 1, 0.5 * d ** 2, d - 0.5).sum(-1).mean()
+    assert torch.allclose(token_loss(s_p, t_p, "smooth_l1"), huber)
+    assert set(FeatureLoss("cosine", 0.0, 1.0)(s_cls, s_p, t_cls, t_p)) == {"patch_loss"}
+    assert token_loss(t_p, t_p * 3, "cosine").abs() < 1e-6  # scale-free
+
+
+@pytest.mark.parametrize("kind", ["meta_dinov2", "timm_dinov3", "dino_run"])
+def test_the_teachers_outputs_in_the_loss_are_its_files_own_features(data, teachers, kind):
+    path, reference, side = teachers[kind]
+    obj, _, _ = objective(data, path, side)
+    images = torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(1))
+    t = obj.teacher
+    grid = (side // t.patch, side // t.patch)
+    cls, patches = t.tokens(images, grid, "bicubic", None)  # on its own grid: nothing resized
+    want = reference(images)
+    torch.testing.assert_close(cls, want[:, :t.dim], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(patches.mean(1), want[:, t.dim:], atol=1e-5, rtol=1e-5)
+    # On the student's grid (patch 4): the teacher's map resized, its mean kept near the map's (bicubic).
+    _, resized = t.tokens(images, (side // 4, side // 4), "bilinear", None)
+    assert resized.shape == (2, (side // 4) ** 2, t.dim)
+
+
+def test_a_few_steps_teach_the_student_and_leave_the_teacher_as_read(data, teachers):
+    path, _, side = teachers["meta_dinov2"]
+    obj, model, kwargs = objective(data, path, side, "distill.loss=smooth_l1")
+    before = {k: v.clone() for k, v in obj.teacher.module.state_dict().items()}
+    engine = _Engine(model)
+    engine.device = torch.device("cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    images = torch.randn(4, 3, side, side, generator=torch.Generator().manual_seed(2))
+    losses = []
+    for step in range(12):
+        obj.before_step(engine, step)
+        loss = obj.loss(engine, images, torch.zeros(4), None)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert obj.teacher_forwards == 12  # one teacher forward per micro batch
+    assert set(obj.train_metrics()) == {"cls_loss", "patch_loss"}
+    after = obj.teacher.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # frozen: bit for bit
+    assert not any(p.requires_grad for p in obj.teacher.module.parameters())
+    # The export is the student's backbone, in the ViT's names, no projection.
+    state = obj.exported_weights(engine)
+    vit = VisionTransformer(**{k: v for k, v in kwargs.items() if k != "teacher_dim"})
+    assert set(state) == set(vit.state_dict())
+    vit.load_state_dict(state)
+    with obj.features(engine) as features:
+        torch.testing.assert_close(features(images), torch.cat(
+            [vit.eval().forward_features(images)[:, 0], vit.forward_features(images)[:, 1:].mean(1)], 1))
+
+
+def test_a_resume_against_another_teacher_is_refused_in_one_line(data, teachers):
+    obj, _, _ = objective(data, *teachers["meta_dinov2"][::2])
+    state = obj.state_dict()
+    obj.load_state_dict(state)  # the same teacher
+    obj.load_state_dict({})  # a checkpoint with no state of its own
+    other, _, _ = objective(data, teachers["timm_dinov3"][0], 32)
+    with pytest.raises(WeightsError, match="another teacher") as e:
+        other.load_state_dict(state)
+    assert "\n" not in str(e.value) and "distill.teacher=" in str(e.value)
+
+
+def test_bad_teachers_and_configs_are_one_line_naming_the_key(data, teachers, tmp_path):
+    with pytest.raises(ConfigError, match="distill.teacher"):
+        load_config(DEMO, [*SHRINK, f"data.path={data}", "distill.teacher=null"])
+    with pytest.raises(ConfigError, match="distill.patch_weight"):
+        load_config(DEMO, [*SHRINK, "distill.cls_weight=0", "distill.patch_weight=0"])
+    with pytest.raises(ValueError, match=r"distill.teacher.*no such run directory"):
+        objective(data, tmp_path / "missing.pth", 28)
+    with pytest.raises(WeightsError, match=r"patch 14 does not divide model.img_size=\[32, 32\]"):
+        objective(data, teachers["meta_dinov2"][0], 32)
+
+
+def test_the_flops_count_the_teachers_forward_as_a_third(data, teachers):
+    obj, _, kwargs = objective(data, *teachers["meta_dinov2"][::2])
+    from pipeline.model.variants import model_flops
+
+    student = {k: v for k, v in kwargs.items() if k != "teacher_dim"}
+    teacher = model_flops(obj.teacher.flops_kwargs)
+    projections = 2 * 2 * (1 + 7 * 7) * 32 * 128  # two Linear(32, 128) on the 1 + 7x7 tokens at 28 px
+    assert obj.flops_per_image(kwargs) == pytest.approx(model_flops(student) + projections + teacher / 3)
+    assert teacher > 0
