@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import tarfile
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import atomic
+from pipeline.remote.retry import node_cache_dir
 
 from . import tario
 
@@ -188,4 +188,4 @@ def index_matches(index_path: str, shard_bytes: int) -> bool:
 
 
 def default_cache_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), f"vit-pipeline-shards-{os.getuid()}")
+    return node_cache_dir(None)

@@ -9,12 +9,29 @@ never network faults).
 
 from __future__ import annotations
 
+import os
 import random
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
 MAX_BACKOFF_S = 60.0  # the longest wait between two attempts, whatever the doubling reached
+BEACON = ".storage-retrying-"  # + the job, in the node's cache folder: see RetryPolicy.waiting
+
+
+def node_cache_dir(cache_dir: str | None) -> str:
+    """data.cache_dir, or the default: this user's folder of shard copies in the node's temporary folder."""
+    return cache_dir or os.path.join(tempfile.gettempdir(), f"vit-pipeline-shards-{os.getuid()}")
+
+
+def storage_beacon(cache_dir: str | None) -> str:
+    """The file through which a node's readers tell its ranks' watchdogs that they wait on storage: one per job
+    (the ranks of a job share MASTER_ADDR:MASTER_PORT, which pipeline.dist exports before any reader process
+    starts), so that another job's outage in a shared cache folder never holds this job's watchdog back."""
+    job = f"{os.environ.get('MASTER_ADDR', '')}-{os.environ.get('MASTER_PORT', '')}"
+    return os.path.join(node_cache_dir(cache_dir), BEACON + "".join(c if c.isalnum() or c in ".-" else "_" for c in job))
 
 
 class StorageError(RuntimeError):
@@ -48,12 +65,31 @@ class RetryPolicy:
     timeout_s: float = 60.0
     part_bytes: int = 64 << 20
     parallel: int = 4
+    beacon: str | None = None  # storage_beacon(data.cache_dir) for a run's readers; None: nobody to tell
 
     @classmethod
     def from_config(cls, cfg: Any) -> RetryPolicy:
         return cls(attempts=cfg.retry_attempts, total_s=cfg.retry_time_s, backoff_s=cfg.retry_backoff_s,
                    timeout_s=cfg.read_timeout_s, part_bytes=max(1, int(cfg.range_mb * 2**20)),
-                   parallel=max(1, cfg.range_parallel))
+                   parallel=max(1, cfg.range_parallel), beacon=storage_beacon(getattr(cfg, "cache_dir", None)))
+
+    def waiting(self, wait_s: float, what: str) -> None:
+        """A reader is about to wait `wait_s` before its next attempt, within its budget: a rank waiting on it is
+        making progress (pipeline/train/watchdog.py), not hung. Says so through the beacon, a file every process
+        of the node reaches (the rank, its loader workers, its fetch-ahead process, the other ranks of the node):
+        its mtime moved to when that attempt will have answered or timed out, its text to what is retried. A
+        wall-clock time, shared by processes; never moved back by another reader's shorter wait."""
+        if not self.beacon:
+            return
+        until = time.time() + wait_s + self.timeout_s
+        try:
+            if os.path.exists(self.beacon):
+                until = max(until, os.stat(self.beacon).st_mtime)
+            with open(self.beacon, "w") as f:
+                f.write(what[:500])
+            os.utime(self.beacon, (until, until))
+        except OSError:
+            pass  # no cache folder yet, a read-only one: the watchdog then knows nothing, as before
 
     def delay(self, failures: int) -> float:
         """Seconds to wait after the `failures`-th failure: doubling from backoff_s, capped, with jitter

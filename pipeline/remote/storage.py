@@ -100,6 +100,7 @@ def _fetch_range(url: str, fd: int, start: int, end: int | None, size: int | Non
                                    f"data.retry_attempts={policy.attempts}, data.retry_time_s={policy.total_s:g})"
                                    ) from None
             log(f"retry {failures}/{policy.attempts - 1} of {url} from byte {pos} in {wait:.1f} s: {e}")
+            policy.waiting(wait, f"retry {failures}/{policy.attempts - 1} of {url}: {e}")
             time.sleep(wait)
         except Permanent as e:
             code = e.status.split()[1] if e.status.startswith("HTTP ") else ""

@@ -31,6 +31,7 @@ from pipeline.eval.sets import EvalSets
 from pipeline.exit_codes import ExitCode
 from pipeline.objectives import build_objective
 from pipeline.objectives.base import EvalResult
+from pipeline.remote.retry import storage_beacon
 from pipeline.run import resume
 from pipeline.run.data_mix import record_mix
 from pipeline.run.step import (
@@ -187,7 +188,8 @@ class Trainer:
             self.tracker.finish(status=None)
             return ExitCode.PREEMPTED
         # From here on a rank that stops making progress ends the job and says where (pipeline/train/watchdog.py).
-        self.watchdog = Watchdog(self.cfg.dist.timeout_s, env.rank, self.run_dir)
+        self.watchdog = Watchdog(self.cfg.dist.timeout_s, env.rank, self.run_dir,  # a storage wait is not a hang
+                                 beacon=storage_beacon(self.cfg.data.cache_dir))
         for loader in self.eval_loaders:
             loader.progress = self.watchdog.touch  # each eval batch is progress
         if self.train_loader.decoder is not None:  # data.decode_device: cuda: the next decode overlaps this step

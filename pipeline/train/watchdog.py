@@ -13,6 +13,14 @@ marks are as close as the ranks are in step), and each waits `grace_s` before le
 launcher does not kill a peer before it has written. A rank that cannot run at all (SIGSTOP, a
 machine gone) writes nothing: its peers' files show that they waited for it.
 
+A rank waiting on storage that is still retrying within data.retry_time_s is not hung: every reader of
+the node (this rank, its loader workers and fetch-ahead process, the node's other ranks, which wait for it
+in a collective) moves a beacon file's time to when its next attempt will have answered
+(`RetryPolicy.waiting`, pipeline/remote/retry.py), and the watchdog counts from there. Said once per wait,
+with the retry it is on. When the budget runs out the reader raises its StorageError, and the run stops
+with that error's code (1) and line, dist.timeout_s before any peer's watchdog could speak. The beacon is
+per node (data.cache_dir): a rank on another node whose own reads are not failing does not see it.
+
 The process group's timeout is set a minute longer (`process_group_timeout_s`), so that the watchdog,
 which says where, speaks before the collective raises.
 """
@@ -41,8 +49,10 @@ def process_group_timeout_s(timeout_s: float) -> float:
 class Watchdog:
     """`beat(phase, step)` whenever the rank makes progress; `stop()` at the end. A daemon thread."""
 
-    def __init__(self, limit_s: float, rank: int, run_dir: Path, grace_s: float = 5.0):
+    def __init__(self, limit_s: float, rank: int, run_dir: Path, grace_s: float = 5.0, beacon: str | None = None):
         self.limit_s, self.rank, self.run_dir, self.grace_s = limit_s, rank, Path(run_dir), grace_s
+        self.beacon = beacon  # storage_beacon(data.cache_dir): readers of this node retrying storage
+        self._told: float | None = None  # the mark for which "waiting on storage" was said
         self._mark = ("setup", 0, time.monotonic())  # one tuple: assigned atomically, read whole
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
@@ -64,8 +74,30 @@ class Watchdog:
         every = min(1.0, self.limit_s / 10)
         while not self._stop.wait(every):
             phase, step, since = self._mark
-            if time.monotonic() - since > self.limit_s:
-                self._fire(phase, step, time.monotonic() - since)
+            waited = time.monotonic() - since
+            if waited <= self.limit_s:
+                continue
+            storage = self._storage_wait()
+            if storage is not None and storage[0] <= self.limit_s:
+                self._say_storage(phase, step, since, waited, storage[1])
+                continue
+            self._fire(phase, step, waited if storage is None else min(waited, storage[0]))
+
+    def _storage_wait(self) -> tuple[float, str] | None:
+        """(seconds since the node's current storage wait ends: negative while a reader still retries, what it
+        retries) from the beacon; None without one."""
+        try:
+            with open(self.beacon or "", encoding="utf-8", errors="replace") as f:
+                return time.time() - os.fstat(f.fileno()).st_mtime, f.read(500).strip()
+        except OSError:
+            return None
+
+    def _say_storage(self, phase: str, step: int, since: float, waited: float, what: str) -> None:
+        if self._told == since:
+            return
+        self._told = since
+        print(f"watchdog: rank {self.rank}: no progress for {waited:.0f} s in {phase} at step {step}, but storage is "
+              f"being retried within data.retry_time_s ({what}): waiting on it, not hung", file=sys.stderr, flush=True)
 
     def _fire(self, phase: str, step: int, waited: float) -> None:
         path = self.write_stacks(phase, step, waited)

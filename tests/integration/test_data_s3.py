@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -340,3 +341,48 @@ def test_a_dataset_json_in_the_bucket_naming_a_shard_under_another_prefix_is_ref
     assert f"(its own shards are under s3://{BUCKET}/foreign)" in msg and "data.allowed_origins" in msg, msg
     assert "\n" not in msg and not list((tmp_path / "cache").glob("*.tar"))
     build_train_loader(replace(cfg, allowed_origins=[bucket_shards]), 16, 8, seed=0)
+
+
+def outage(seconds: float | None):
+    """A proxy plan: from the first shard GET on, the store answers every request 503 (S3's ServiceUnavailable)
+    for `seconds` (None: for good)."""
+    began: list[float] = []
+
+    def plan(n: int, method: str, path: str) -> str | None:
+        if not began and method == "GET" and urlsplit(path).path.endswith(".tar"):
+            began.append(time.monotonic())
+        down = began and (seconds is None or time.monotonic() - began[0] < seconds)
+        return "503" if down else None
+
+    return plan
+
+
+@pytest.mark.parametrize("down_s, budget_s", [(10, 120), (None, 15)], ids=["back", "gone"])
+def test_an_eval_set_in_a_bucket_down_longer_than_dist_timeout_s_is_waited_on_not_a_hang(
+        s3: SeaweedS3, bucket_shards: str, shards: Path, tmp_path: Path, down_s: float | None,
+        budget_s: float) -> None:
+    """eval.sets.bucket in the bucket, the store down (every request 503) from the evaluation's first shard GET
+    on, for 10 s with dist.timeout_s=5: the watchdog hears that storage is being retried within
+    data.retry_time_s and waits (said once), the run ends exit 0 with the set's figures (before: exit 76, "rank
+    0 hung", the evaluation lost). For good, with data.retry_time_s=15: the storage error's code and line (1),
+    not 76. One rank, TINY, 2 steps."""
+    from tests.integration.runs import TINY, run
+
+    run_dir = tmp_path / "run"
+    args = [*TINY, f"data.path={shards}", f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}",
+            "train.steps=2", "train.eval_every=2", "train.ckpt_every=0", f"eval.sets.bucket={bucket_shards}",
+            "dist.timeout_s=5", "data.retry_backoff_s=1", "data.retry_attempts=20", f"data.retry_time_s={budget_s}"]
+    with FaultServer(upstream=s3.url, plan=outage(down_s)) as proxy:
+        out = run("pretrain.py", "configs/pretrain/demo.yaml", args, ranks=1, extra_env=s3.env(endpoint=proxy.url),
+                  timeout=300)
+        faults = len(proxy.faults)
+    said = out.stdout + out.stderr
+    assert faults and "storage: retry " in said and "hung: no progress" not in said, said[-4000:]
+    assert "but storage is being retried within data.retry_time_s (retry " in said, said[-4000:]  # once per wait
+    if down_s is not None:
+        assert out.returncode == 0, said[-4000:]
+        assert any("eval/bucket/knn_top1" in r["metrics"] for r in metrics(run_dir)), said[-2000:]
+    else:
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+        assert out.returncode == 1 and len(errors) == 1, said[-4000:]
+        assert errors[0].startswith(f"error: {bucket_shards}/") and "gave up after" in errors[0], errors
