@@ -19,12 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.errors import add_launcher_arguments, one_line_errors, set_debug  # noqa: E402
+from pipeline.errors import add_launcher_arguments, local_path, one_line_errors, set_debug  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--from", dest="source", required=True, type=Path, help="a run directory or a weights file")
+    parser.add_argument("--from", dest="source", required=True, type=local_path, help="a run directory or a weights file")
     parser.add_argument("--step", type=int, help="the run's checkpoint of this step (default: its export)")
     parser.add_argument("--data", required=True, help="shards with dataset.json (labels not needed)")
     parser.add_argument("--out", required=True, help="an empty or new folder, or s3://BUCKET/PREFIX")

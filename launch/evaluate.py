@@ -23,14 +23,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.errors import add_launcher_arguments, one_line_errors, set_debug  # noqa: E402
+from pipeline.errors import add_launcher_arguments, local_path, one_line_errors, set_debug  # noqa: E402
 
 PROTOCOLS = ("knn", "linear")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--from", dest="source", required=True, type=Path, help="a run directory or a weights file")
+    parser.add_argument("--from", dest="source", required=True, type=local_path, help="a run directory or a weights file")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="the run's checkpoint of this step (it must be complete)")
     which.add_argument("--all-steps", action="store_true", help="every complete checkpoint of the run, oldest first")

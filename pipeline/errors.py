@@ -19,6 +19,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 DEBUG_ENV = "VIT_PIPELINE_DEBUG"
 HINT = f"--debug or {DEBUG_ENV}=1 for the traceback"
@@ -83,3 +84,13 @@ def one_line_errors(body: Callable[[], int], source: str | None) -> int:
             raise
         print(f"error: {one_line(e, source)}", file=sys.stderr, flush=True)
         return 1
+
+
+def local_path(text: str) -> Path:
+    """argparse type of a --from that must be on this machine (evaluate, embed): a URL is refused as written
+    (pathlib would fold 's3://b/x' into 's3:/b/x'), saying what to do; anything else as a Path."""
+    if "://" in text:
+        raise argparse.ArgumentTypeError(f"'{text}' is a URL; a run directory or weights file on this machine is "
+                                         f"expected: copy it here first (for a bucket: aws s3 cp --recursive {text} "
+                                         f"runs/NAME)")
+    return Path(text)

@@ -30,6 +30,21 @@ from pipeline.tracking.sync import (
     write_json,
 )
 
+# What an MLflow error's code says of the server: these are a failure to reach it or its own trouble; any other
+# code (INVALID_PARAMETER_VALUE, PERMISSION_DENIED, ...) is the server's answer to what we sent.
+UNREACHED_CODES = {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "ENDPOINT_NOT_FOUND"}
+
+
+def failure_said(uri: str, e: BaseException) -> str:
+    """A failed call to MLflow in a few words: 'MLflow unreachable at URI (...)' for a network fault or the
+    server's own trouble, 'MLflow at URI answered CODE: message' when it refused what we sent (a parameter
+    name it does not take, a permission), so that a refusal is not mistaken for an outage."""
+    text = " ".join(str(e).split())[:300]
+    code = getattr(e, "error_code", None)
+    if isinstance(code, str) and code not in UNREACHED_CODES:
+        return f"MLflow at {uri} answered {code}: {text}"
+    return f"MLflow unreachable at {uri} ({type(e).__name__}: {text})"
+
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'train': {'lr': 1}} -> {'train.lr': 1}: MLflow params. A list of named sections by name:
@@ -164,8 +179,7 @@ class _MainTracker(Tracker):
             self._connected, self._next_try = False, time.monotonic() + self.tcfg.retry_s
             if not self._outage:
                 self._outage = True
-                say(f"MLflow unreachable at {self.uri} ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
-                     f"training goes on, metrics keep going to {self.run_dir / METRICS_FILE}; retrying every "
+                say(f"{failure_said(self.uri, e)}; training goes on, metrics keep going to {self.run_dir / METRICS_FILE}; retrying every "
                      f"{self.tcfg.retry_s:g}s; replay later with: {SYNC_COMMAND} {self.run_dir}", err=True)
 
     def _connect(self) -> None:

@@ -67,3 +67,15 @@ def test_a_local_dataset_json_naming_a_url_is_refused_unless_allowed(tmp_path: P
 def test_an_allowed_origin_that_is_not_one_is_a_config_error(entry: str) -> None:
     with pytest.raises(ConfigError, match=r"data.allowed_origins\[0\] is .*expected an origin"):
         load_config(None, [f"data.allowed_origins=['{entry}']"])
+
+
+def test_a_from_that_is_a_url_is_said_as_written() -> None:
+    """evaluate's and embed's --from is a local path: an s3:// one is refused as typed (before: 's3:/...')."""
+    import argparse
+
+    from pipeline.errors import local_path
+
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^'s3://bucket/runs/a' is a URL; .*aws s3 cp --recursive "
+                                                         r"s3://bucket/runs/a runs/NAME"):
+        local_path("s3://bucket/runs/a")
+    assert local_path("runs/a") == Path("runs/a")

@@ -328,3 +328,20 @@ def test_start_metrics_count_the_starts_and_the_steps_lost_since_the_checkpoint(
     assert start_metrics(tmp_path, 5, 2) == {"run/world_size": 2.0, "run/restarts": 2.0, "run/lost_steps": 3.0}
     # A requeue that resumes where it stopped loses nothing.
     assert start_metrics(tmp_path, 8, 1)["run/lost_steps"] == 0.0
+
+
+def test_a_refusal_of_mlflow_is_said_as_its_answer_not_as_an_outage() -> None:
+    """A parameter name MLflow refuses (before data.sources names were checked: 'data.sources.a/b.weight') was
+    said as "MLflow unreachable"; it is what MLflow answered."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    from pipeline.tracking.tracker import failure_said
+
+    refused = MlflowException("Invalid value 'data.sources.a/b.weight' for parameter 'key'",
+                              error_code=INVALID_PARAMETER_VALUE)
+    assert failure_said("http://mlflow:5000", refused) == (
+        "MLflow at http://mlflow:5000 answered INVALID_PARAMETER_VALUE: Invalid value 'data.sources.a/b.weight' "
+        "for parameter 'key'")
+    down = failure_said("http://mlflow:5000", ConnectionRefusedError(111, "Connection refused"))
+    assert down.startswith("MLflow unreachable at http://mlflow:5000 (ConnectionRefusedError: "), down
