@@ -2,7 +2,8 @@
 to the student's 4x4) distilled into TINY's ViT, preempted on 2 ranks and resumed on 1 at ZeRO-3 (the student
 and the teacher partitioned; gradient checkpointing on: TINY's), ends where the uninterrupted 2-rank ZeRO-1 run
 ends: the exported student and the whole trained model (its projections too) within 1e-6. The checkpoints
-hold the teacher's digest and none of its weights."""
+hold the teacher's digest and none of its weights; continuing the run against another teacher is refused in one
+line."""
 
 import pytest
 import torch
@@ -48,3 +49,11 @@ def test_distill_preempted_on_2_ranks_resumes_on_1_at_zero3_and_ends_where_the_u
     state = ckpt.read_client_state(run_dir, ckpt.newest_complete_tag(run_dir))["objective"]
     assert set(state) == {"teacher_digest", "teacher_source"}
     assert not any(k.startswith(("teacher", "module.teacher")) for k in ckpt.consolidate(run_dir))
+    # Continued against another teacher: refused in one line before a step, exit 1.
+    other = teacher.with_name("other.pth")
+    torch.save({k: v + 1 for k, v in torch.load(teacher).items()}, other)
+    refused = run("pretrain.py", CONFIG, base(shards, run_dir, other, zero3, "train.steps=12"), ranks=1)
+    assert refused.returncode == 1, refused.stdout[-3000:] + refused.stderr[-3000:]
+    line = [x for x in (refused.stdout + refused.stderr).splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "distilled from another teacher" in line[0], line
+    assert "step 9/12" not in refused.stdout
