@@ -56,7 +56,11 @@ def test_shards_written_by_others_get_one_index_per_machine_in_the_cache(shards:
     others = tmp_path / "others"
     shutil.copytree(shards, others, ignore=shutil.ignore_patterns("*.idx"))
     cache = tmp_path / "cache"
-    with mp.get_context("fork").Pool(3) as pool:  # three processes of one machine, at once
+    # Three processes of one machine, at once; not forked from this one: a fork of a process whose threads
+    # (onnxruntime's allocator, OpenMP) hold a lock can deadlock in the child, as it did in the unit tier.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # imported once in the server (if this call starts it), not per child
+    with ctx.Pool(3) as pool:
         results = pool.starmap(_read_all, [(str(others), str(cache))] * 3)
     assert results[0] == results[1] == results[2] == _read_all(str(shards), str(tmp_path / "cache2"))
     built = sorted((cache / "index").glob("*" + index.INDEX_SUFFIX))
