@@ -13,11 +13,12 @@ class ExitCode(IntEnum):
     OK = 0
     """Trained to train.steps and exported model.safetensors."""
     ERROR = 1
-    """A condition to act on: missing or bad data, a checkpoint or weights file that cannot be used, no
-    space left, DeepSpeed failing; one line says which file and what to do."""
+    """A condition to act on: missing or bad data, a checkpoint or weights file that cannot be used (a --from
+    that is not weights, is truncated, or does not fit its config), no space left, DeepSpeed failing; one line
+    says which file and what to do."""
     USAGE = 2
-    """A config or command-line error (unknown key or variant, bad --from, a run directory held by another
-    job, a taken port): nothing was trained or written."""
+    """A config or command-line error (unknown key or variant, no --from, a model override the source decides,
+    a run directory held by another job, a taken port): nothing was trained or written."""
     NONFINITE = 3
     """Stopped on non-finite losses without saving; the last good checkpoint is named."""
     PREEMPTED = 75
