@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pipeline import zero3
 from pipeline.model.layers import init_param
 from pipeline.model.weights import WeightsError
 from pipeline.objectives.backbone import Backbone
@@ -63,7 +64,10 @@ class Teacher:
         self.module.eval()
 
     def to(self, device: torch.device) -> None:
-        self.module.to(device)
+        """The teacher onto `device`; a ZeRO-3 partitioned one is there already (its slices live on the device:
+        moving the module would move only the empty placeholders), as `pipeline.train.ema.Ema.to`."""
+        if not any(zero3.is_partitioned(p) for p in self.module.parameters()):
+            self.module.to(device)
 
     @torch.no_grad()
     def tokens(self, images: torch.Tensor, student_grid: tuple[int, int], resize: str,
