@@ -15,6 +15,9 @@
   PATH/*.jpg                            no sub-folders: label-free (MAE, DINO); --val-fraction held out, 0 for
                                         a train split alone (judged by eval.sets, docs/evaluation.md)
   PATH/train/*.jpg, PATH/val/*.jpg      label-free, the two splits as they are
+Besides JPEG/PNG/...: 16-bit PNG, TIFF (pages and bands as channels), .npy (H x W x C) and DICOM (its rescale
+applied) are stored losslessly as KEY.npy in their own dtype and channel count, and dataset.json gets their
+channels, dtype and per-channel mean/std (docs/data.md, Pixels as they are).
 --no-labels writes any form without its labels. `shards:PATTERN` describes shards
 written by others (img2dataset, timm) in --out/dataset.json without copying them. An s3://bucket/prefix
 --out gets each shard as it is complete and dataset.json last (boto3's credentials and endpoint

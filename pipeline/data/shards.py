@@ -32,7 +32,7 @@ import numpy as np
 from pipeline.atomic import atomic_path, fsync_dir
 from pipeline.remote import file_sha256
 
-from . import tario
+from . import pixels, tario
 from .bad import DataError
 from .bucket import BucketOut, readable_copy
 from .index import INDEX_SUFFIX, SampleMembers, encode_index, write_index
@@ -185,9 +185,12 @@ class WriteSummary:
                 f"in {self.seconds:.1f} s ({rate:.0f} samples/s{skipped})")
 
 
-def _encode_safe(encode: Callable[[Item], tuple[str, bytes]], item: Item) -> tuple[str, bytes] | str:
+def _encode_safe(encode: Callable[[Item], tuple[Any, ...]], item: Item
+                 ) -> tuple[str, bytes, pixels.SampleInfo] | str:
+    """(ext, bytes, what the pixels are) or the reason the item is skipped; a jpg/png member is 8-bit RGB."""
     try:
-        return encode(item)
+        ext, data, *info = encode(item)
+        return ext, data, info[0] if info else pixels.RGB8
     except tario.SampleError as e:
         return str(e)
     except OSError as e:
@@ -195,14 +198,15 @@ def _encode_safe(encode: Callable[[Item], tuple[str, bytes]], item: Item) -> tup
 
 
 class _Encode:
-    def __init__(self, encode: Callable[[Item], tuple[str, bytes]]):
+    def __init__(self, encode: Callable[[Item], tuple[Any, ...]]):
         self.encode = encode
 
-    def __call__(self, item: Item) -> tuple[str, bytes] | str:
+    def __call__(self, item: Item) -> tuple[str, bytes, pixels.SampleInfo] | str:
         return _encode_safe(self.encode, item)
 
 
-def _encoded(source: Source, items: list[Item], workers: int) -> Iterator[tuple[str, bytes] | str]:
+def _encoded(source: Source, items: list[Item], workers: int
+             ) -> Iterator[tuple[str, bytes, pixels.SampleInfo] | str]:
     fn = _Encode(source.encode)
     if workers <= 1:
         yield from map(fn, items)
@@ -252,6 +256,7 @@ def _write_dataset(source: Source, out: Path, max_samples_per_shard: int, max_by
     splits_json: dict[str, Any] = {}
     skipped = 0
     formats: set[str] = set()
+    summary_px = pixels.PixelSummary()  # channels, dtype, names; statistics of the train split
     with tqdm(total=total, unit="img", desc=f"shards -> {shown}", disable=not progress, dynamic_ncols=True) as bar:
         for split, items in source.splits.items():
             order = np.random.default_rng([seed, zlib.crc32(split.encode())]).permutation(len(items))
@@ -266,8 +271,10 @@ def _write_dataset(source: Source, out: Path, max_samples_per_shard: int, max_by
                         skipped += 1
                         bar.write(f"skipped: {result}")
                         continue
-                    ext, data = result
+                    ext, data, info = result
                     formats.add(ext)
+                    where = source.name_of(item) if source.name_of is not None else f"{split} sample {n}"
+                    summary_px.add(info, where, with_stats=split == "train")
                     # A label-free source (label -1) writes the image alone: MAE needs no label.
                     label = {"cls": str(item.label).encode()} if item.label >= 0 else {}
                     # The file it came from, relative to the folder (KEY.src, UTF-8): readers that do not
@@ -290,7 +297,8 @@ def _write_dataset(source: Source, out: Path, max_samples_per_shard: int, max_by
     write_json_atomic(out / DATASET_JSON, {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "source": source.name,
         "num_classes": len(source.class_names), "class_names": source.class_names,
-        "image_format": image_format, "label_key": "cls" if source.class_names else "", "splits": splits_json,
+        "image_format": image_format, "label_key": "cls" if source.class_names else "", **summary_px.json(),
+        "splits": splits_json,
     })
     if bucket is not None:
         bucket.upload(out / DATASET_JSON)  # last: the shards it names are all there

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from . import tario
+from . import pixels, tario
 from .bad import DataError
 
-FOLDER_IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm", ".tif", ".tiff", ".gif"}
+FOLDER_IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm", ".tif", ".tiff", ".gif", ".npy", ".dcm"}
 
 
 # ----------------------------------------------------------------------------- sources
@@ -37,8 +37,9 @@ class Source:
     name: str
     class_names: list[str]
     splits: dict[str, list[Item]]
-    encode: Callable[[Item], tuple[str, bytes]]
-    """Item -> (image extension, image bytes); runs in worker processes when --workers > 1."""
+    encode: Callable[[Item], tuple[Any, ...]]
+    """Item -> (image extension, image bytes) or, for an array member, (ext, bytes, pixels.SampleInfo);
+    runs in worker processes when --workers > 1."""
     image_format: str
     name_of: Callable[[Item], str] | None = None
     """Item -> the name of the file it came from, recorded with the sample (`tario.SOURCE_MEMBER`) so that its
@@ -78,10 +79,10 @@ def keep_train_fraction(source: Source, fraction: float, seed: int) -> Source:
 class _Unlabelled:
     """`without_labels`' encoder: the source's own, on the item as it was (a synthetic image is drawn from its class)."""
 
-    def __init__(self, encode: Callable[[Item], tuple[str, bytes]]):
+    def __init__(self, encode: Callable[[Item], tuple[Any, ...]]):
         self.encode = encode
 
-    def __call__(self, item: Item) -> tuple[str, bytes]:
+    def __call__(self, item: Item) -> tuple[Any, ...]:
         return self.encode(Item(*item.ref))
 
 
@@ -215,16 +216,20 @@ def _scan_class_folders(root: Path, class_names: list[str] | None = None) -> tup
 
 
 class _FolderEncoder:
-    """Keeps JPEG and PNG bytes as they are (no re-compression); re-encodes other formats or resized images."""
+    """Keeps JPEG and PNG bytes as they are (no re-compression); re-encodes other 8-bit formats or resized images.
+    What is not 8-bit (16-bit PNG, TIFF of other modes, pages or bands, .npy, DICOM) becomes an array member in
+    its own dtype and channel count (pixels.py), lossless."""
 
     def __init__(self, resize: int | None, quality: int):
         self.resize, self.quality = resize, quality
 
-    def __call__(self, item: Item) -> tuple[str, bytes]:
+    def __call__(self, item: Item) -> tuple[Any, ...]:
         data = Path(item.ref).read_bytes()
         ext = Path(item.ref).suffix.lower().lstrip(".")
         ext = "jpg" if ext == "jpeg" else ext
         try:
+            if self._as_array(ext, data):
+                return self._array(item)
             img = Image.open(io.BytesIO(data))
             fmt = img.format
             if self.resize is None and ext in ("jpg", "png") and fmt in ("JPEG", "PNG"):
@@ -241,8 +246,35 @@ class _FolderEncoder:
                 return "png", buf.getvalue()
             img.save(buf, format="JPEG", quality=self.quality)
             return "jpg", buf.getvalue()
+        except tario.SampleError:
+            raise
         except Exception as e:
             raise tario.SampleError(tario.CORRUPT_IMAGE, f"{item.ref}: {tario.image_error(e, data)}") from None
+
+    @staticmethod
+    def _as_array(ext: str, data: bytes) -> bool:
+        """An array member, or today's 8-bit path (an 8-bit RGB/grey one-page TIFF included: no set changes)."""
+        if ext == "png":
+            return not pixels.is_8bit_png(data)
+        if ext in ("tif", "tiff"):
+            try:
+                img = Image.open(io.BytesIO(data))
+                return not (img.mode in ("RGB", "L", "P") and getattr(img, "n_frames", 1) == 1)
+            except Exception:  # PIL cannot read it (bands, float, compression): tifffile can
+                return True
+        return ext in ("npy", "dcm")
+
+    def _array(self, item: Item) -> tuple[Any, ...]:
+        if self.resize is not None:
+            raise tario.SampleError(tario.CORRUPT_IMAGE, f"{item.ref}: --resize re-encodes 8-bit images only; "
+                                                         f"arrays are stored as they are")
+        px = pixels.read_pixels(item.ref)
+        bad = px.array.dtype.kind == "f" and not np.isfinite(px.array).all()
+        if bad:  # statistics over NaN are NaN: such a sample is skipped and reported, as an unreadable one
+            raise tario.SampleError(tario.CORRUPT_IMAGE, f"{item.ref}: NaN/inf pixels")
+        info = pixels.SampleInfo(px.array.shape[2], px.array.dtype.name, px.channel_names,
+                                 pixels.ChannelStats.of(px.array))
+        return pixels.ARRAY_MEMBER, pixels.encode_array(px.array), info
 
 
 def folder_source(path: str, val_fraction: float = 0.1, seed: int = 0, resize: int | None = None,
