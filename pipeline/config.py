@@ -4,9 +4,8 @@
 
 Every section is a dataclass and every field has a docstring (the string literal after
 it, read by `pipeline.typed_yaml.describe` for docs/configuration.md). Loading is strict: an
-unknown key, a value of the wrong type or a missing file raises `ConfigError` with one
-line naming the file/key and what was expected. The launchers turn that into
-``error: ...`` and exit code 2, never a traceback.
+unknown key, a value of the wrong type or a missing file raises `ConfigError` with one line naming the
+file/key and what was expected. The launchers turn that into ``error: ...`` and exit code 2, never a traceback.
 
 What can be derived is never written twice: the accumulation steps are
 ``global_batch_size / (micro_batch_size x world_size)`` (see `pipeline.derived.resolve_batch`), DeepSpeed's
@@ -39,6 +38,8 @@ class ModelConfig:
     """Training resolution: one int for square images or [height, width]; the data pipeline uses it too."""
     num_classes: int | None = None
     """Classifier outputs; None takes the class count from the data set's dataset.json."""
+    in_chans: int | None = None
+    """Input channels; None takes dataset.json's `channels` (3 for 8-bit RGB sets and sets written before it said)."""
     patch_size: int | None = None
     """Override the variant's patch size (None keeps the preset)."""
     embed_dim: int | None = None
@@ -123,10 +124,10 @@ class DataConfig(MixtureConfig):  # data.sources and data.allow_mix_change: pipe
     """Resize interpolation for train and eval transforms."""
     crop_pct: float = 0.875
     """Eval: resize to img_size / crop_pct, then center crop img_size."""
-    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    """Normalisation mean per channel (the paper's ViTs use 0.5)."""
-    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    """Normalisation standard deviation per channel."""
+    mean: tuple[float, ...] | None = (0.5, 0.5, 0.5)
+    """Normalisation mean per channel, in [0, 1] for 8-bit RGB (the paper's ViTs use 0.5), in the pixels' own units for array sets; None: dataset.json's `mean` (docs/data.md)."""
+    std: tuple[float, ...] | None = (0.5, 0.5, 0.5)
+    """Normalisation standard deviation per channel (units as data.mean); None: dataset.json's `std`."""
     mixup: float = 0.0
     """Mixup alpha (0 disables)."""
     cutmix: float = 0.0

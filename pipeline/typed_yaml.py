@@ -71,7 +71,7 @@ def _type_name(tp: Any) -> str:
     if origin in (Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is tuple:
-        return "[" + ", ".join(_type_name(a) for a in typing.get_args(tp)) + "]"
+        return "[" + ", ".join("..." if a is Ellipsis else _type_name(a) for a in typing.get_args(tp)) + "]"
     if origin is dict:
         return "mapping"
     if origin is list:
@@ -103,6 +103,10 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
         if value is None:
             return None
         raise bad
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[float, ...]: any length
+        if not isinstance(value, (list, tuple)) or not value:
+            raise bad
+        return tuple(_coerce(v, args[0], key, where) for v in value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise bad

@@ -81,7 +81,7 @@ class EvalStream(IterableDataset):
                 ends = self.lo + b * B, min(self.lo + (b + 1) * B, self.hi) - 1
                 first, last = (int(np.searchsorted(self.starts, i, side="right")) - 1 for i in ends)
                 indexes.keep_only(self.shards[first:last + 1])
-                images = empty_batch((B, 3, *self.img_size), shared=info is not None)
+                images = empty_batch((B, len(self.cfg.mean), *self.img_size), shared=info is not None)
                 targets, valid = [], []
                 for j in range(B):
                     i = self.lo + b * B + j

@@ -63,6 +63,8 @@ class DatasetInfo:
     """The folder (or json file) this was read from."""
     mixture: Any = None
     """With data.sources: the mixture (pipeline.data.mix.Mixture) this merged description stands for."""
+    pixels: dict[str, Any] = field(default_factory=dict)
+    """dataset.json's `channels`, `dtype`, `channel_names`, `mean`, `std` (docs/data.md); empty: 8-bit RGB."""
 
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits:
@@ -268,8 +270,9 @@ def _parse_dataset_json(data: dict[str, Any], folder: Path | str, where_path: Pa
             raise DataError(f"{w}: num_samples is {num_samples} but its shards hold {sum(counts)} "
                             f"(sum of the shards' num_samples)")
         splits[name] = SplitInfo(num_samples, shards, counts, sizes, digests)
+    pixels = {k: data[k] for k in ("channels", "dtype", "channel_names", "mean", "std") if k in data}
     return DatasetInfo(num_classes, class_names, splits, str(data.get("image_format", "jpg")),
-                       str(data.get("label_key", "cls")), str(folder))
+                       str(data.get("label_key", "cls")), str(folder), pixels=pixels)
 
 
 def _parse_timm_info(data: dict[str, Any], folder: Path | str, where_path: Path | str) -> DatasetInfo:

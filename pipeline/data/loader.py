@@ -31,6 +31,7 @@ from .mix import labels_for, read_data
 from .nodes import node_place
 from .order import SlicedOrder
 from .origins import check_origins
+from .pixels import resolve_data
 from .stream import LOADER_STATE_VERSION, TrainLoader, TrainStream
 
 __all__ = ["LOADER_STATE_VERSION", "Counters", "EvalLoader", "TrainLoader", "build_eval_loader", "build_train_loader",
@@ -75,6 +76,7 @@ def build_train_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_s
     global_batch = global_batch_size or batch_size * world_size
     accum = accumulation_steps(global_batch, world_size, batch_size)
     info = info or read_data(cfg)  # with data.sources: the mixture's merged description (mix.py)
+    cfg = resolve_data(cfg, info)  # data.mean/std for its channels (null: dataset.json's); RGB-only keys refused
     check_shard_names(info, cfg.allow_pipe_shards)  # before any worker could run one
     check_origins(info, cfg.allowed_origins)  # nor fetch from where the data set is not (origins.py)
     split = info.split(cfg.train_split)
@@ -153,6 +155,7 @@ def build_eval_loader(cfg: DataConfig, img_size: int | tuple[int, int], batch_si
     (`limit`: over its first `limit` samples only)."""
     _check_placement(batch_size, rank, world_size)
     info = info or read_data(cfg)
+    cfg = resolve_data(cfg, info)
     check_shard_names(info, cfg.allow_pipe_shards)
     check_origins(info, cfg.allowed_origins)
     split = info.split(cfg.val_split)

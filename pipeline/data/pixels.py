@@ -11,6 +11,7 @@ sums of squares alone lose digits when the mean is large next to the spread, as 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from . import tario
 from .bad import DataError
+from .tario import ARRAY_DTYPES, as_hwc, decode_array  # noqa: F401 (the reader's half, in tario: no cycle)
 
 ARRAY_MEMBER = "npy"
-ARRAY_DTYPES = ("uint8", "uint16", "int16", "float32")
-"""What an array member may hold: the dtypes make_shards writes and the reader normalises."""
 TIFF_EXTS = (".tif", ".tiff")
 ARRAY_SOURCE_EXTS = {".npy", ".dcm", *TIFF_EXTS}
 """Folder files read by `read_pixels` always (a PNG only when it is not 8-bit, see `is_8bit_png`)."""
@@ -34,19 +33,6 @@ class Pixels:
     """One image's pixels, H x W x C in their own dtype, and the channel names where the file has them."""
     array: np.ndarray
     channel_names: list[str] | None = None
-
-
-def as_hwc(array: np.ndarray, where: str) -> np.ndarray:
-    """H x W -> H x W x 1; H x W x C kept; other shapes and dtypes refused (one line naming the file)."""
-    if array.ndim == 2:
-        array = array[:, :, None]
-    if array.ndim != 3 or min(array.shape) < 1:
-        raise ValueError(f"{where}: expected an H x W or H x W x C array, got shape {tuple(array.shape)}")
-    if array.dtype.byteorder not in ("=", "|"):
-        array = array.astype(array.dtype.newbyteorder("="))
-    if array.dtype.name not in ARRAY_DTYPES:
-        raise ValueError(f"{where}: pixels of dtype {array.dtype.name}; expected one of {', '.join(ARRAY_DTYPES)}")
-    return np.ascontiguousarray(array)
 
 
 def _read_npy(path: Path) -> Pixels:
@@ -119,19 +105,6 @@ def encode_array(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, array, allow_pickle=False)
     return buf.getvalue()
-
-
-def decode_array(data: bytes) -> np.ndarray:
-    """An array member back to H x W x C; SampleError(corrupt_image) for bytes that are not one (a pickled
-    object array included: never unpickled) or NaN/inf pixels (counted as bad, as a corrupt JPEG is)."""
-    try:
-        array = as_hwc(np.load(io.BytesIO(data), allow_pickle=False), "array member")
-    except Exception as e:  # np.load raises ValueError, EOFError, OSError, ...
-        raise tario.SampleError(tario.CORRUPT_IMAGE, f"not a readable .npy array ({e})") from None
-    if array.dtype.kind == "f" and not np.isfinite(array).all():
-        bad = int(array.size - np.isfinite(array).sum())
-        raise tario.SampleError(tario.CORRUPT_IMAGE, f"{bad} NaN/inf pixels")
-    return array
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -209,3 +182,58 @@ class PixelSummary:
             out["mean"] = [float(v) for v in self.stats.mean]
             out["std"] = [float(v) for v in self.stats.std()]
         return out
+
+
+# ----------------------------------------------------------------------------- what a run makes of them
+
+
+def set_channels(info: Any) -> int:
+    """The channels of a data set's samples as the reader gives them (pipeline.data.DatasetInfo): dataset.json's
+    `channels`, 3 for a set that does not say (8-bit RGB, written before it did, or by others)."""
+    return int(info.pixels.get("channels", 3))
+
+
+def resolve_data(cfg: Any, info: Any) -> Any:
+    """The DataConfig with data.mean/std as the set needs them (None: dataset.json's), their length checked
+    against its channels, and what is defined for 8-bit RGB only refused on an array set: one line each."""
+    channels, array = set_channels(info), info.image_format == ARRAY_MEMBER
+    what = f"{info.path} holds {channels}-channel {info.pixels.get('dtype', 'uint8')} images"
+    if array:
+        for key in ("color_jitter", "auto_augment"):
+            if getattr(cfg, key):
+                raise DataError(f"data.{key}={getattr(cfg, key)!r}: colour transforms are defined for 8-bit RGB, "
+                                f"and {what} (arrays): unset data.{key}")
+        if cfg.decode_device == "cuda":
+            raise DataError(f"data.decode_device=cuda decodes JPEG on the GPU, and {what} (arrays): use cpu")
+    values = {}
+    for key in ("mean", "std"):
+        value = getattr(cfg, key)
+        if value is None:
+            value = info.pixels.get(key)
+            if value is None:
+                raise DataError(f"data.{key}: null takes dataset.json's statistics, and {info.path} has none "
+                                f"(an 8-bit RGB set: set data.{key}, e.g. [0.5, 0.5, 0.5])")
+            if key == "std":  # a constant channel (std 0): centred by its mean, left unscaled
+                value = [v if v > 0 else 1.0 for v in value]
+        if len(value) != channels:
+            raise DataError(f"data.{key} has {len(value)} values and {what} (data.{key}: null takes "
+                            f"dataset.json's statistics)")
+        values[key] = tuple(float(v) for v in value)
+    if min(values["std"]) <= 0:
+        raise DataError(f"data.std must be positive, got {list(values['std'])}")
+    return dataclasses.replace(cfg, **values)
+
+
+def resolve_pixels(cfg: Any, info: Any) -> Any:
+    """The run's Config with data.mean/std resolved (`resolve_data`) and model.in_chans the set's channels when
+    unset; a model.in_chans other than the set's is one line, before anything is built."""
+    channels = set_channels(info)
+    if info.image_format == ARRAY_MEMBER and cfg.model.objective != "supervised":
+        raise DataError(f"model.objective={cfg.model.objective}: {info.path} holds array images "
+                        f"({channels} channels); only the supervised objective reads them yet (issue 62)")
+    if cfg.model.in_chans is not None and cfg.model.in_chans != channels:
+        raise DataError(f"model.in_chans={cfg.model.in_chans}, and {info.path} holds {channels}-channel images "
+                        f"(leave model.in_chans unset to take the data set's)")
+    # An RGB set's run keeps model.in_chans unset: its config.yaml reads as before, a resume compares alike.
+    model = dataclasses.replace(cfg.model, in_chans=channels if channels != 3 else cfg.model.in_chans)
+    return dataclasses.replace(cfg, model=model, data=resolve_data(cfg.data, info))

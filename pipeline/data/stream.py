@@ -151,7 +151,7 @@ class TrainStream(IterableDataset):
         if self.draw is not None:  # raw bytes + boxes; decoded and mixed up by TrainLoader.to_device
             return {**out, "images": pack_batch([t for t, _ in items], mix_seed), "targets": targets.numpy(),
                     "counters": counters}
-        shape = (len(items), 3, *self.img_size)
+        shape = (len(items), len(self.cfg.mean), *self.img_size)  # the set's channels (pixels.resolve_data)
         if self._ring is not None and in_worker:
             images, out["buffer"] = self._ring.take(use, shape)
         else:

@@ -18,13 +18,15 @@ import tarfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 from PIL import Image
 from webdataset.tariterators import base_plus_ext
 
 from .info import is_remote
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "tif", "tiff")
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "tif", "tiff", "npy")  # npy: pixels.py's arrays
 
 # Kinds of bad data, counted separately (`bad_counts()`).
 CORRUPT_IMAGE = "corrupt_image"
@@ -178,15 +180,53 @@ def image_error(e: Exception, data: bytes) -> str:
     return str(e)
 
 
-def sample_image(sample: RawSample, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+def sample_image(sample: RawSample, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image | Any:
     """`decode_image` of the sample's image, its error naming the sample (and the file make_shards made it from,
     when recorded); the reader that counts it names the shard."""
-    _, data = image_member(sample)
+    ext, data = image_member(sample)
     try:
+        if ext == "npy":  # an H x W x C array in its own dtype (pixels.py), not a PIL image
+            return decode_array(data, max_pixels)
         return decode_image(data, max_pixels)
     except SampleError as e:
         name = source_name(sample)
         raise SampleError(e.kind, f"sample '{sample.key}'{f' ({name})' if name else ''}: {e.detail}") from None
+
+
+# ----------------------------------------------------------------------------- array members (pixels.py)
+
+ARRAY_DTYPES = ("uint8", "uint16", "int16", "float32")
+"""What an array member may hold: the dtypes make_shards writes and the reader normalises."""
+
+
+def as_hwc(array: np.ndarray, where: str) -> np.ndarray:
+    """H x W -> H x W x 1; H x W x C kept; other shapes and dtypes refused (one line naming the file)."""
+    if array.ndim == 2:
+        array = array[:, :, None]
+    if array.ndim != 3 or min(array.shape) < 1:
+        raise ValueError(f"{where}: expected an H x W or H x W x C array, got shape {tuple(array.shape)}")
+    if array.dtype.byteorder not in ("=", "|"):
+        array = array.astype(array.dtype.newbyteorder("="))
+    if array.dtype.name not in ARRAY_DTYPES:
+        raise ValueError(f"{where}: pixels of dtype {array.dtype.name}; expected one of {', '.join(ARRAY_DTYPES)}")
+    return np.ascontiguousarray(array)
+
+
+def decode_array(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
+    """An array member back to H x W x C; SampleError(corrupt_image) for bytes that are not one (a pickled
+    object array included: never unpickled) or NaN/inf pixels (counted as bad, as a corrupt JPEG is);
+    SampleError(oversized_image) past `max_pixels` (H x W), as for an image."""
+    try:
+        array = as_hwc(np.load(io.BytesIO(data), allow_pickle=False), "array member")
+    except Exception as e:  # np.load raises ValueError, EOFError, OSError, ...
+        raise SampleError(CORRUPT_IMAGE, f"not a readable .npy array ({e})") from None
+    if array.shape[0] * array.shape[1] > max_pixels:
+        raise SampleError(OVERSIZED_IMAGE, f"{array.shape[1]}x{array.shape[0]} pixels > "
+                                           f"data.max_image_pixels={max_pixels}")
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        bad = int(array.size - np.isfinite(array).sum())
+        raise SampleError(CORRUPT_IMAGE, f"{bad} NaN/inf pixels")
+    return array
 
 
 SOURCE_MEMBER = "src"  # make_shards' KEY.src: the file a sample came from, relative to the --source folder

@@ -50,12 +50,12 @@ def train_transform(cfg: DataConfig, img_size: tuple[int, int], to_float: bool =
     """
     from timm.data import create_transform
 
-    return _with_zero_bit_posterize(create_transform(
+    return ByKind(_with_zero_bit_posterize(create_transform(
         input_size=(3, *img_size), is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio),
         hflip=cfg.hflip, vflip=0.0, color_jitter=cfg.color_jitter, auto_augment=cfg.auto_augment,
-        interpolation=cfg.interpolation, mean=tuple(cfg.mean), std=tuple(cfg.std), re_prob=0.0,
+        interpolation=cfg.interpolation, mean=tuple(cfg.mean[:3]), std=tuple(cfg.std[:3]), re_prob=0.0,
         use_prefetcher=not to_float,
-    ))
+    )), ArrayCrop(cfg, img_size, train=True))
 
 
 def _posterize(img: Any, bits_to_keep: int, **_: Any) -> Any:
@@ -95,24 +95,64 @@ def eval_transform(cfg: DataConfig, img_size: tuple[int, int], to_float: bool = 
     """Resize to img_size / crop_pct, centre crop img_size, uint8 tensor (see `train_transform`)."""
     from timm.data import create_transform
 
-    return create_transform(
+    return ByKind(create_transform(
         input_size=(3, *img_size), is_training=False, interpolation=cfg.interpolation,
-        crop_pct=cfg.crop_pct, mean=tuple(cfg.mean), std=tuple(cfg.std), use_prefetcher=not to_float,
-    )
+        crop_pct=cfg.crop_pct, mean=tuple(cfg.mean[:3]), std=tuple(cfg.std[:3]), use_prefetcher=not to_float,
+    ), ArrayCrop(cfg, img_size, train=False))
+
+
+class ByKind:
+    """timm's transform for a PIL image (8-bit RGB), `ArrayCrop` for an H x W x C array (pixels.py): the sample
+    says which."""
+
+    def __init__(self, rgb: Any, array: ArrayCrop):
+        self.rgb, self.array = rgb, array
+        self.transforms = getattr(rgb, "transforms", [rgb])  # timm's steps: gpu_decode.CropDraw reads them
+
+    def __call__(self, img: Any) -> torch.Tensor:
+        return self.array(img) if isinstance(img, np.ndarray) else self.rgb(img)
+
+
+class ArrayCrop:
+    """The geometric transforms on C channels: train, RandomResizedCrop(scale, ratio) and a horizontal flip
+    (torch's RNG, seeded per sample as timm's draws are); eval, resize to img_size / crop_pct and centre crop.
+    Gives float32 [C, H, W] in the pixels' own units; `BatchNormalizer` normalises it."""
+
+    def __init__(self, cfg: DataConfig, img_size: tuple[int, int], train: bool):
+        self.cfg, self.size, self.train = cfg, tuple(img_size), train
+
+    def __call__(self, array: np.ndarray) -> torch.Tensor:
+        import torchvision.transforms.functional as TF
+        from torchvision.transforms import InterpolationMode, RandomResizedCrop
+
+        x = torch.from_numpy(array.astype(np.float32, copy=False)).permute(2, 0, 1)
+        mode = InterpolationMode(self.cfg.interpolation)
+        if self.train:
+            i, j, h, w = RandomResizedCrop.get_params(x, list(self.cfg.scale), list(self.cfg.ratio))
+            x = TF.resized_crop(x, i, j, h, w, list(self.size), mode, antialias=True)
+            if torch.rand(1).item() < self.cfg.hflip:
+                x = x.flip(-1)
+            return x.contiguous()
+        scaled = [int(s / self.cfg.crop_pct) for s in self.size]
+        x = TF.resize(x, scaled if self.size[0] != self.size[1] else scaled[0], mode, antialias=True)
+        return TF.center_crop(x, list(self.size)).contiguous()
 
 
 class BatchNormalizer:
     """uint8 image [3, H, W] -> (x / 255 - mean) / std, written straight into its slot of the batch:
-    one pass, where timm's ToTensor + Normalize and a collate make about seven."""
+    one pass, where timm's ToTensor + Normalize and a collate make about seven. A float32 [C, H, W] (an array
+    set's `ArrayCrop`) -> (x - mean) / std: its mean and std are in the pixels' own units."""
 
     def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]):
         mean_t = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         std_t = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
         self.scale = 1.0 / (255.0 * std_t)
         self.shift = -mean_t / std_t
+        self.raw_scale = 1.0 / std_t
 
     def __call__(self, image: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return torch.addcmul(self.shift, image, self.scale, out=out)
+        scale = self.scale if image.dtype == torch.uint8 else self.raw_scale
+        return torch.addcmul(self.shift, image, scale, out=out)
 
 
 def empty_batch(shape: tuple[int, ...], shared: bool) -> torch.Tensor:

@@ -91,6 +91,8 @@ def model_kwargs_from_config(model_cfg, num_classes: int | None = None) -> dict:
         # None keeps the variant's choice (the DINOv2 and DINOv3 variants set these).
         init_values=model_cfg.init_values, reg_tokens=model_cfg.reg_tokens, mlp_layer=model_cfg.mlp_layer,
     )
+    if getattr(model_cfg, "in_chans", None) not in (None, 3):  # as patch_embed_impl: RGB runs' kwargs unchanged
+        shared["in_chans"] = model_cfg.in_chans
     if getattr(model_cfg, "patch_embed_impl", "conv") != "conv":  # recorded only where it is not the default
         shared["patch_embed_impl"] = model_cfg.patch_embed_impl
     vit_only = dict(representation_size=model_cfg.representation_size, no_embed_class=model_cfg.no_embed_class,

@@ -18,8 +18,9 @@ from pipeline.objectives.base import Objective
 from pipeline.train import checkpoint as ckpt
 
 # What a fine-tune sets itself of the model's architecture: the resolution (the position table is resized), the
-# classes (a new head), the pre-logits (dropped, as the paper) and the pooling (the recipe's).
-FINETUNE_DECIDES = ("img_size", "num_classes", "representation_size", "global_pool")
+# classes (a new head), the pre-logits (dropped, as the paper), the pooling (the recipe's) and the input channels
+# (its data set's, pipeline/data/pixels.py; RGB weights into other channels: issue 62, not yet).
+FINETUNE_DECIDES = ("img_size", "num_classes", "representation_size", "global_pool", "in_chans")
 # What it takes from its source: the rest of the model's architecture keys that the run config has (the
 # source's config.yaml, or what a Meta file's tensors say), and the variant that names them.
 ARCH_KEYS = ("variant", *(k for k in VisionTransformer.ARCH_KEYS

@@ -25,6 +25,7 @@ from torch import nn
 
 from pipeline.config import Config, save_config, to_dict
 from pipeline.data import build_train_loader, read_data
+from pipeline.data.pixels import resolve_pixels
 from pipeline.derived import deepspeed_config, resolve_batch
 from pipeline.dist import DistEnv, after_exit, say
 from pipeline.eval.sets import EvalSets
@@ -77,8 +78,9 @@ class Trainer:
 
     def __init__(self, cfg: Config, env: DistEnv, plan: resume.ResumePlan | None,
                  prepare_model: Callable[[nn.Module], dict[str, str]] | None = None) -> None:
-        self.cfg, self.env, self.run_dir = cfg, env, Path(cfg.run.dir)
         info = read_data(cfg.data)  # a dataset.json at a URL is retried by data.retry_*, as shards are; data.sources merged
+        cfg = resolve_pixels(cfg, info)  # model.in_chans and data.mean/std as the set's pixels need (docs/data.md)
+        self.cfg, self.env, self.run_dir = cfg, env, Path(cfg.run.dir)
         self.objective = build_objective(cfg, info)  # what the recipe is (pipeline/objectives/)
         self.model_kwargs = kwargs = self.objective.model_kwargs()
         # The plan, before anything is built: a checkpoint of another model is refused before DeepSpeed

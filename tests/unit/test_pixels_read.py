@@ -1,0 +1,141 @@
+"""Pixels as they are, read (issue 62): array members through the train and eval loaders as C-channel float
+tensors normalised by dataset.json's statistics, what is refused on such a set (one line), NaN pixels counted as
+bad, and a supervised run of a few steps on 1-channel 16-bit and 4-channel shards."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.config import DataConfig
+from pipeline.data import DataError, build_eval_loader, build_train_loader
+from pipeline.data.pixels import encode_array
+from pipeline.data.shards import ShardWriter, folder_source, write_dataset
+from tests.integration.runs import TINY, metrics, run
+
+QUIET = dict(progress=False, log=lambda s: None)
+NORMALISED = dict(mean=None, std=None, num_workers=0)
+
+
+def array_set(root: Path, channels: int, dtype: str, n: int = 32, size: int = 16, classes: int = 2) -> Path:
+    """A labelled folder of .npy images (class c brighter in channel 0) written as shards; the shards' folder."""
+    rng = np.random.default_rng(channels)
+    hi = 60000 if dtype == "uint16" else 1.0
+    for i in range(n):
+        c = i % classes
+        img = rng.uniform(0, hi / 2, (size, size, channels))
+        img[..., 0] += c * hi / 2
+        (root / "src" / str(c)).mkdir(parents=True, exist_ok=True)
+        np.save(root / "src" / str(c) / f"{i}.npy", img.astype(dtype))
+    write_dataset(folder_source(str(root / "src"), val_fraction=0.25), root / "shards", max_samples_per_shard=8,
+                  **QUIET)
+    return root / "shards"
+
+
+def test_train_and_eval_batches_have_the_sets_channels_normalised(tmp_path):
+    shards = array_set(tmp_path, 4, "uint16")
+    info = json.loads((shards / "dataset.json").read_text())
+    cfg = DataConfig(path=str(shards), hflip=0.0, scale=(1.0, 1.0), ratio=(1.0, 1.0), **NORMALISED)
+    images, _ = next(iter(build_train_loader(cfg, 16, 8, seed=0)))
+    assert images.shape == (8, 4, 16, 16) and images.dtype.is_floating_point
+    # the whole image at its own size: the crop is the identity, the values (x - mean) / std of dataset.json's
+    per_channel = images.transpose(0, 1).reshape(4, -1)
+    assert (per_channel.mean(1).abs() < 0.6).all() and ((per_channel.std(1) - 1).abs() < 0.5).all()
+    assert len(info["mean"]) == 4
+    ev_images, _, _ = next(iter(build_eval_loader(DataConfig(path=str(shards), crop_pct=1.0, **NORMALISED), 16, 4)))
+    assert ev_images.shape == (4, 4, 16, 16)
+
+
+def test_the_crop_is_the_array_itself_when_it_covers_it(tmp_path):
+    shards = array_set(tmp_path, 1, "uint16", n=8)
+    info = json.loads((shards / "dataset.json").read_text())
+    cfg = DataConfig(path=str(shards), val_split="val", crop_pct=1.0, **NORMALISED)
+    ev_images, _, _ = next(iter(build_eval_loader(cfg, 16, 2)))
+    import tarfile
+    with tarfile.open(shards / "val-000000.tar") as tar:
+        first = np.load(io.BytesIO(tar.extractfile(sorted(m for m in tar.getnames() if m.endswith(".npy"))[0]).read()))
+    expected = (first[..., 0].astype(np.float64) - info["mean"][0]) / info["std"][0]
+    np.testing.assert_allclose(ev_images[0, 0].numpy(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(color_jitter=0.4), "data.color_jitter=0.4: colour transforms are defined for 8-bit RGB, and .* holds "
+                             "4-channel uint16 images"),
+    (dict(auto_augment="rand-m9-mstd0.5"), "data.auto_augment='rand-m9-mstd0.5': colour transforms"),
+    (dict(mean=(0.5, 0.5, 0.5)), r"data.mean has 3 values and .* holds 4-channel uint16 images \(data.mean: null"),
+])
+def test_what_an_array_set_refuses_is_one_line(tmp_path, overrides, match):
+    shards = array_set(tmp_path, 4, "uint16", n=8)
+    cfg = DataConfig(path=str(shards), **{**NORMALISED, **overrides})
+    with pytest.raises(DataError, match=match):
+        build_train_loader(cfg, 16, 4, seed=0)
+
+
+def test_null_statistics_of_an_rgb_set_is_one_line(tmp_path):
+    from PIL import Image
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    for i in range(4):
+        Image.new("RGB", (8, 8), (i * 9, 0, 0)).save(tmp_path / "src" / "a" / f"{i}.png")
+    write_dataset(folder_source(str(tmp_path / "src"), val_fraction=0), tmp_path / "shards", **QUIET)
+    with pytest.raises(DataError, match="data.mean: null takes dataset.json's statistics, and .* has none"):
+        build_train_loader(DataConfig(path=str(tmp_path / "shards"), **NORMALISED), 8, 4, seed=0)
+
+
+def test_nan_pixels_are_counted_as_bad_samples(tmp_path):
+    rng = np.random.default_rng(0)
+    writer = ShardWriter(tmp_path, "train", 16)
+    for i in range(16):
+        img = rng.normal(0, 1, (8, 8, 2)).astype(np.float32)
+        if i == 5:
+            img[3, 3, 1] = np.inf
+        writer.write(f"{i:06d}", {"npy": encode_array(img), "cls": b"0"})
+    records = writer.close()
+    (tmp_path / "dataset.json").write_text(json.dumps({
+        "format": "vit-pipeline-shards", "version": 1, "num_classes": 1, "class_names": ["0"], "image_format": "npy",
+        "label_key": "cls", "channels": 2, "dtype": "float32", "mean": [0.0, 0.0], "std": [1.0, 1.0],
+        "splits": {"train": {"num_samples": 16, "shards": [{"name": r.name, "num_samples": r.num_samples}
+                                                           for r in records]}}}))
+    loader = build_train_loader(DataConfig(path=str(tmp_path), **NORMALISED), 8, 16, seed=0)
+    images, _ = next(iter(loader))
+    counters = loader.counters()
+    assert sum(counters.bad.values()) == 1 and "1 NaN/inf pixels" in str(counters.causes)
+    assert np.isfinite(images.numpy()).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("channels, dtype", [(1, "uint16"), (4, "float32")])
+def test_a_supervised_run_trains_on_c_channel_shards(tmp_path, channels, dtype):
+    shards = array_set(tmp_path, channels, dtype)
+    run_dir = tmp_path / "run"
+    out = run("pretrain.py", "configs/pretrain/demo.yaml",
+              [*TINY, f"data.path={shards}", "data.mean=null", "data.std=null", f"run.dir={run_dir}",
+               "train.steps=4", "train.eval_every=4", "deepspeed.bf16=false"], ranks=1)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    saved = (run_dir / "config.yaml").read_text()
+    assert f"in_chans: {channels}" in saved
+    losses = [m["metrics"]["train/loss"] for m in metrics(run_dir) if "train/loss" in m["metrics"]]
+    assert losses and all(np.isfinite(losses))
+    assert any("eval/top1" in m["metrics"] for m in metrics(run_dir))
+
+
+def test_an_objective_that_does_not_read_arrays_yet_and_another_in_chans_are_one_line(tmp_path):
+    from pipeline.config import Config
+    from pipeline.data import read_dataset_info
+    from pipeline.data.pixels import resolve_pixels
+
+    shards = array_set(tmp_path, 4, "uint16", n=8)
+    info = read_dataset_info(shards)
+    cfg = Config()
+    cfg.data = DataConfig(path=str(shards), **NORMALISED)
+    resolved = resolve_pixels(cfg, info)
+    assert resolved.model.in_chans == 4 and len(resolved.data.mean) == 4 and cfg.model.in_chans is None
+    cfg.model.in_chans = 3
+    with pytest.raises(DataError, match="model.in_chans=3, and .* holds 4-channel images"):
+        resolve_pixels(cfg, info)
+    cfg.model.in_chans, cfg.model.objective = None, "mae"
+    with pytest.raises(DataError, match="model.objective=mae: .* only the supervised objective reads them yet"):
+        resolve_pixels(cfg, info)
