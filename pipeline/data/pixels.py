@@ -228,9 +228,9 @@ def resolve_pixels(cfg: Any, info: Any) -> Any:
     """The run's Config with data.mean/std resolved (`resolve_data`) and model.in_chans the set's channels when
     unset; a model.in_chans other than the set's is one line, before anything is built."""
     channels = set_channels(info)
-    if info.image_format == ARRAY_MEMBER and cfg.model.objective != "supervised":
+    if info.image_format == ARRAY_MEMBER and cfg.model.objective not in ("supervised", "mae"):
         raise DataError(f"model.objective={cfg.model.objective}: {info.path} holds array images "
-                        f"({channels} channels); only the supervised objective reads them yet (issue 62)")
+                        f"({channels} channels); only the supervised and MAE objectives read them yet (issue 62)")
     if cfg.model.in_chans is not None and cfg.model.in_chans != channels:
         raise DataError(f"model.in_chans={cfg.model.in_chans}, and {info.path} holds {channels}-channel images "
                         f"(leave model.in_chans unset to take the data set's)")

@@ -40,7 +40,9 @@ def mae_model_kwargs(cfg: Config) -> dict[str, Any]:
                       drop_path_rate=m.drop_path_rate, decoder_embed_dim=mae.decoder_embed_dim,
                       decoder_depth=mae.decoder_depth, decoder_num_heads=mae.decoder_num_heads,
                       norm_pix_loss=mae.norm_pix_loss,
-                      **({"patch_embed_impl": m.patch_embed_impl} if m.patch_embed_impl != "conv" else {}))
+                      **({"patch_embed_impl": m.patch_embed_impl} if m.patch_embed_impl != "conv" else {}),
+                      # the set's channels (pipeline/data/pixels.py): the pixel target follows; RGB kwargs unchanged
+                      **({"in_chans": m.in_chans} if m.in_chans not in (None, 3) else {}))
 
 
 def mask_noise(namespace: int, seed: int, positions, num_patches: int) -> torch.Tensor:
@@ -166,9 +168,13 @@ def save_reconstructions(model: MaskedAutoencoderViT, shown: list[tuple[torch.Te
 
 
 def _to_unit(x: torch.Tensor, data: DataConfig, grey: torch.Tensor | None = None) -> torch.Tensor:
-    mean = torch.tensor(data.mean).view(1, 3, 1, 1)
-    std = torch.tensor(data.std).view(1, 3, 1, 1)
-    out = x * std + mean
+    if x.shape[1] != 3:  # C channels of an array set (pixels.py): the first, as normalised (about N(0, 1)), in grey
+        out = (x[:, :1] * 0.25 + 0.5).expand(-1, 3, -1, -1)
+        grey = grey[:, :1].expand_as(out) if grey is not None else None
+    else:
+        mean = torch.tensor(data.mean).view(1, 3, 1, 1)
+        std = torch.tensor(data.std).view(1, 3, 1, 1)
+        out = x * std + mean
     if grey is not None:
         out = torch.where(grey, torch.full_like(out, 0.5), out)
     return out

@@ -106,20 +106,30 @@ def test_nan_pixels_are_counted_as_bad_samples(tmp_path):
     assert np.isfinite(images.numpy()).all()
 
 
+MAE = ["model.objective=mae", "mae.decoder_embed_dim=16", "mae.decoder_depth=1", "mae.decoder_num_heads=2",
+       "mae.knn_train_samples=16", "mae.recon_images=2", "train.grad_clip=0.0"]  # tests/integration/test_mae.py's
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("channels, dtype", [(1, "uint16"), (4, "float32")])
-def test_a_supervised_run_trains_on_c_channel_shards(tmp_path, channels, dtype):
+@pytest.mark.parametrize("channels, dtype, config, recipe, judged", [
+    (1, "uint16", "configs/pretrain/demo.yaml", [], "eval/top1"),
+    (4, "float32", "configs/pretrain/demo.yaml", [], "eval/top1"),
+    (4, "uint16", "configs/pretrain/mae_demo.yaml", MAE, "eval/recon_loss"),
+], ids=["supervised-1ch-uint16", "supervised-4ch-float32", "mae-4ch-uint16"])
+def test_a_run_trains_on_c_channel_shards(tmp_path, channels, dtype, config, recipe, judged):
     shards = array_set(tmp_path, channels, dtype)
     run_dir = tmp_path / "run"
-    out = run("pretrain.py", "configs/pretrain/demo.yaml",
-              [*TINY, f"data.path={shards}", "data.mean=null", "data.std=null", f"run.dir={run_dir}",
+    out = run("pretrain.py", config,
+              [*TINY, *recipe, f"data.path={shards}", "data.mean=null", "data.std=null", f"run.dir={run_dir}",
                "train.steps=4", "train.eval_every=4", "deepspeed.bf16=false"], ranks=1)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     saved = (run_dir / "config.yaml").read_text()
     assert f"in_chans: {channels}" in saved
     losses = [m["metrics"]["train/loss"] for m in metrics(run_dir) if "train/loss" in m["metrics"]]
     assert losses and all(np.isfinite(losses))
-    assert any("eval/top1" in m["metrics"] for m in metrics(run_dir))
+    assert any(judged in m["metrics"] for m in metrics(run_dir))
+    if recipe:  # the reconstructions of C channels are drawn (the first channel, in grey)
+        assert list((run_dir / "reconstructions").glob("*.png"))
 
 
 def test_an_objective_that_does_not_read_arrays_yet_and_another_in_chans_are_one_line(tmp_path):
@@ -136,6 +146,6 @@ def test_an_objective_that_does_not_read_arrays_yet_and_another_in_chans_are_one
     cfg.model.in_chans = 3
     with pytest.raises(DataError, match="model.in_chans=3, and .* holds 4-channel images"):
         resolve_pixels(cfg, info)
-    cfg.model.in_chans, cfg.model.objective = None, "mae"
-    with pytest.raises(DataError, match="model.objective=mae: .* only the supervised objective reads them yet"):
+    cfg.model.in_chans, cfg.model.objective = None, "dinov2"
+    with pytest.raises(DataError, match="model.objective=dinov2: .* only the supervised and MAE objectives read"):
         resolve_pixels(cfg, info)
