@@ -206,8 +206,13 @@ def resolve_data(cfg: Any, info: Any) -> Any:
         if cfg.decode_device == "cuda":
             raise DataError(f"data.decode_device=cuda decodes JPEG on the GPU, and {what} (arrays): use cpu")
     values = {}
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for key in ("mean", "std"):
         value = getattr(cfg, key)
+        if array and value is not None and tuple(value) == tuple(defaults[key] or ()):
+            # The default is 8-bit RGB's, in [0, 1] units: an array set's pixels are in their own (uint16 counts,
+            # Hounsfield units), where it would normalise silently wrong. Its default is dataset.json's statistics.
+            value = None
         if value is None:
             value = info.pixels.get(key)
             if value is None:

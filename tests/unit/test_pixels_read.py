@@ -66,13 +66,28 @@ def test_the_crop_is_the_array_itself_when_it_covers_it(tmp_path):
     (dict(color_jitter=0.4), "data.color_jitter=0.4: colour transforms are defined for 8-bit RGB, and .* holds "
                              "4-channel uint16 images"),
     (dict(auto_augment="rand-m9-mstd0.5"), "data.auto_augment='rand-m9-mstd0.5': colour transforms"),
-    (dict(mean=(0.5, 0.5, 0.5)), r"data.mean has 3 values and .* holds 4-channel uint16 images \(data.mean: null"),
+    (dict(mean=(0.4, 0.4, 0.4)), r"data.mean has 3 values and .* holds 4-channel uint16 images \(data.mean: null"),
 ])
 def test_what_an_array_set_refuses_is_one_line(tmp_path, overrides, match):
     shards = array_set(tmp_path, 4, "uint16", n=8)
     cfg = DataConfig(path=str(shards), **{**NORMALISED, **overrides})
     with pytest.raises(DataError, match=match):
         build_train_loader(cfg, 16, 4, seed=0)
+
+
+def test_an_array_set_under_the_rgb_default_statistics_takes_its_own(tmp_path):
+    """data.mean/std left at their 8-bit RGB default mean dataset.json's statistics for an array set, 3 channels
+    included (0.5 in uint16 counts would normalise silently wrong); values set otherwise are kept."""
+    from pipeline.data import read_dataset_info
+    from pipeline.data.pixels import resolve_data
+
+    shards = array_set(tmp_path, 3, "uint16", n=8)
+    info = read_dataset_info(shards)
+    got = resolve_data(DataConfig(path=str(shards), num_workers=0), info)
+    assert got.mean == tuple(info.pixels["mean"]) and got.std == tuple(info.pixels["std"])
+    assert got.mean[0] > 1  # uint16 counts, not [0, 1]
+    mine = resolve_data(DataConfig(path=str(shards), num_workers=0, mean=(100.0,) * 3, std=(10.0,) * 3), info)
+    assert mine.mean == (100.0,) * 3 and mine.std == (10.0,) * 3
 
 
 def test_null_statistics_of_an_rgb_set_is_one_line(tmp_path):
