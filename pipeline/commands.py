@@ -28,6 +28,7 @@ from pipeline.dist import PortInUse, import_deepspeed, is_rank0, say
 from pipeline.errors import SourceError, add_launcher_arguments, reading_source, set_debug
 from pipeline.exit_codes import ExitCode
 from pipeline.objectives import RECIPES, config_files, load_or_exit
+from pipeline.objectives.adapt import ADAPT_RECIPES
 from pipeline.remote import StorageError
 from pipeline.signals import install_signal_handlers, worker_context
 
@@ -53,6 +54,10 @@ def parse_pretrain_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--from", dest="source", help="a finished run this one continues (a later stage of the same "
                                                       "recipe: DINOv3's Gram and high-resolution stages), not a "
                                                       "fine-tune: its model, teachers and state are this run's start")
+    parser.add_argument("--init", help="weights to start from (adapt.init; docs/adapt.md): anything finetune.py --from "
+                                       "reads (Meta's DINOv2/DINOv3/MAE files, timm's, our exports, a run directory); "
+                                       "the student's and teacher's backbone and the architecture are the source's, "
+                                       "the heads fresh (a run directory of the same recipe brings its own)")
     args = parser.parse_args(argv)
     set_debug(args)
     return args
@@ -104,6 +109,14 @@ def pretrain_config(args: argparse.Namespace) -> tuple[Config, str]:
             ROOT / DEFAULT_PRETRAIN_CONFIG)
         _say(f"no --config: using {config} (the demo; e.g. --config configs/pretrain/vit_b16_i21k.yaml for ViT-B/16)")
     cfg = load_or_exit(config, args.overrides)
+    if getattr(args, "init", None):  # --init: a pretraining run that starts from a foundation model's weights
+        if getattr(args, "source", None):
+            _fail(f"--init {args.init} with --from {args.source}: --from continues a run of this recipe, --init starts "
+                  f"from weights; give one")
+        if cfg.model.objective not in ADAPT_RECIPES:
+            _fail(f"--init {args.init}: model.objective={cfg.model.objective} ({config}); --init starts "
+                  f"{', '.join(ADAPT_RECIPES)} from a source's weights (fine-tune with launch/finetune.py --from)")
+        cfg = dataclasses.replace(cfg, adapt=dataclasses.replace(cfg.adapt, init=args.init))
     if getattr(args, "source", None):  # --from: the recipe says which of its keys names the run it continues
         key = RECIPES[cfg.model.objective].continue_key
         if key is None:
@@ -116,9 +129,18 @@ def pretrain_config(args: argparse.Namespace) -> tuple[Config, str]:
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, kind="pretrain")), config
 
 
+def written_model_keys(config: str, overrides: list[str]) -> set[str]:
+    """The model.* keys the config file and the command line write (what --init's source must agree with)."""
+    tree = _saved_config(Path(config)) if Path(config).is_file() else {}
+    model = tree.get("model") if isinstance(tree.get("model"), dict) else {}
+    return set(model) | {k.partition("=")[0].strip()[len("model."):] for k in overrides
+                         if k.strip().startswith("model.")}
+
+
 def pretrain(argv: list[str]) -> int:
-    cfg, where = pretrain_config(parse_pretrain_args(argv))
-    return run(cfg, where)
+    args = parse_pretrain_args(argv)
+    cfg, where = pretrain_config(args)
+    return run(cfg, where, written_model_keys(where, args.overrides))
 
 
 # ----------------------------------------------------------------------------- fine-tuning
@@ -367,6 +389,11 @@ def run(cfg: Config, where: str, cli_model_keys: set[str] | None = None, files: 
         if cfg.run.kind == "finetune":
             with reading_source(f"--from {cfg.finetune.source}"):  # whatever a reader raises: one line, exit 1
                 cfg, prepare = prepare_finetune(cfg, plan, cli_model_keys or set(), files)
+        elif cfg.model.objective in ADAPT_RECIPES:  # --init (adapt.init): the source's backbone, or its record
+            from pipeline.run.init_source import prepare_init
+
+            with reading_source(f"--init {cfg.adapt.init}"):
+                cfg, prepare = prepare_init(cfg, plan, cli_model_keys or set())
         if cfg.data.num_workers > 0:
             # The loaders' fork server imports the data modules (torch, torchvision, timm: about 4 s of CPU) in
             # its own process. Started here, it does so while this rank builds the model and the engine and

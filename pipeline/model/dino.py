@@ -36,9 +36,11 @@ class DINOv2Model(nn.Module):
 
     def __init__(self, head_n_prototypes: int = 65536, head_hidden_dim: int = 2048, head_bottleneck_dim: int = 256,
                  head_nlayers: int = 3, ibot_separate_head: bool = False, ibot_head_n_prototypes: int = 65536,
-                 ibot_head_bottleneck_dim: int = 256, patch_embed_lr_mult: float = 1.0, **vit_kwargs: Any) -> None:
+                 ibot_head_bottleneck_dim: int = 256, patch_embed_lr_mult: float = 1.0, fresh_roles: bool = False,
+                 **vit_kwargs: Any) -> None:
         super().__init__()
         self.patch_embed_lr_mult = patch_embed_lr_mult
+        self.fresh_roles = fresh_roles  # optimizer metadata (adapt.*, as patch_embed_lr_mult): see param_roles
         self.backbone = self.backbone_class(**{**vit_kwargs, "num_classes": 0, "mask_token": True})
         dim = self.backbone.embed_dim
 
@@ -79,7 +81,10 @@ class DINOv2Model(nn.Module):
         `patch_embed` ("patch_embed" in the name: its lr x `patch_embed_lr_mult`) and `last_layer` (the
         heads' weight-normalised prototypes, `is_last_layer`: lr 0 for dino.freeze_last_layer_steps, which
         the objective applies). Each is a parameter group of its own (`pipeline.train.optim.param_groups`)."""
-        return {"patch_embed": r"^backbone\.patch_embed\.", "last_layer": r"^(dino_head|ibot_head)\.last_layer\."}
+        roles = {"patch_embed": r"^backbone\.patch_embed\.", "last_layer": r"^(dino_head|ibot_head)\.last_layer\."}
+        if self.fresh_roles:  # adapt.*: the heads' other parameters apart from the backbone's, whose lr warms up
+            roles["head"] = r"^(dino_head|ibot_head)\."
+        return roles
 
     def lr_multipliers(self) -> dict[str, float]:
         """Role -> factor on the lr (on top of layer-wise decay, as Meta multiplies them)."""

@@ -109,12 +109,14 @@ class MaskedAutoencoderViT(VisionTransformer):
         decoder_num_heads: int = 16,
         norm_pix_loss: bool = True,
         patch_embed_impl: str = "conv",
+        fresh_roles: bool = False,
     ):
         super().__init__(img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=0,
                          embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio,
                          qkv_bias=qkv_bias, drop_path_rate=drop_path_rate, patch_embed_impl=patch_embed_impl)
         self.in_chans = in_chans
         self.norm_pix_loss = norm_pix_loss
+        self.fresh_roles = fresh_roles  # optimizer metadata (adapt.*), not an architecture key
         grid = self.patch_embed.grid_size
         # Fixed tables replace the ViT's learnable position embedding (Sec. 3: "we add positional
         # embeddings (the sine-cosine version) to all input tokens").
@@ -136,6 +138,12 @@ class MaskedAutoencoderViT(VisionTransformer):
         grid = self.patch_embed.grid_size
         return {"pos_embed": sincos_pos_embed_2d(self.embed_dim, grid),
                 "decoder_pos_embed": sincos_pos_embed_2d(self.decoder_pos_embed.shape[-1], grid)}
+
+    def param_roles(self) -> dict[str, str]:
+        """With `fresh_roles` (a run started from an encoder's weights whose backbone warms up: adapt.*), the
+        decoder, which no source holds, is a parameter group of its own (`pipeline.train.optim.param_groups`);
+        otherwise none, and the groups are those of every MAE run."""
+        return {"decoder": r"^(decoder_|mask_token$)"} if self.fresh_roles else {}
 
     def no_weight_decay(self) -> set[str]:
         """None: official MAE pretraining (main_pretrain.py, timm's `add_weight_decay` with no skip list)

@@ -18,6 +18,7 @@ from pipeline import config
 from pipeline.config import Config, ConfigFiles
 from pipeline.eval.sets_config import EvalConfig, eval_checks
 from pipeline.objectives import dino_config, dinov3_config, distill_config, mae_config, supervised_config
+from pipeline.objectives.adapt import AdaptConfig, adapt_checks
 from pipeline.objectives.recipe import Recipe, objectives_config
 from pipeline.typed_yaml import describe
 
@@ -29,8 +30,10 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     distill_config.RECIPE,
 )}
 
-ObjectivesConfig = objectives_config(RECIPES.values(), [("eval", EvalConfig, eval_checks)])
-"""The run config: the core sections (pipeline.config.Config), every recipe's own, and eval (eval.sets)."""
+ObjectivesConfig = objectives_config(RECIPES.values(), [("eval", EvalConfig, eval_checks),
+                                                       ("adapt", AdaptConfig, adapt_checks)])
+"""The run config: the core sections (pipeline.config.Config), every recipe's own, eval (eval.sets) and adapt
+(a start from a foundation model's weights: adapt.py)."""
 
 
 class _Objectives(Mapping[str, type]):

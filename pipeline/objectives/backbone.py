@@ -51,6 +51,8 @@ class Backbone:
     """The checkpoint read (None: an export or a file)."""
     config: Config | None
     """The source run's config, when it has one."""
+    found: Recognised | None = None
+    """What the weights were recognised as (their layout, the architecture a file says: `--init` reads it)."""
 
     @property
     def step(self) -> int | None:
@@ -165,7 +167,7 @@ def load_backbone(source: str | Path, files: ConfigFiles, tag: str | None = None
         p = model.patch_embed.patch_size[0]
         weights["pos_embed"] = sincos_pos_embed_2d(model.embed_dim, (h // p, w // p))
     _load(model, weights, kwargs, where)
-    return Backbone(model.eval(), kwargs, cfg.data if cfg is not None else DataConfig(), path, tag, cfg)
+    return Backbone(model.eval(), kwargs, cfg.data if cfg is not None else DataConfig(), path, tag, cfg, found)
 
 
 def _build(cls: type[nn.Module], kwargs: dict[str, Any], where: str) -> nn.Module:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from PIL import Image
+from torch import nn
 
 from pipeline.config import Config, DataConfig
 from pipeline.data import label_free, raise_if_any_failed
@@ -28,6 +29,7 @@ from pipeline.dist import DistEnv
 from pipeline.eval.features import Features, extract
 from pipeline.eval.knn import knn_loaders, knn_top1
 from pipeline.model.mae import MaskedAutoencoderViT, mae_flops, mae_kwargs
+from pipeline.objectives.adapt import backbone_lr_schedule, wants_roles
 from pipeline.objectives.base import EvalResult, Objective, TrainView
 
 
@@ -188,6 +190,13 @@ class MAE(Objective):
 
     def model_kwargs(self) -> dict[str, Any]:
         return mae_model_kwargs(self.cfg)
+
+    def build_model(self, model_kwargs: dict[str, Any]) -> nn.Module:
+        return self.model_class(**model_kwargs, fresh_roles=wants_roles(self.cfg))
+
+    def before_step(self, engine: Any, step: int) -> None:
+        """adapt.*: the encoder of a run started from a source (--init) held while the decoder learns."""
+        backbone_lr_schedule(engine.optimizer.param_groups, self.cfg.adapt, step)
 
     def train_view(self, model_kwargs: dict[str, Any]) -> TrainView:
         # Label-free shards train, and a labelled set's labels are not needed; each micro batch's mask noise

@@ -35,6 +35,7 @@ from pipeline.objectives.base import EvalResult
 from pipeline.remote.retry import storage_beacon
 from pipeline.run import resume
 from pipeline.run.data_mix import record_mix
+from pipeline.run.init_source import versus_init
 from pipeline.run.step import (
     NonFiniteGuard,
     NonFiniteLosses,
@@ -160,6 +161,8 @@ class Trainer:
         if self.eval_sets:  # the objective says which features (Objective.features); collective
             with self.objective.features(self.engine) as embed:
                 judged = self.eval_sets.evaluate(embed, self.engine.device)
+            if self.cfg.adapt.init and self.env.is_main:  # --init: each figure against the source's (step 0)
+                judged = versus_init(judged, self.run_dir, step)
             result = EvalResult({**result.metrics, **judged}, f"{result.line} | {self.eval_sets.line(judged)}",
                                 result.artifacts)
         if self.ema is None or not self.own_eval:  # (the EMA is judged by the objective's evaluation only)
@@ -267,6 +270,8 @@ class Trainer:
         micro_count = 0
         last_saved = self.step if self.step > 0 else -1  # a resumed run's checkpoint is the one at `step`
         saved_at = time.monotonic()  # train.ckpt_every_s counts from here and from each save
+        if self.step == 0 and self.cfg.adapt.init and self.eval_sets:
+            self.log_evaluation(0, log)  # --init: the source judged before it moves (docs/adapt.md)
 
         while self.step < tc.steps:  # one optimizer step per iteration
             try:

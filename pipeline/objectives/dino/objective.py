@@ -29,6 +29,7 @@ from pipeline.eval.knn import knn_loaders
 from pipeline.model.dino import HEAD_KEYS, DINOv2Model, backbone_state
 from pipeline.model.dino_head import dino_head_flops
 from pipeline.model.vit import architecture, model_flops, model_kwargs_from_config
+from pipeline.objectives.adapt import backbone_lr_schedule, wants_roles
 from pipeline.objectives.base import EvalResult, Objective, TrainView
 from pipeline.objectives.dino.collapse import CollapseMonitor
 from pipeline.objectives.dino.evaluate import evaluate_teacher
@@ -38,10 +39,6 @@ from pipeline.objectives.dino.view import MultiCropView
 from pipeline.train import ds_compat
 from pipeline.train.checkpoint import CheckpointError, checkpoint_dir, read_client_state
 from pipeline.train.ema import Ema
-
-
-def _plain(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
 
 
 def _cosine(step: int, total: int, start: float, end: float) -> float:
@@ -146,7 +143,8 @@ class DINOv2(Objective):
         return dinov2_model_kwargs(self.cfg, self.section)
 
     def build_model(self, model_kwargs: dict[str, Any]) -> nn.Module:
-        return self.model_class(**model_kwargs, patch_embed_lr_mult=self.d.patch_embed_lr_mult)
+        return self.model_class(**model_kwargs, patch_embed_lr_mult=self.d.patch_embed_lr_mult,
+                                fresh_roles=wants_roles(self.cfg))  # adapt.*: the heads' groups apart
 
     def build_companions(self, model: nn.Module, model_kwargs: dict[str, Any],
                          init: Callable[[], AbstractContextManager[Any]]) -> None:
@@ -172,7 +170,8 @@ class DINOv2(Objective):
         the normalisation the data's."""
         d, data = self.d, self.cfg.data
         img = model_kwargs["img_size"]
-        shared = {f.name: _plain(getattr(d, f.name)) for f in dataclasses.fields(MultiCropConfig) if hasattr(d, f.name)}
+        shared = {f.name: (tuple(v) if isinstance(v := getattr(d, f.name), list) else v)
+                  for f in dataclasses.fields(MultiCropConfig) if hasattr(d, f.name)}
         return MultiCropConfig(**{**shared, "global_crops_size": img if isinstance(img, int) else img[0],
                                   "mean": tuple(data.mean), "std": tuple(data.std), **overrides})
 
@@ -209,7 +208,7 @@ class DINOv2(Objective):
         are computed, count in the clipping norm and fill AdamW's moments; with lr 0 neither the step nor the
         decoupled decay moves the weights), the teacher and the loss centres on the engine's device. The lr
         needs no restoring after the freeze: the trainer's schedule sets every group's lr after each
-        optimizer step, before the next `before_step`."""
+        optimizer step, before the next `before_step`. adapt.*'s backbone warm-up is the same mechanism."""
         wd = self.weight_decay(step)
         frozen = step < self.d.freeze_last_layer_steps
         for group in engine.optimizer.param_groups:
@@ -217,6 +216,7 @@ class DINOv2(Objective):
                 group["weight_decay"] = wd
             if frozen and group.get("role") == "last_layer":
                 group["lr"] = 0.0
+        backbone_lr_schedule(engine.optimizer.param_groups, self.cfg.adapt, step)
         self.device = device = engine.device
         self.teacher_ema.to(device)
         for loss in (self.dino_loss, self.ibot_loss):

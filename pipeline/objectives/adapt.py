@@ -1,0 +1,96 @@
+"""The `adapt` config section (light: read with the run config, before torch) and what it does to a run that
+starts from a foundation model's weights (`launch/pretrain.py --init SOURCE`; docs/adapt.md):
+
+    adapt.init                 the source (set by --init); its backbone is the student's, the teacher's (and
+                               DINOv3's Gram teacher's) start; what it lacks (heads, decoder) starts fresh
+    adapt.freeze_backbone_steps  only the fresh parts train: the backbone's parameter groups at lr 0
+    adapt.backbone_warmup_steps  then the backbone's lr ramps from 0 to the schedule's (train.layer_decay
+                               still scales it per layer)
+    adapt.anchor               DINOv3's Gram loss against the frozen source (the Gram teacher taken at step 0,
+                               never again), at this weight
+
+The freeze and the warm-up are a function of the step applied to the optimizer's groups before each step
+(`backbone_lr_schedule`, from the objective's `before_step`, as DINOv2's frozen prototypes): no state of their
+own, so a resumed run takes them up exactly. The model marks its fresh parts with a parameter role (`FRESH_ROLES`)
+when this section asks for a schedule, so that their groups are told from the backbone's on any ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.config import Check, Config
+
+FRESH_ROLES = ("head", "last_layer", "decoder")  # the roles of what a source does not hold (dino.py, mae.py)
+ADAPT_RECIPES = ("dinov2", "dinov3", "mae")  # the recipes --init starts from a foundation model
+
+
+@dataclass
+class AdaptConfig:
+    init: str | None = None
+    """The weights the run starts from (`launch/pretrain.py --init SOURCE`): anything `launch/finetune.py --from` reads (Meta's DINOv2, DINOv3 and MAE files, timm's, our exports, a run directory, which brings its heads along when it has them). The student's and the teacher's backbone start as the source's, the architecture is the source's; the heads (or MAE's decoder) start fresh. A resume reads its own checkpoint, not the source (docs/adapt.md)."""
+    init_digest: str | None = None
+    """Written by the run at its first start: the source's SHA-256, so that a resume with another --init is refused. Not to be set by hand."""
+    freeze_backbone_steps: int = 0
+    """Steps during which only the fresh parts (heads, decoder) train: the backbone's parameter groups at lr 0 (it does not move, bit for bit). 0: none."""
+    backbone_warmup_steps: int = 0
+    """After the freeze, steps over which the backbone's lr ramps linearly from 0 to the schedule's (times train.layer_decay's per-layer scale). 0: it joins at the full rate."""
+    anchor: float = 0.0
+    """DINOv3: the weight of the Gram loss against the frozen source (the Gram teacher is the source, taken at step 0 and never updated; gram.* says how the loss is computed). 0: off."""
+
+
+def adapt_checks(cfg: Config) -> list[Check]:
+    """The section's checks (pipeline.config.validate's form)."""
+    a = cfg.adapt
+    schedule = a.freeze_backbone_steps > 0 or a.backbone_warmup_steps > 0
+    return [
+        ("adapt.freeze_backbone_steps", a.freeze_backbone_steps >= 0, ">= 0"),
+        ("adapt.backbone_warmup_steps", a.backbone_warmup_steps >= 0, ">= 0"),
+        ("adapt.anchor", a.anchor >= 0, ">= 0 (0: off)"),
+        ("adapt.anchor", a.anchor == 0 or cfg.model.objective == "dinov3",
+         f"0 with model.objective={cfg.model.objective}: the anchor is DINOv3's Gram loss (model.objective: dinov3)"),
+        # (a run's saved config.yaml holds the gram section `anchored` made: the anchor's own weight)
+        ("adapt.anchor", a.anchor == 0 or cfg.gram.loss_weight in (0.0, a.anchor),
+         "0 when gram.loss_weight > 0: the anchor is the Gram loss against the source; use one or the other"),
+        ("adapt.freeze_backbone_steps", not schedule or cfg.model.objective in ADAPT_RECIPES,
+         f"0 with model.objective={cfg.model.objective}: the backbone warm-up is for {', '.join(ADAPT_RECIPES)}"),
+    ]
+
+
+def wants_roles(cfg: Config) -> bool:
+    """Whether the model marks its fresh parts (FRESH_ROLES): only when a schedule needs to find them, so that
+    every other run keeps its parameter groups (and its checkpoints' optimizer state) as they were."""
+    a = cfg.adapt
+    return a.freeze_backbone_steps > 0 or a.backbone_warmup_steps > 0
+
+
+def backbone_lr_factor(a: AdaptConfig, step: int) -> float:
+    """The backbone's lr as a fraction of the schedule's before optimizer step `step` (steps done)."""
+    if step < a.freeze_backbone_steps:
+        return 0.0
+    if a.backbone_warmup_steps:
+        return min(1.0, (step - a.freeze_backbone_steps + 1) / a.backbone_warmup_steps)
+    return 1.0
+
+
+def backbone_lr_schedule(groups: list[dict[str, Any]], a: AdaptConfig, step: int) -> None:
+    """The backbone's groups (every group whose role is not a fresh part's) at `backbone_lr_factor` of the lr
+    the trainer's schedule set them to after the previous step: AdamW at lr 0 moves neither by its step nor
+    by its decoupled weight decay. Nothing to restore after: the schedule sets every group's lr again."""
+    factor = backbone_lr_factor(a, step)
+    if factor == 1.0:
+        return
+    for group in groups:
+        if group.get("role") not in FRESH_ROLES:
+            group["lr"] = group["lr"] * factor
+
+
+def anchored(cfg: Config) -> Config:
+    """adapt.anchor as the gram section says it: the Gram loss at that weight from step 0, the Gram teacher
+    taken at step 0 (the student, the teacher: the source) and never again."""
+    if cfg.adapt.anchor <= 0:
+        return cfg
+    gram = dataclasses.replace(cfg.gram, loss_weight=cfg.adapt.anchor, start_step=0, max_updates=0)
+    return dataclasses.replace(cfg, gram=gram)

@@ -1,0 +1,141 @@
+"""`launch/pretrain.py --init SOURCE` (pipeline/run/init_source.py) and the adapt section
+(pipeline/objectives/adapt.py): the student and the teacher start as a file's backbone (Meta's DINOv2 layout,
+timm's DINOv3), the heads fresh; during adapt.freeze_backbone_steps the backbone does not move, bit for bit,
+while the heads do; the source judged at step 0; a resume against another source refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError
+from pipeline.objectives.adapt import AdaptConfig, backbone_lr_factor, backbone_lr_schedule
+from tests.unit.recipe_runs import ROOT, SHRINK, foreign_file, labelled_set
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+DEMO = str(ROOT / "configs/pretrain/dinov2_adapt_demo.yaml")
+# The tiny Meta DINOv2 file of recipe_runs.py: 28 px, patch 14 (a 2x2 grid; local crops of 14 px: one patch).
+DINOV2_TINY = [*SHRINK, "model.img_size=28", "dino.local_crops_size=14", "dino.local_crops_number=1",
+               "dino.head_n_prototypes=64", "dino.head_hidden_dim=32", "dino.head_bottleneck_dim=16",
+               "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_batch_size=8",
+               "dino.knn_train_samples=16", "dino.pca_images=0", "dino.freeze_last_layer_steps=0",
+               "train.warmup_steps=0", "train.lr=1e-2", "train.log_every=1"]
+
+
+def test_the_anchor_is_the_gram_loss_against_the_source_taken_once_at_step_0():
+    from pipeline.objectives import load_config
+    from pipeline.objectives.adapt import anchored
+    from pipeline.objectives.dinov3.gram_teacher import takes_copy
+
+    cfg = anchored(load_config(str(ROOT / "configs/pretrain/dinov3_demo.yaml"), ["adapt.anchor=0.5"]))
+    g = cfg.gram
+    assert g.loss_weight == 0.5 and [takes_copy(s, g.start_step, g.update_every, g.max_updates)
+                                     for s in range(0, 3 * max(g.update_every, 1) + 1)] == [True] + [False] * (
+        3 * max(g.update_every, 1))
+    with pytest.raises(ConfigError, match="adapt.anchor"):
+        load_config(DEMO, ["adapt.anchor=0.5"])  # DINOv2 has no Gram term (yet)
+
+
+def test_the_backbone_lr_is_0_through_the_freeze_then_ramps_to_the_schedule():
+    a = AdaptConfig(freeze_backbone_steps=2, backbone_warmup_steps=4)
+    assert [backbone_lr_factor(a, s) for s in range(7)] == [0, 0, 0.25, 0.5, 0.75, 1, 1]
+    groups = [{"lr": 1.0}, {"lr": 1.0, "role": "patch_embed"}, {"lr": 1.0, "role": "head"},
+              {"lr": 1.0, "role": "decoder"}]
+    backbone_lr_schedule(groups, a, 3)
+    assert [g["lr"] for g in groups] == [0.5, 0.5, 1.0, 1.0]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return labelled_set(tmp_path_factory.mktemp("set") / "labelled")
+
+
+def _student_and_teacher(overrides: list[str], source: Path, data: Path, run_dir: Path):
+    """The objective's student with --init's hook applied, and its teacher, as the trainer builds them."""
+    from contextlib import nullcontext
+
+    from pipeline.data import dataset_info_of
+    from pipeline.objectives import build_objective, load_config
+    from pipeline.run.init_source import prepare_init
+
+    cfg = load_config(DEMO, [*overrides, f"data.path={data}", f"run.dir={run_dir}", f"adapt.init={source}"])
+    cfg, hook = prepare_init(cfg, None, set())
+    objective = build_objective(cfg, dataset_info_of(cfg.data))
+    kwargs = objective.model_kwargs()
+    model = objective.build_model(kwargs)
+    hook(model)
+    objective.build_companions(model, kwargs, nullcontext)
+    return cfg, model.eval(), objective.teacher
+
+
+@pytest.mark.parametrize("layout", ["meta_dinov2", "timm_dinov3"])
+def test_student_and_teacher_start_as_the_file_and_the_heads_are_fresh(layout, data, tmp_path, capsys):
+    src = foreign_file(layout, tmp_path / "src")
+    overrides = DINOV2_TINY if layout == "meta_dinov2" else [
+        *SHRINK, "model.objective=dinov3", "model.variant=dinov3_vits16", "model.img_size=32", "dinov3.local_crops_size=16",
+        "dinov3.head_n_prototypes=64", "dinov3.head_hidden_dim=32", "dinov3.head_bottleneck_dim=16"]
+    if layout == "timm_dinov3":  # the dinov2 demo's dino section is not dinov3's: the demo's own keys off
+        overrides = [o for o in overrides if not o.startswith("dino.")]
+    cfg, student, teacher = _student_and_teacher(overrides, src.path, data, tmp_path / "run")
+    assert "fresh: backbone.mask_token, dino_head" in capsys.readouterr().out
+    x = torch.randn(2, 3, src.img_size if layout == "meta_dinov2" else 32, src.img_size if layout == "meta_dinov2" else 32,
+                    generator=torch.Generator().manual_seed(0))
+    from pipeline.eval.features import embedding
+
+    want = src.reference(x)
+    for model in (student, teacher):
+        got = embedding(model.backbone.forward_features(x), model.backbone)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert cfg.adapt.init_digest and len(cfg.adapt.init_digest) == 64
+
+
+def test_a_config_key_that_contradicts_the_source_is_one_line(data, tmp_path):
+    from pipeline.objectives import load_config
+    from pipeline.run.init_source import prepare_init
+
+    src = foreign_file("meta_dinov2", tmp_path / "src")
+    cfg = load_config(DEMO, [*DINOV2_TINY, "model.embed_dim=96", f"data.path={data}", f"adapt.init={src.path}"])
+    with pytest.raises(ConfigError, match=r"^model.embed_dim=96: --init .* has model.embed_dim=128"):
+        prepare_init(cfg, None, {"embed_dim"})
+
+
+@pytest.mark.slow  # a DeepSpeed run in this process: about 25 s
+def test_the_backbone_is_frozen_bit_for_bit_while_the_heads_train_judged_from_step_0(data, tmp_path, capsys):
+    """A 2-step run (DeepSpeed, one process): through adapt.freeze_backbone_steps the student's backbone in the
+    checkpoint is the file's, bit for bit, its heads moved; eval.sets judged at step 0 and against it after;
+    a resume naming another source is refused in one line."""
+    from pipeline import commands
+    from pipeline.model.layouts import recognise
+    from pipeline.train import checkpoint as ckpt
+
+    src = foreign_file("meta_dinov2", tmp_path / "src")
+    run_dir = tmp_path / "run"
+    args = ["--config", DEMO, "--init", str(src.path), *DINOV2_TINY, f"data.path={data}", f"run.dir={run_dir}",
+            "eval.sets={}", f"eval.sets.lab={data}", "train.steps=2", "adapt.freeze_backbone_steps=2", "train.eval_every=2",
+            "train.ckpt_every=1", "train.keep_last=3", "deepspeed.zero_stage=1"]
+    assert commands.pretrain(args) == 0
+    out = capsys.readouterr().out
+    assert "eval step 0" in out
+    source = recognise(torch.load(src.path, weights_only=True)).state
+    first, last = (ckpt.consolidate(run_dir, ckpt.tag_for(s)) for s in (1, 2))
+    for name, value in source.items():
+        if f"backbone.{name}" in last and name != "pos_embed":  # (the table: resized to the run's own grid, 2x2 both)
+            assert torch.equal(last[f"backbone.{name}"], value.float()), name
+    assert torch.equal(last["backbone.pos_embed"], source["pos_embed"].float())
+    heads = [k for k in last if k.startswith("dino_head.mlp")]
+    assert heads and any(not torch.equal(first[k], last[k]) for k in heads)  # the heads trained
+    init = json.loads((run_dir / "eval_init.json").read_text())
+    assert "eval/lab/knn_top1" in init
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    vs = [m for m in logged if "eval/lab/knn_top1_vs_init" in json.dumps(m)]
+    assert vs, "eval/lab/knn_top1_vs_init is logged at the evaluation after step 0"
+    # Another source at a resume: one line, exit 1, before anything is loaded.
+    other = foreign_file("meta_dinov2", tmp_path / "other")
+    torch.save({k: v + 1 for k, v in torch.load(other.path, weights_only=True).items()}, other.path)
+    capsys.readouterr()  # (consolidate's progress bars above)
+    assert commands.pretrain([*args[:3], str(other.path), *args[4:], "train.steps=3"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "started from" in err and "another file" in err
