@@ -160,8 +160,9 @@ def load_init(student: nn.Module, backbone: Backbone, objective: str) -> str:
         arch = backbone.found.arch if backbone.found is not None and backbone.found.complete else backbone.kwargs
         what = f"{backbone.found.layout if backbone.found else 'weights'}, {describe_arch({**_arch_defaults(), **arch})}"
     parts = sorted({".".join(n.split(".")[:1 if not n.startswith("backbone.") else 2]) for n in fresh})
-    return (f"{what}: {loaded} tensors from the file into the student (and so the teacher); fresh: "
-            f"{', '.join(parts) or 'nothing'}")
+    into = "the student (and so the teacher)" if hasattr(student, "backbone") else "the model (its position table "\
+        "MAE's fixed sin-cos)"
+    return f"{what}: {loaded} tensors from the file into {into}; fresh: {', '.join(parts) or 'nothing'}"
 
 
 def _arch_defaults() -> dict[str, Any]:
