@@ -235,7 +235,10 @@ def test_debug_gives_the_traceback_instead_of_the_line(sources, data, tmp_path, 
     from pipeline.model.weights import WeightsError
 
     bad = bad_source("not_weights", sources("run-dinov3").path, tmp_path)
-    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    # setenv first: monkeypatch then restores the variable as it was before the test (unset), although --debug
+    # sets it in os.environ itself; a delenv of an unset variable records nothing and left it set for later tests.
+    monkeypatch.setenv(DEBUG_ENV, "")
+    monkeypatch.delenv(DEBUG_ENV)
     with pytest.raises(WeightsError, match="is not a weights file"):  # raised: Python prints its traceback
         launcher("embed").main(["--from", str(bad), "--data", str(data), "--out", str(tmp_path / "o"), "--debug"])
     monkeypatch.setenv(DEBUG_ENV, "1")
