@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.model.layers import init_param, trunc_normal
+
 
 class _WeightNormLinear(nn.Module):
     """A bias-free Linear with weight = g * v / ||v|| (norm over the input dimension, per output row):
@@ -104,7 +106,10 @@ class DINOv3Head(DINOHead):
     @staticmethod
     def prototypes(bottleneck_dim: int, out_dim: int) -> nn.Module:
         layer = nn.Linear(bottleneck_dim, out_dim, bias=False)
-        nn.init.trunc_normal_(layer.weight, std=0.02)
+        # Through init_param: under deepspeed.zero.Init the Linear is partitioned when it is built, and a draw on
+        # its empty shard would consume no random numbers where a ZeRO-1 build draws them all: the same seed
+        # would then give other weights after this layer at ZeRO-3 (the DINOv3 resume test's ZeRO-3 case).
+        init_param(layer.weight, trunc_normal(0.02))
         return layer
 
 

@@ -213,8 +213,8 @@ def test_through_a_faulty_proxy_the_same_weights_and_the_retries_logged(s3: Seaw
 STALL_CUT_S = (2.9, 10.0)
 
 
-def one_line_stop(run_dir: Path, data: str, extra_env: dict[str, str], tmp_path: Path) -> list[str]:
-    p = torchrun(1, 0, 1, free_port(), overrides(data, run_dir, tmp_path / "cache"), extra_env=extra_env)
+def one_line_stop(run_dir: Path, data: str, extra_env: dict[str, str], tmp_path: Path, *extra: str) -> list[str]:
+    p = torchrun(1, 0, 1, free_port(), [*overrides(data, run_dir, tmp_path / "cache"), *extra], extra_env=extra_env)
     out, _ = p.communicate(timeout=600)
     assert p.returncode != 0, out[-4000:]
     return [line for line in out.splitlines() if line.startswith("error: ")]
@@ -235,7 +235,9 @@ def test_a_403_and_a_404_stop_the_run_with_one_line_each(s3: SeaweedS3, bucket_s
     for s in info["splits"]["train"]["shards"][1:]:
         s["name"] = f"{bucket_shards}/{s['name']}"
     c.put_object(Bucket=BUCKET, Key="gone/dataset.json", Body=json.dumps(info).encode())
-    errors = one_line_stop(tmp_path / "missing", f"s3://{BUCKET}/gone", s3.env(), tmp_path)
+    # Its other shards are under synth/, another prefix: allowed by name (data.allowed_origins), as a user would.
+    errors = one_line_stop(tmp_path / "missing", f"s3://{BUCKET}/gone", s3.env(), tmp_path,
+                           f"data.allowed_origins=[s3://{BUCKET}]")
     assert errors == [f"error: s3://{BUCKET}/gone/train-gone.tar: HTTP 404 NoSuchKey"], errors
     assert not (tmp_path / "cache" / cache_name(f"s3://{BUCKET}/gone/train-gone.tar")).exists()
     assert_cache_holds_only_good_copies(tmp_path / "cache", shards, bucket_shards)  # the others, fetched ahead

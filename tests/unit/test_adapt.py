@@ -103,11 +103,18 @@ def test_a_config_key_that_contradicts_the_source_is_one_line(data, tmp_path):
 
 
 @pytest.mark.slow  # a DeepSpeed run in this process: about 25 s
-def test_the_backbone_is_frozen_bit_for_bit_while_the_heads_train_judged_from_step_0(data, tmp_path, capsys):
+def test_the_backbone_is_frozen_bit_for_bit_while_the_heads_train_judged_from_step_0(data, tmp_path, capsys,
+                                                                                     monkeypatch):
     """A 2-step run (DeepSpeed, one process): through adapt.freeze_backbone_steps the student's backbone in the
     checkpoint is the file's, bit for bit, its heads moved; eval.sets judged at step 0 and against it after;
     a resume naming another source is refused in one line."""
     from pipeline import commands
+
+    # The run exports RANK, WORLD_SIZE, MASTER_PORT... into this process's environment for DeepSpeed: restore them
+    # after the test, or a later test's subprocess would take itself for a rank of this run (its port taken).
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     from pipeline.model.layouts import recognise
     from pipeline.train import checkpoint as ckpt
 

@@ -349,7 +349,10 @@ def test_a_refused_finetune_source_leaves_nothing_that_blocks_the_corrected_comm
             "print(finetune(sys.argv[1:]), flush=True)")
     for what, argv in starts.items():
         run_dir = tmp_path / f"ft-{what}"
-        out = subprocess.run([sys.executable, "-c", code, *argv, f"run.dir={run_dir}", f"data.path={data}"],
+        # A process of its own, not a rank of any run an earlier test left in this process's environment.
+        clean = {k: v for k, v in os.environ.items()
+                 if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        out = subprocess.run([sys.executable, "-c", code, *argv, f"run.dir={run_dir}", f"data.path={data}"], env=clean,
                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
         errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
         assert out.stdout.strip().splitlines()[-1] == "1" and len(errors) == 1, out.stdout + out.stderr[-3000:]
