@@ -9,25 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import DataConfig
 from pipeline.data import build_train_loader
-from pipeline.data.shards import synthetic_source, write_dataset
+from tests.unit import test_gpu_decode
+from tests.unit.test_gpu_decode import IMG, cfg_for
 
-IMG = 32
-
-
-@pytest.fixture(scope="module")
-def jpegs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("jpegs")
-    write_dataset(synthetic_source(96, 4, 48, val_fraction=0.0, quality=95), out, max_samples_per_shard=12,
-                  progress=False, log=lambda s: None)
-    return out
+jpegs = test_gpu_decode.jpegs  # the GPU-decode tests' shards fixture, shared
 
 
 def loader_for(path: Path, ahead: bool, **kw):
-    cfg = DataConfig(path=str(path), num_workers=0, shuffle_span=8, hflip=0.5, scale=(0.3, 1.0),
-                     decode_device="cuda", **kw)
-    loader = build_train_loader(cfg, IMG, 6, seed=2)
+    loader = build_train_loader(cfg_for(path, decode_device="cuda", **kw), IMG, 6, seed=2)
     loader.decode_ahead_on = torch.device("cpu") if ahead else None
     return loader
 
