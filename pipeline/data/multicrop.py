@@ -27,6 +27,13 @@ any layout.
 
 The DINOv2 objective (pipeline/objectives/dino/view.py, `MultiCropView`) calls both in the train stream's
 workers, with each sample's augmentation seed.
+
+An array set's sample (pipeline/data/pixels.py: H x W x C in its own dtype, issue 62) is cut the same way, as a
+float32 [C, H, W] tensor: the same draws, the crops bicubic and antialiased, the flip and the blur (defined on any
+channel), normalised by `mean`/`std` in the pixels' own units. Colour jitter, greyscale and solarisation are
+defined for 8-bit RGB: their draws are made (so the other draws are those of an RGB image) and not applied; a
+run asks for none of them on such a set (pixels.resolve_pixels turns the recipe's defaults off and refuses a
+probability set otherwise, one line).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -64,8 +72,9 @@ class MultiCropConfig:
     applies (see the module docstring)."""
     solarize_p: float = 0.2
     """Probability of solarisation (threshold 128) on the second global crop."""
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    """Per channel: ImageNet's for 8-bit RGB (in [0, 1]); an array set's in its pixels' units (data.mean/std)."""
     horizontal_flips: bool = True
     """Flip each crop with probability 0.5 (DINOv3's configs: off). Drawn either way, so that turning it off
     changes no other draw."""
@@ -106,23 +115,39 @@ def _crop_box(g: torch.Generator, width: int, height: int, scale: tuple[float, f
     return (height - h) // 2, (width - w) // 2, h, w
 
 
+Crop = Image.Image | torch.Tensor
+"""A PIL image (8-bit RGB) or a float32 [C, H, W] tensor (an array set's sample) on its way through the crops."""
+
+
+def _size(image: Crop) -> tuple[int, int]:
+    """(width, height), as PIL's Image.size."""
+    return image.size if isinstance(image, Image.Image) else (image.shape[-1], image.shape[-2])
+
+
 class MultiCrop:
-    """`MultiCrop(cfg)(image, seed)` -> {"global_crops": [2 x (3, G, G)], "local_crops": [N x (3, L, L)]}, and
-    with `cfg.gram_crops_size` "gram_crops": [2 x (3, S, S)], the global crops' boxes at side S (Meta's
+    """`MultiCrop(cfg)(image, seed)` -> {"global_crops": [2 x (C, G, G)], "local_crops": [N x (C, L, L)]}, and
+    with `cfg.gram_crops_size` "gram_crops": [2 x (C, S, S)] (C: 3 for a PIL image), the global crops' boxes at side S (Meta's
     DataAugmentationDINO: each global box cut once at max(G, S) and resized to G and to S, bicubic)."""
 
     def __init__(self, cfg: MultiCropConfig | None = None) -> None:
         self.cfg = cfg or MultiCropConfig()
 
-    def _geometric(self, g: torch.Generator, image: Image.Image, size: int, scale: tuple[float, float]) -> Image.Image:
+    def _geometric(self, g: torch.Generator, image: Crop, size: int, scale: tuple[float, float]) -> Crop:
         import torchvision.transforms.functional as TF  # noqa: N812 - here: the rank never imports torchvision
 
-        top, left, h, w = _crop_box(g, *image.size, scale)
-        out = TF.resized_crop(image, top, left, h, w, [size, size], TF.InterpolationMode.BICUBIC)
+        top, left, h, w = _crop_box(g, *_size(image), scale)
+        # antialias: what PIL's bicubic does for an image; a tensor's resize asks for it (ignored for PIL)
+        out = TF.resized_crop(image, top, left, h, w, [size, size], TF.InterpolationMode.BICUBIC, antialias=True)
         flip = torch.rand((), generator=g) < 0.5
         return TF.hflip(out) if flip and self.cfg.horizontal_flips else out
 
-    def _photometric(self, g: torch.Generator, image: Image.Image, blur_p: float, solarize_p: float) -> torch.Tensor:
+    def _normalised(self, image: Crop) -> torch.Tensor:
+        import torchvision.transforms.functional as TF  # noqa: N812 - in the loader workers only (see _geometric)
+
+        x = TF.to_tensor(image) if isinstance(image, Image.Image) else image  # a tensor is in its pixels' units
+        return TF.normalize(x, list(self.cfg.mean), list(self.cfg.std))
+
+    def _photometric(self, g: torch.Generator, image: Crop, blur_p: float, solarize_p: float) -> torch.Tensor:
         import torchvision.transforms.functional as TF  # noqa: N812 - in the loader workers only (see _geometric)
 
         cfg = self.cfg
@@ -135,6 +160,8 @@ class MultiCrop:
         blur = torch.rand((), generator=g) < blur_p
         sigma = _uniform(g, 0.1, 2.0)
         solarize = torch.rand((), generator=g) < solarize_p
+        if not isinstance(image, Image.Image):  # C channels: the colour ops are RGB's (module docstring)
+            jitter = grey = solarize = False
         if jitter:
             ops = (TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue)
             for i in order:
@@ -145,9 +172,9 @@ class MultiCrop:
             image = TF.gaussian_blur(image, kernel_size=[9, 9], sigma=[sigma, sigma])
         if solarize:
             image = TF.solarize(image, 128)
-        return TF.normalize(TF.to_tensor(image), list(cfg.mean), list(cfg.std))
+        return self._normalised(image)
 
-    def _global_and_gram(self, g: torch.Generator, image: Image.Image, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _global_and_gram(self, g: torch.Generator, image: Crop, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global crop i at G and, for the Gram teacher, at S: one box cut at max(G, S) (the same draws as
         without Gram crops), resized to each side, distorted before (Meta's) or only for G."""
         import torchvision.transforms.functional as TF  # noqa: N812 - in the loader workers only (see _geometric)
@@ -157,16 +184,20 @@ class MultiCrop:
         base = self._geometric(g, image, max(size, gram), cfg.global_crops_scale)
         distort = dict(blur_p=cfg.blur_p[i], solarize_p=cfg.solarize_p if i == 1 else 0.0)
         if cfg.gram_no_distortions:
-            crop = self._photometric(g, base if size >= gram else TF.resize(base, [size, size], bicubic), **distort)
-            plain = base if gram >= size else TF.resize(base, [gram, gram], bicubic)
-            return crop, TF.normalize(TF.to_tensor(plain), list(cfg.mean), list(cfg.std))
+            at = lambda side: TF.resize(base, [side, side], bicubic, antialias=True)  # noqa: E731 - PIL ignores antialias
+            crop = self._photometric(g, base if size >= gram else at(size), **distort)
+            plain = base if gram >= size else at(gram)
+            return crop, self._normalised(plain)
         distorted = self._photometric(g, base, **distort)  # at max(G, S), then resized as tensors (Meta's)
         return tuple(distorted if s == max(size, gram) else TF.resize(distorted, [s, s], bicubic, antialias=True)
                      for s in (size, gram))
 
-    def __call__(self, image: Image.Image, seed: int) -> dict[str, list[torch.Tensor]]:
+    def __call__(self, image: Image.Image | np.ndarray, seed: int) -> dict[str, list[torch.Tensor]]:
         cfg = self.cfg
-        image = image.convert("RGB")
+        if isinstance(image, np.ndarray):  # an array set's H x W x C (pixels.py): float32 [C, H, W], as ArrayCrop's
+            image = torch.from_numpy(image.astype(np.float32, copy=False)).permute(2, 0, 1).contiguous()
+        else:
+            image = image.convert("RGB")
         g = torch.Generator().manual_seed(seed)
         if cfg.gram_crops_size is not None:
             pairs = [self._global_and_gram(g, image, i) for i in range(2)]

@@ -229,13 +229,36 @@ def resolve_data(cfg: Any, info: Any) -> Any:
     return dataclasses.replace(cfg, **values)
 
 
+CROP_SECTIONS = {"dinov2": "dino", "dinov3": "dinov3"}
+"""The objectives whose multi-crop (pipeline/data/multicrop.py) has colour transforms, and their config section."""
+COLOUR_PROBABILITIES = ("color_jitter_p", "greyscale_p", "solarize_p")
+
+
+def _without_colour(cfg: Any, name: str, what: str) -> Any:
+    """The multi-crop's colour transforms off for an array set: a probability at the recipe's default becomes 0
+    (as data.mean/std's RGB default becomes the set's own), one set to anything else but 0 is one line."""
+    section = getattr(cfg, name)
+    defaults = {f.name: f.default for f in dataclasses.fields(section)}
+    off = {}
+    for key in COLOUR_PROBABILITIES:
+        value = getattr(section, key)
+        if value and value != defaults[key]:
+            raise DataError(f"{name}.{key}={value}: colour transforms are defined for 8-bit RGB, and {what} "
+                            f"(arrays): set {name}.{key}=0")
+        off[key] = 0.0
+    return dataclasses.replace(cfg, **{name: dataclasses.replace(section, **off)})
+
+
 def resolve_pixels(cfg: Any, info: Any) -> Any:
     """The run's Config with data.mean/std resolved (`resolve_data`) and model.in_chans the set's channels when
     unset; a model.in_chans other than the set's is one line, before anything is built."""
     channels = set_channels(info)
-    if info.image_format == ARRAY_MEMBER and cfg.model.objective not in ("supervised", "mae"):
-        raise DataError(f"model.objective={cfg.model.objective}: {info.path} holds array images "
-                        f"({channels} channels); only the supervised and MAE objectives read them yet (issue 62)")
+    if info.image_format == ARRAY_MEMBER and cfg.model.objective not in ("supervised", "mae", *CROP_SECTIONS):
+        raise DataError(f"model.objective={cfg.model.objective}: {info.path} holds array images ({channels} "
+                        f"channels); the supervised, MAE, DINOv2 and DINOv3 objectives read them (issue 62)")
+    if info.image_format == ARRAY_MEMBER and cfg.model.objective in CROP_SECTIONS:
+        cfg = _without_colour(cfg, CROP_SECTIONS[cfg.model.objective], f"{info.path} holds {channels}-channel "
+                                                                        f"{info.pixels.get('dtype')} images")
     if cfg.model.in_chans is not None and cfg.model.in_chans != channels:
         raise DataError(f"model.in_chans={cfg.model.in_chans}, and {info.path} holds {channels}-channel images "
                         f"(leave model.in_chans unset to take the data set's)")

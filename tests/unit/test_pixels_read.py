@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from pipeline.config import DataConfig
 from pipeline.data import DataError, build_eval_loader, build_train_loader
@@ -123,6 +124,15 @@ def test_nan_pixels_are_counted_as_bad_samples(tmp_path):
 
 MAE = ["model.objective=mae", "mae.decoder_embed_dim=16", "mae.decoder_depth=1", "mae.decoder_num_heads=2",
        "mae.knn_train_samples=16", "mae.recon_images=2", "train.grad_clip=0.0"]  # tests/integration/test_mae.py's
+# tests/integration/test_dino.py's and test_dinov3.py's, smaller (crops of 16 and 8 px on the TINY ViT)
+DINOV2 = ["model.objective=dinov2", "dino.local_crops_number=2", "dino.local_crops_size=8",
+          "dino.head_n_prototypes=64", "dino.head_hidden_dim=32", "dino.head_bottleneck_dim=16",
+          "dino.knn_train_samples=16", "dino.pca_images=2", "train.grad_clip=0.0"]
+DINOV3 = ["model.objective=dinov3", "model.variant=dinov3_vits16", "dinov3.local_crops_number=2",
+          "dinov3.local_crops_size=8", "dinov3.head_n_prototypes=64", "dinov3.head_hidden_dim=32",
+          "dinov3.head_bottleneck_dim=16", "dinov3.ibot_head_n_prototypes=48", "dinov3.ibot_head_bottleneck_dim=16",
+          "dinov3.knn_train_samples=16", "dinov3.pca_images=0", "gram.loss_weight=1.0", "gram.start_step=2",
+          "gram.update_every=2", "gram.max_updates=1", "train.grad_clip=0.0"]
 
 
 @pytest.mark.slow
@@ -130,7 +140,10 @@ MAE = ["model.objective=mae", "mae.decoder_embed_dim=16", "mae.decoder_depth=1",
     (1, "uint16", "configs/pretrain/demo.yaml", [], "eval/top1"),
     (4, "float32", "configs/pretrain/demo.yaml", [], "eval/top1"),
     (4, "uint16", "configs/pretrain/mae_demo.yaml", MAE, "eval/recon_loss"),
-], ids=["supervised-1ch-uint16", "supervised-4ch-float32", "mae-4ch-uint16"])
+    (1, "uint16", "configs/pretrain/dino_demo.yaml", DINOV2, "eval/knn_top1"),
+    (4, "uint16", "configs/pretrain/dinov3_demo.yaml", DINOV3, "eval/knn_top1"),
+], ids=["supervised-1ch-uint16", "supervised-4ch-float32", "mae-4ch-uint16", "dinov2-1ch-uint16",
+        "dinov3-4ch-uint16-gram"])
 def test_a_run_trains_on_c_channel_shards(tmp_path, channels, dtype, config, recipe, judged):
     shards = array_set(tmp_path, channels, dtype)
     run_dir = tmp_path / "run"
@@ -143,8 +156,12 @@ def test_a_run_trains_on_c_channel_shards(tmp_path, channels, dtype, config, rec
     losses = [m["metrics"]["train/loss"] for m in metrics(run_dir) if "train/loss" in m["metrics"]]
     assert losses and all(np.isfinite(losses))
     assert any(judged in m["metrics"] for m in metrics(run_dir))
-    if recipe:  # the reconstructions of C channels are drawn (the first channel, in grey)
+    if recipe is MAE:  # the reconstructions of C channels are drawn (the first channel, in grey)
         assert list((run_dir / "reconstructions").glob("*.png"))
+    if recipe is DINOV2:  # and DINOv2's PCA figure
+        assert list((run_dir / "pca").glob("*.png"))
+    if recipe in (DINOV2, DINOV3):  # the recipe's colour transforms are off on an array set (pixels.py)
+        assert "color_jitter_p: 0.0" in saved and "solarize_p: 0.0" in saved
 
 
 def test_an_objective_that_does_not_read_arrays_yet_and_another_in_chans_are_one_line(tmp_path):
@@ -161,6 +178,41 @@ def test_an_objective_that_does_not_read_arrays_yet_and_another_in_chans_are_one
     cfg.model.in_chans = 3
     with pytest.raises(DataError, match="model.in_chans=3, and .* holds 4-channel images"):
         resolve_pixels(cfg, info)
-    cfg.model.in_chans, cfg.model.objective = None, "dinov2"
-    with pytest.raises(DataError, match="model.objective=dinov2: .* only the supervised and MAE objectives read"):
+    cfg.model.in_chans, cfg.model.objective = None, "distill"
+    with pytest.raises(DataError, match="model.objective=distill: .* the supervised, MAE, DINOv2 and DINOv3 obj"):
         resolve_pixels(cfg, info)
+
+
+def test_the_multicrop_of_an_array_has_its_channels_and_no_colour_transform(tmp_path):
+    """DINOv2's and DINOv3's crops of an H x W x C array: C-channel float crops (Gram's too) normalised in the
+    pixels' units; on a constant image every crop is (v - mean) / std (bicubic, flip and blur keep a constant),
+    which a colour transform would not. A colour probability set on such a set is one line; at the recipe's
+    default it is turned off."""
+    from pipeline.config import Config
+    from pipeline.data import read_dataset_info
+    from pipeline.data.multicrop import MultiCrop, MultiCropConfig
+    from pipeline.data.pixels import resolve_pixels
+    from pipeline.objectives import ObjectivesConfig
+
+    for channels in (1, 4):
+        mean, std = tuple(range(100, 100 + channels)), (7.0,) * channels
+        cfg = MultiCropConfig(global_crops_size=16, local_crops_size=8, local_crops_number=2, gram_crops_size=24,
+                              color_jitter_p=0, greyscale_p=0, solarize_p=0, mean=mean, std=std)
+        image = np.full((20, 24, channels), 1000, np.uint16)
+        crops = MultiCrop(cfg)(image, seed=3)
+        for key, size in (("global_crops", 16), ("local_crops", 8), ("gram_crops", 24)):
+            for crop in crops[key]:
+                assert crop.shape == (channels, size, size) and crop.dtype == torch.float32
+                expected = ((1000 - torch.tensor(mean, dtype=torch.float32)) / 7.0).view(-1, 1, 1).expand_as(crop)
+                torch.testing.assert_close(crop, expected, rtol=1e-5, atol=1e-4)
+    shards = array_set(tmp_path, 4, "uint16", n=8)
+    info = read_dataset_info(shards)
+    run = ObjectivesConfig()
+    run.data, run.model.objective = DataConfig(path=str(shards), **NORMALISED), "dinov3"
+    resolved = resolve_pixels(run, info)
+    assert (resolved.dinov3.color_jitter_p, resolved.dinov3.greyscale_p, resolved.dinov3.solarize_p) == (0, 0, 0)
+    run.model.objective, run.dino.solarize_p = "dinov2", 0.5
+    with pytest.raises(DataError, match=r"dino.solarize_p=0.5: colour transforms are defined for 8-bit RGB, and .* "
+                                        r"holds 4-channel uint16 images \(arrays\): set dino.solarize_p=0"):
+        resolve_pixels(run, info)
+    assert isinstance(run, Config)

@@ -83,8 +83,12 @@ def save_pca_image(shown: list[tuple[torch.Tensor, torch.Tensor]], grid: tuple[i
     images = torch.stack([im for im, _ in shown])
     rgb = pca_rgb(torch.stack([t for _, t in shown]), grid)
     rgb = F.interpolate(rgb, size=images.shape[-2:], mode="nearest")  # one colour per patch
-    mean, std = torch.tensor(data.mean).view(1, 3, 1, 1), torch.tensor(data.std).view(1, 3, 1, 1)
-    rows = torch.cat([(images * std + mean).clamp(0, 1), rgb], dim=3)  # (n, 3, H, 2W)
+    if images.shape[1] != 3:  # C channels of an array set (pixels.py): the first, as normalised, in grey (as MAE's)
+        shown_images = (images[:, :1] * 0.25 + 0.5).clamp(0, 1).expand(-1, 3, -1, -1)
+    else:
+        mean, std = torch.tensor(data.mean).view(1, 3, 1, 1), torch.tensor(data.std).view(1, 3, 1, 1)
+        shown_images = (images * std + mean).clamp(0, 1)
+    rows = torch.cat([shown_images, rgb], dim=3)  # (n, 3, H, 2W)
     grid_img = torch.cat(list(rows), dim=1)  # (3, n H, 2W)
     pixels = (grid_img * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ from pipeline.data.order import IBOT_MASK, seed_for
 
 class MultiCropView:
     """The DINOv2 objective's view of a training sample (`TrainView.sample`), in the loader workers:
-    (global crops (2, 3, G, G), local crops (n, 3, L, L), iBOT masks (2, N) bool), every draw from the
+    (global crops (2, C, G, G), local crops (n, C, L, L), iBOT masks (2, N) bool), every draw from the
     sample's augmentation seed (the crops by `MultiCrop`, each global crop's mask by `block_mask` seeded
     with (IBOT_MASK, seed, crop)), so the same on any layout. Picklable (it travels to the workers)."""
 
@@ -27,8 +27,8 @@ class MultiCropView:
 
     def parts(self, crops: dict[str, list[torch.Tensor]], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stacked crops of `MultiCrop`'s output and each global crop's iBOT mask."""
-        size = self.multicrop.cfg.local_crops_size
-        local = torch.stack(crops["local_crops"]) if crops["local_crops"] else torch.zeros(0, 3, size, size)
+        size, channels = self.multicrop.cfg.local_crops_size, crops["global_crops"][0].shape[0]
+        local = torch.stack(crops["local_crops"]) if crops["local_crops"] else torch.zeros(0, channels, size, size)
         masks = torch.stack([block_mask(seed_for(IBOT_MASK, seed, i), self.grid, self.mask_probability,
                                         self.mask_ratio).flatten() for i in range(2)])
         return torch.stack(crops["global_crops"]), local, masks
