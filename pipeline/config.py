@@ -2,14 +2,12 @@
 
     cfg = load_config("configs/pretrain/demo.yaml", ["train.lr=3e-4", "model.depth=6"])
 
-Every section is a dataclass and every field has a docstring (the string literal after
-it, read by `pipeline.typed_yaml.describe` for docs/configuration.md). Loading is strict: an
-unknown key, a value of the wrong type or a missing file raises `ConfigError` with one line naming the
-file/key and what was expected. The launchers turn that into ``error: ...`` and exit code 2, never a traceback.
+Every section is a dataclass and every field has a docstring (the string literal after it, read by `pipeline.typed_yaml.describe`
+for docs/configuration.md). Loading is strict: an unknown key, a value of the wrong type or a missing file raises `ConfigError`
+(one line naming the file/key and what was expected; the launchers print ``error: ...`` and exit 2).
 
-What can be derived is never written twice: the accumulation steps are
-``global_batch_size / (micro_batch_size x world_size)`` (see `pipeline.derived.resolve_batch`), DeepSpeed's
-``train_batch_size`` is the global batch, and the data resolution is the model's ``img_size``.
+What can be derived is never written twice: the accumulation steps are ``global_batch_size / (micro_batch_size x world_size)``
+(see `pipeline.derived.resolve_batch`), DeepSpeed's ``train_batch_size`` is the global batch, the data resolution the model's ``img_size``.
 """
 
 from __future__ import annotations
@@ -286,6 +284,8 @@ class FinetuneConfig:
     """Linear probing (--probe; MAE's other measure): the encoder frozen, a BatchNorm without affine (eps 1e-6) before the linear head (MAE's main_linprobe.py); ZeRO 0-2."""
     head_init: Literal["zero", "model"] = "zero"
     """The new classifier's start: 'zero' (the paper's, Sec. 3.2: weight and bias 0, every logit 0 at the first step) or 'model' (drawn as the ViT's own init draws it for a run from scratch with the same train.seed: trunc-normal 0.02, zero bias; the fine-tune then starts as that run does but for the pretrained weights). --probe has a head of its own."""
+    fresh_patch_embed: bool = False
+    """The patch projection drawn by the model's init, the rest loaded: what a source of other channels than 3 needs for a set of other channels than its own (RGB weights adapt to any channel count without it: timm's adapt_input_conv; docs/data.md)."""
 
 
 Check = tuple[str, bool, str]  # (dotted key, does it hold, what was expected): one of `validate`'s checks

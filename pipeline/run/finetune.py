@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeline.config import Config, ConfigError, ConfigFiles, FinetuneConfig
+from pipeline.config import Config, ConfigError, ConfigFiles
 from pipeline.derived import image_size
 from pipeline.dist import say
+from pipeline.model.channels import PATCH_WEIGHT, fit_in_chans
 from pipeline.model.layers import init_param
 from pipeline.model.layouts import is_ours, recognise
 from pipeline.model.mae import sincos_pos_embed_2d
@@ -141,10 +142,11 @@ def prepare_finetune(cfg: Config, plan: ResumePlan | None, cli_model_keys: set[s
                           f"leave finetune.head_init at zero")
     loaded = [state]  # handed to the hook once, not kept for the whole run
     del state
-    cfg = dataclasses.replace(cfg, model=model_cfg,
-                              finetune=FinetuneConfig(source=str(src.path), source_img_size=source_img_size, probe=probe,
-                                                       head_init=head_init))
-    return cfg, lambda model: load_pretrained(model, src, source_img_size, probe, state=loaded.pop(), head_init=head_init)
+    cfg = dataclasses.replace(cfg, model=model_cfg, finetune=dataclasses.replace(
+        cfg.finetune, source=str(src.path), source_img_size=source_img_size))
+    fresh_patch = cfg.finetune.fresh_patch_embed
+    return cfg, lambda model: load_pretrained(model, src, source_img_size, probe, state=loaded.pop(), head_init=head_init,
+                                              fresh_patch_embed=fresh_patch)
 
 
 
@@ -165,11 +167,15 @@ def _refuse_arch_overrides(cfg: Config, source: Config, cli_model_keys, where: s
 
 
 def load_pretrained(model: VisionTransformer, src: Source, source_img_size, probe: bool = False,
-                    state: dict[str, torch.Tensor] | None = None, head_init: str = "zero") -> dict[str, str]:
-    """Copy the source trunk (`state`, else read from `src`) into `model` (resizing position embeddings);
-    the head zeroed (`head_init` 'zero') or left as the model's init drew it ('model'). ZeRO-3 safe."""
+                    state: dict[str, torch.Tensor] | None = None, head_init: str = "zero",
+                    fresh_patch_embed: bool = False) -> dict[str, str]:
+    """Copy the source trunk (`state`, else read from `src`) into `model` (resizing position embeddings, an RGB
+    patch embedding adapted to the model's channels: pipeline/model/channels.py); the head zeroed (`head_init`
+    'zero') or left as the model's init drew it ('model'). ZeRO-3 safe."""
     state = {k: v for k, v in (state if state is not None else source_state_dict(src)).items()
              if not k.startswith(HEAD_PREFIXES)}
+    state, channels = fit_in_chans(state, real_shape(model.patch_embed.proj.weight)[1], str(src.path),
+                                   fresh_patch_embed)
     new_grid = model.grid_size
     patch = model.patch_embed.patch_size[0]
     if "pos_embed" not in state and src.config is not None and src.config.model.objective == "mae":
@@ -192,6 +198,7 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size, prob
     # With global_pool='avg' (MAE's recipe) fc_norm replaces the final norm: a source pretrained with a
     # class token has none and fc_norm starts fresh at (1, 0), as the official fine-tuning does.
     fresh = HEAD_PREFIXES if any(k.startswith("fc_norm.") for k in state) else (*HEAD_PREFIXES, "fc_norm.")
+    fresh = (*fresh, PATCH_WEIGHT) if fresh_patch_embed else fresh  # the model's own draw (channels.py)
     expected = {name: real_shape(p) for name, p in model.named_parameters() if not name.startswith(fresh)}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -219,7 +226,8 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size, prob
     positions = (f"position embeddings {old_tokens} -> {new_grid[0]}x{new_grid[1]} grid tokens"
                  if hasattr(model, "pos_embed") else
                  f"RoPE: no position table to resize, the {new_grid[0]}x{new_grid[1]} grid's positions are computed as it runs")
-    _say(f"loaded {len(expected)} tensors from {src.path}; {positions}; new {head} with {model.num_classes} classes")
+    _say(f"loaded {len(expected)} tensors from {src.path}; {positions}; new {head} with {model.num_classes} classes"
+         + (f"; {channels}" if channels else ""))
     return {}
 
 

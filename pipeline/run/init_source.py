@@ -29,6 +29,7 @@ from torch import nn
 
 from pipeline.config import Config, ConfigError
 from pipeline.dist import say
+from pipeline.model.channels import PATCH_WEIGHT, fit_in_chans
 from pipeline.model.dinov3 import DINOv3ViT
 from pipeline.model.layers import init_param
 from pipeline.model.pos_embed import resize_pos_embed
@@ -148,12 +149,17 @@ def _same(a: Any, b: Any) -> bool:
 def load_init(student: nn.Module, backbone: Backbone, objective: str) -> str:
     """The source into the student (built, not yet wrapped; partitioned under ZeRO-3); what came, what did not."""
     whole = _run_state(backbone, objective)
+    target = student.backbone if hasattr(student, "backbone") else student
+    fit = dict(in_chans=real_shape(target.patch_embed.proj.weight)[1], where=f"--init {backbone.source}", key=None)
     if whole is not None:  # a run of this recipe: its student-shaped state, heads (decoder) included
+        name = ("backbone." if target is not student else "") + PATCH_WEIGHT  # RGB -> C channels (model/channels.py)
+        whole, channels = fit_in_chans(whole, **fit, name=name)
         loaded, fresh = _copy(student, whole, "")
         what = f"{backbone.source} ({backbone.tag}): the whole model, heads included"
     else:
         target, prefix = (student.backbone, "backbone.") if hasattr(student, "backbone") else (student, "")
         state = _fit_positions(backbone.model.state_dict(), target, backbone.kwargs)
+        state, channels = fit_in_chans(state, **fit)
         loaded, fresh = _copy(target, state, prefix)
         if prefix:
             fresh += [n for n, _ in student.named_parameters() if not n.startswith(prefix)]
@@ -162,7 +168,8 @@ def load_init(student: nn.Module, backbone: Backbone, objective: str) -> str:
     parts = sorted({".".join(n.split(".")[:1 if not n.startswith("backbone.") else 2]) for n in fresh})
     into = "the student (and so the teacher)" if hasattr(student, "backbone") else "the model (its position table "\
         "MAE's fixed sin-cos)"
-    return f"{what}: {loaded} tensors from the file into {into}; fresh: {', '.join(parts) or 'nothing'}"
+    return (f"{what}: {loaded} tensors from the file into {into}; fresh: {', '.join(parts) or 'nothing'}"
+            + (f"; {channels}" if channels else ""))
 
 
 def _arch_defaults() -> dict[str, Any]:

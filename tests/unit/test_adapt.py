@@ -146,3 +146,16 @@ def test_the_backbone_is_frozen_bit_for_bit_while_the_heads_train_judged_from_st
     assert commands.pretrain([*args[:3], str(other.path), *args[4:], "train.steps=3"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "started from" in err and "another file" in err
+
+
+def test_an_rgb_source_starts_a_c_channel_student_as_timms_adapt_input_conv(data, tmp_path, capsys):
+    """Issue 62: the source's RGB patch embedding into a student of 4 channels (an array set's model.in_chans) is
+    timm's adapt_input_conv of it, in the student and so the teacher (pipeline/model/channels.py)."""
+    import timm
+
+    src = foreign_file("meta_dinov2", tmp_path / "src")
+    _, student, teacher = _student_and_teacher([*DINOV2_TINY, "model.in_chans=4"], src.path, data, tmp_path / "run")
+    want = timm.models.adapt_input_conv(4, torch.load(src.path)["patch_embed.proj.weight"].clone())
+    for model in (student, teacher):
+        assert torch.equal(model.backbone.patch_embed.proj.weight, want)
+    assert "patch projection RGB -> 4 channels (timm's adapt_input_conv)" in capsys.readouterr().out

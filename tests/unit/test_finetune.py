@@ -177,3 +177,41 @@ def test_a_file_that_is_neither_timm_nor_meta_is_named(tmp_path):
                                            r"Meta's DINOv2 .* timm's VisionTransformer .*it holds 2 tensors, the first: "
                                            r"conv1.weight, fc.weight"):
         finetuned(path, 16, extra=ARCH)
+
+
+@pytest.mark.parametrize("in_chans", [1, 4])
+def test_an_rgb_timm_file_fine_tunes_into_c_channels_as_timms_adapt_input_conv(tmp_path, capsys, in_chans):
+    """Issue 62: a 3-channel patch embedding into a model of 1 or 4 channels is timm's adapt_input_conv of it (the
+    rest as it is), and the features are those of timm's model given the same adapted weights."""
+    theirs = timm.models.vision_transformer.VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=5).eval()
+    path = tmp_path / "vit_timm.pth"
+    torch.save(theirs.state_dict(), path)
+    arch = ["model.variant=vit_ti16", "model.patch_size=8", "model.embed_dim=48", "model.depth=2", "model.num_heads=3"]
+    model = finetuned(path, 32, extra=[*arch, f"model.in_chans={in_chans}"])
+    adapted = timm.models.adapt_input_conv(in_chans, theirs.patch_embed.proj.weight.detach().clone())
+    assert model.patch_embed.proj.weight.shape == (48, in_chans, 8, 8)
+    assert torch.equal(model.patch_embed.proj.weight, adapted)
+    assert torch.equal(model.blocks[1].mlp.fc2.weight, theirs.blocks[1].mlp.fc2.weight)
+    assert f"patch projection RGB -> {in_chans} channels (timm's adapt_input_conv)" in capsys.readouterr().out
+    c_theirs = timm.models.vision_transformer.VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=5, in_chans=in_chans).eval()
+    c_theirs.load_state_dict({**theirs.state_dict(), "patch_embed.proj.weight": adapted})
+    x = torch.randn(2, in_chans, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_features(x), c_theirs.forward_features(x), atol=1e-6, rtol=0)
+
+
+def test_other_channels_than_rgb_are_refused_unless_the_patch_projection_is_fresh(tmp_path):
+    source = build_vit("vit_ti16", img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3,
+                       in_chans=4)
+    save_weights(source.state_dict(), tmp_path / "four.safetensors")
+    with pytest.raises(WeightsError, match=r"four.safetensors: its patch embedding takes 4 channels and the model 3: "
+                                          r"only RGB \(3\) weights adapt .* set finetune.fresh_patch_embed=true"):
+        finetuned(tmp_path / "four.safetensors", 16, extra=ARCH)
+    model = finetuned(tmp_path / "four.safetensors", 16, extra=[*ARCH, "finetune.fresh_patch_embed=true"])
+    torch.manual_seed(2)  # finetuned's build: the projection is the model's own draw, the rest the file's
+    scratch = VisionTransformer(**model_kwargs_from_config(load_config(None, [*ARCH, "model.img_size=16",
+                                                                              "model.num_classes=3"]).model))
+    assert torch.equal(model.patch_embed.proj.weight, scratch.patch_embed.proj.weight)
+    assert torch.equal(model.blocks[0].attn.qkv.weight, source.blocks[0].attn.qkv.weight)
