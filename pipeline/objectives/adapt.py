@@ -6,8 +6,10 @@ starts from a foundation model's weights (`launch/pretrain.py --init SOURCE`; do
     adapt.freeze_backbone_steps  only the fresh parts train: the backbone's parameter groups at lr 0
     adapt.backbone_warmup_steps  then the backbone's lr ramps from 0 to the schedule's (train.layer_decay
                                still scales it per layer)
-    adapt.anchor               DINOv3's Gram loss against the frozen source (the Gram teacher taken at step 0,
-                               never again), at this weight
+    adapt.anchor               DINOv3's Gram loss against the frozen source (taken at step 0, never again), at
+                               this weight: DINOv3's own Gram term (`anchored`), DINOv2's dino/anchor.py
+    adapt.warn_drop            the log warns when an eval.sets k-NN falls more than this many points below the
+                               source's (pipeline/run/init_source.py's versus_init)
 
 The freeze and the warm-up are a function of the step applied to the optimizer's groups before each step
 (`backbone_lr_schedule`, from the objective's `before_step`, as DINOv2's frozen prototypes): no state of their
@@ -25,6 +27,7 @@ from pipeline.config import Check, Config
 
 FRESH_ROLES = ("head", "last_layer", "decoder")  # the roles of what a source does not hold (dino.py, mae.py)
 ADAPT_RECIPES = ("dinov2", "dinov3", "mae")  # the recipes --init starts from a foundation model
+ANCHORED = ("dinov2", "dinov3")  # the recipes adapt.anchor applies to (the Gram loss: patch features of DINO)
 
 
 @dataclass
@@ -38,7 +41,9 @@ class AdaptConfig:
     backbone_warmup_steps: int = 0
     """After the freeze, steps over which the backbone's lr ramps linearly from 0 to the schedule's (times train.layer_decay's per-layer scale). 0: it joins at the full rate."""
     anchor: float = 0.0
-    """DINOv3: the weight of the Gram loss against the frozen source (the Gram teacher is the source, taken at step 0 and never updated; gram.* says how the loss is computed). 0: off."""
+    """DINOv2 and DINOv3: the weight of DINOv3's Gram loss between the student's patch features of the global crops and the frozen source's (taken at step 0, never updated; gram.normalized, remove_neg, remove_only_teacher_neg and img_level say how the loss is computed). 0: off."""
+    warn_drop: float | None = 5.0
+    """The log warns when an eval.sets figure (k-NN top-1) falls more than this many points (percent) below the source's at step 0. null: never."""
 
 
 def adapt_checks(cfg: Config) -> list[Check]:
@@ -49,10 +54,12 @@ def adapt_checks(cfg: Config) -> list[Check]:
         ("adapt.freeze_backbone_steps", a.freeze_backbone_steps >= 0, ">= 0"),
         ("adapt.backbone_warmup_steps", a.backbone_warmup_steps >= 0, ">= 0"),
         ("adapt.anchor", a.anchor >= 0, ">= 0 (0: off)"),
-        ("adapt.anchor", a.anchor == 0 or cfg.model.objective == "dinov3",
-         f"0 with model.objective={cfg.model.objective}: the anchor is DINOv3's Gram loss (model.objective: dinov3)"),
+        ("adapt.anchor", a.anchor == 0 or cfg.model.objective in ANCHORED,
+         f"0 with model.objective={cfg.model.objective}: the anchor is a Gram loss on DINO's patch features "
+         f"({' or '.join(ANCHORED)})"),
+        ("adapt.warn_drop", a.warn_drop is None or a.warn_drop >= 0, ">= 0 points, or null (never warn)"),
         # (a run's saved config.yaml holds the gram section `anchored` made: the anchor's own weight)
-        ("adapt.anchor", a.anchor == 0 or cfg.gram.loss_weight in (0.0, a.anchor),
+        ("adapt.anchor", a.anchor == 0 or cfg.model.objective != "dinov3" or cfg.gram.loss_weight in (0.0, a.anchor),
          "0 when gram.loss_weight > 0: the anchor is the Gram loss against the source; use one or the other"),
         ("adapt.freeze_backbone_steps", not schedule or cfg.model.objective in ADAPT_RECIPES,
          f"0 with model.objective={cfg.model.objective}: the backbone warm-up is for {', '.join(ADAPT_RECIPES)}"),
@@ -88,9 +95,10 @@ def backbone_lr_schedule(groups: list[dict[str, Any]], a: AdaptConfig, step: int
 
 
 def anchored(cfg: Config) -> Config:
-    """adapt.anchor as the gram section says it: the Gram loss at that weight from step 0, the Gram teacher
-    taken at step 0 (the student, the teacher: the source) and never again."""
-    if cfg.adapt.anchor <= 0:
+    """adapt.anchor of a DINOv3 run as the gram section says it: the Gram loss at that weight from step 0, the
+    Gram teacher taken at step 0 (the student, the teacher: the source) and never again. (DINOv2's anchor reads
+    adapt.anchor itself: pipeline/objectives/dino/anchor.py.)"""
+    if cfg.adapt.anchor <= 0 or cfg.model.objective != "dinov3":
         return cfg
     gram = dataclasses.replace(cfg.gram, loss_weight=cfg.adapt.anchor, start_step=0, max_updates=0)
     return dataclasses.replace(cfg, gram=gram)

@@ -223,10 +223,12 @@ def _copy(target: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> tup
 INIT_EVAL = "eval_init.json"  # RUN_DIR/: the eval.sets figures of the source itself (step 0)
 
 
-def versus_init(judged: dict[str, float], run_dir: Path, step: int) -> dict[str, float]:
+def versus_init(judged: dict[str, float], run_dir: Path, step: int,
+                warn_drop: float | None = None) -> dict[str, float]:
     """eval.sets' figures of a run started with --init, with eval/<name>/knn_top1_vs_init (the change against the
     source's own figure, in points of the fraction) from the second evaluation on; the step-0 figures written to
-    RUN_DIR/eval_init.json, where a resumed run finds them. Rank 0 (the one that logs)."""
+    RUN_DIR/eval_init.json, where a resumed run finds them; a warning for each figure more than `warn_drop`
+    points below the source's (adapt.warn_drop). Rank 0 (the one that logs)."""
     path = run_dir / INIT_EVAL
     if step == 0:
         path.write_text(json.dumps(judged, indent=1) + "\n")
@@ -236,4 +238,9 @@ def versus_init(judged: dict[str, float], run_dir: Path, step: int) -> dict[str,
     except (OSError, ValueError):
         return judged  # (a run whose step-0 evaluation did not happen: no eval.sets then)
     extra = {f"{k}_vs_init": v - first[k] for k, v in judged.items() if k.endswith("/knn_top1") and k in first}
+    for key, change in extra.items():  # adapt.warn_drop is in points (percent); the figures are fractions
+        if warn_drop is not None and -100 * change > warn_drop:
+            figure = key.removesuffix("_vs_init")
+            say(f"warning: step {step}: {figure} is {100 * judged[figure]:.2f}%, {-100 * change:.2f} points below "
+                f"the source's {100 * first[figure]:.2f}% (adapt.warn_drop={warn_drop:g})")
     return {**judged, **extra}

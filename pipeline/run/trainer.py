@@ -162,7 +162,7 @@ class Trainer:
             with self.objective.features(self.engine) as embed:
                 judged = self.eval_sets.evaluate(embed, self.engine.device)
             if self.cfg.adapt.init and self.env.is_main:  # --init: each figure against the source's (step 0)
-                judged = versus_init(judged, self.run_dir, step)
+                judged = versus_init(judged, self.run_dir, step, self.cfg.adapt.warn_drop)
             result = EvalResult({**result.metrics, **judged}, f"{result.line} | {self.eval_sets.line(judged)}",
                                 result.artifacts)
         if self.ema is None or not self.own_eval:  # (the EMA is judged by the objective's evaluation only)

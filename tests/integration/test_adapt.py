@@ -2,14 +2,15 @@
 (gloo): preempted on 2 ranks while its backbone is still frozen (adapt.freeze_backbone_steps) and resumed on 1,
 it ends where the uninterrupted run ends, the student and the exported teacher within 1e-6, at ZeRO-1 and at
 ZeRO-3 (gradient checkpointing on in both: TINY's). The freeze, the backbone's warm-up after it are a function
-of the step: the resumed run takes both up where the preempted one stopped."""
+of the step: the resumed run takes both up where the preempted one stopped. adapt.anchor on (DINOv2's Gram loss
+against the source, pipeline/objectives/dino/anchor.py): the source it holds is saved, resumed and never moves."""
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from pipeline.train import checkpoint as ckpt
-from tests.integration.runs import TINY, run, run_and_signal, weights
+from tests.integration.runs import TINY, metrics, run, run_and_signal, weights
 from tests.integration.test_dino import DINO, assert_close
 from tests.unit.recipe_runs import foreign_file
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/dino_demo.yaml"
 # Steps 0-4 frozen, 5-6 the backbone's lr ramping, 7 at the schedule's: the preemption (after step 4, checkpoint
 # at step 4 or 5) falls in the freeze, so the resumed run ends it and runs the whole warm-up.
-ADAPT = ["adapt.freeze_backbone_steps=5", "adapt.backbone_warmup_steps=2", "deepspeed.bf16=false"]
+ADAPT = ["adapt.freeze_backbone_steps=5", "adapt.backbone_warmup_steps=2", "adapt.anchor=1.0", "deepspeed.bf16=false"]
 
 
 def base(data, source, run_dir, zero, *extra):
@@ -39,6 +40,10 @@ def reference(shards, source, tmp_path_factory):
     ref = run("pretrain.py", CONFIG, base(shards, source, ref_dir, 1), ranks=2)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     assert f"--init {source}: " in ref.stdout and "fresh: backbone.mask_token, dino_head" in ref.stdout
+    assert ref.stdout.count("adapt.anchor: the source (the EMA teacher of step 0)") == 1
+    anchor = [m["metrics"]["train/gram_loss"] for m in metrics(ref_dir) if "train/gram_loss" in m["metrics"]]
+    # Not 0 while the backbone is frozen: the student sees iBOT's masked crops, the source the crops.
+    assert len(anchor) == 4 and all(0 < a < 1 for a in anchor), anchor
     return ref_dir
 
 
@@ -65,3 +70,6 @@ def test_an_init_run_preempted_in_its_freeze_on_2_ranks_resumes_on_1_and_ends_wh
     # The backbone joined after the preemption: it moved between the checkpoint and the end.
     key = "backbone.blocks.0.attn.qkv.weight"
     assert not torch.equal(early[key], student[key])
+    # The anchor is the file's backbone, bit for bit, at the end (saved, resumed, never updated).
+    anchor = ckpt.read_client_state(run_dir, ckpt.newest_complete_tag(run_dir))["objective"]["anchor"]
+    assert all(torch.equal(anchor[k.removeprefix("backbone.")], v) for k, v in file.items())

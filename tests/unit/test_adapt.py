@@ -35,8 +35,53 @@ def test_the_anchor_is_the_gram_loss_against_the_source_taken_once_at_step_0():
     assert g.loss_weight == 0.5 and [takes_copy(s, g.start_step, g.update_every, g.max_updates)
                                      for s in range(0, 3 * max(g.update_every, 1) + 1)] == [True] + [False] * (
         3 * max(g.update_every, 1))
-    with pytest.raises(ConfigError, match="adapt.anchor"):
-        load_config(DEMO, ["adapt.anchor=0.5"])  # DINOv2 has no Gram term (yet)
+    dinov2 = load_config(DEMO, ["adapt.anchor=0.5"])  # DINOv2's anchor reads adapt.anchor (dino/anchor.py)
+    assert anchored(dinov2).gram == dinov2.gram
+    with pytest.raises(ConfigError, match="adapt.anchor.* must be 0 with model.objective=mae"):
+        load_config(str(ROOT / "configs/pretrain/mae_demo.yaml"), ["adapt.anchor=0.5"])  # no patch features' Gram
+
+
+def test_dinov2s_anchor_is_the_gram_loss_against_the_source_taken_at_step_0_only():
+    """pipeline/objectives/dino/anchor.py: the source taken before step 0, never again; its term equals
+    adapt.anchor x the mean squared difference of the L2-normalised patch features' Gram matrices, per image."""
+    from pipeline.model.vit import VisionTransformer
+    from pipeline.objectives import load_config
+    from pipeline.objectives.dino.anchor import SourceAnchor
+
+    def vit(seed: int) -> VisionTransformer:
+        torch.manual_seed(seed)
+        return VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=0,
+                                 mask_token=True, drop_path_rate=0.0).eval()
+
+    source, later = vit(0), vit(1)
+    anchor = SourceAnchor(vit(2), 0.5, load_config(DEMO, ["adapt.anchor=0.5"]))
+    anchor.before_step(0, source, torch.device("cpu"))
+    anchor.before_step(1, later, torch.device("cpu"))  # the teacher moved on: not taken again
+    assert all(torch.equal(a, b) for a, b in zip(anchor.source.backbone.parameters(), source.parameters()))
+    crops = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    student = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(4))
+
+    def gram(x: torch.Tensor) -> torch.Tensor:
+        x = x / x.norm(dim=-1, keepdim=True)
+        return x @ x.transpose(1, 2)
+
+    with torch.no_grad():
+        want = 0.5 * ((gram(student) - gram(source.forward_tokens(crops).patch_tokens)) ** 2).mean()
+    torch.testing.assert_close(anchor.term(crops, student), want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_set_more_than_warn_drop_points_below_the_source_is_warned(tmp_path, capsys):
+    from pipeline.run.init_source import versus_init
+
+    source = {"eval/a/knn_top1": 0.80, "eval/b/knn_top1": 0.50}
+    assert versus_init(source, tmp_path, 0, 5.0) == source
+    got = versus_init({"eval/a/knn_top1": 0.74, "eval/b/knn_top1": 0.46}, tmp_path, 4, 5.0)
+    assert got["eval/a/knn_top1_vs_init"] == pytest.approx(-0.06) and got["eval/b/knn_top1_vs_init"] == pytest.approx(-0.04)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["warning: step 4: eval/a/knn_top1 is 74.00%, 6.00 points below the source's 80.00% "
+                   "(adapt.warn_drop=5)"]
+    versus_init({"eval/a/knn_top1": 0.10}, tmp_path, 8, None)  # null: never
+    assert capsys.readouterr().out == ""
 
 
 def test_the_backbone_lr_is_0_through_the_freeze_then_ramps_to_the_schedule():

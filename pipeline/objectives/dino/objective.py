@@ -12,7 +12,6 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +30,12 @@ from pipeline.model.dino_head import dino_head_flops
 from pipeline.model.vit import architecture, model_flops, model_kwargs_from_config
 from pipeline.objectives.adapt import backbone_lr_schedule, wants_roles
 from pipeline.objectives.base import EvalResult, Objective, TrainView
+from pipeline.objectives.dino.anchor import source_anchor
 from pipeline.objectives.dino.collapse import CollapseMonitor
 from pipeline.objectives.dino.evaluate import evaluate_teacher
 from pipeline.objectives.dino.loss import DINOLoss, KoLeoLoss, iBOTPatchLoss
 from pipeline.objectives.dino.masked import mask_bound, masked_rows, masked_weights
-from pipeline.objectives.dino.view import MultiCropView
+from pipeline.objectives.dino.view import MultiCropView, Views, crop_major
 from pipeline.train import ds_compat
 from pipeline.train.checkpoint import CheckpointError, checkpoint_dir, read_client_state
 from pipeline.train.ema import Ema
@@ -64,32 +64,6 @@ def dinov2_model_kwargs(cfg: Config, section: str = "dino") -> dict[str, Any]:
     return {**vit, **{k: getattr(d, k) for k in HEAD_KEYS}}
 
 
-@dataclass
-class Views:
-    """One micro batch's crops as the student and teacher take them: crop-major, as Meta's collate (all
-    images' first global crop, then all second ones), and the student's further forward arguments."""
-
-    global_crops: torch.Tensor
-    """(2B, 3, G, G)"""
-    local_crops: torch.Tensor | None
-    """(nB, 3, L, L); None without local crops"""
-    masks: torch.Tensor | None
-    """(2B, N) iBOT's masks of the global crops' patches; None without iBOT"""
-    batch: int
-    n_local: int
-    student: dict[str, Any] = field(default_factory=dict)
-    """More keyword arguments of the student's forward (DINOv3's RoPE draws)."""
-    mask_indices: torch.Tensor | None = None
-    """(M,) the masked patches' rows, padded to the fixed `mask_bound` (masked.py); set by `loss`"""
-    mask_valid: torch.Tensor | None = None
-    """(M,) which of those rows are masked patches"""
-
-
-def crop_major(x: torch.Tensor) -> torch.Tensor:
-    """(B, n, ...) per sample, as the loader stacks a view -> (n B, ...) crop-major."""
-    return x.transpose(0, 1).flatten(0, 1)
-
-
 class DINOv2(Objective):
     """DINOv2 self-distillation (Oquab et al. 2023, Meta's `SSLMetaArch`): the student is the model DeepSpeed
     trains; the teacher, an EMA of it (momentum cosine from dino.momentum_teacher to 1 over train.steps),
@@ -110,6 +84,7 @@ class DINOv2(Objective):
 
     model_class = DINOv2Model
     section = "dino"  # the config section the recipe reads (DINOv3: dinov3)
+    anchors_source = True  # adapt.anchor: the Gram loss against the source (anchor.py); DINOv3's is its Gram term
 
     def __init__(self, cfg: Config, info: Any):
         super().__init__(cfg, info)
@@ -159,6 +134,7 @@ class DINOv2(Objective):
         # ZeRO-3: the machinery of train.ema_decay's model EMA (pipeline/train/ema.py).
         self.teacher_ema = Ema(self.teacher, "scale_add", buffers=False)
         self.teacher_ema.update(model, 0.0)  # the teacher starts as the student
+        self.anchor = source_anchor(self.cfg, self.model_class, model_kwargs, init) if self.anchors_source else None
 
     # -- the data
     def train_view(self, model_kwargs: dict[str, Any]) -> TrainView:
@@ -221,6 +197,8 @@ class DINOv2(Objective):
         self.teacher_ema.to(device)
         for loss in (self.dino_loss, self.ibot_loss):
             loss.to(device)
+        if self.anchor is not None:
+            self.anchor.before_step(step, self.teacher.backbone, device)
 
     def _accumulate(self, name: str, outputs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """This micro batch's teacher outputs (the rows `valid` says) toward the step's centre update (sum, count)."""
@@ -294,6 +272,8 @@ class DINOv2(Objective):
             # Meta's scale: x2 (the global crops together) x 1/2 (per global crop) = 1.
             losses["ibot_loss"] = d.ibot_loss_weight * self.ibot_loss.forward_masked(
                 out["masked"].float(), t_ibot, views.masks, masks_weight=weights)
+        if self.anchor is not None:
+            losses["gram_loss"] = self.anchor.term(views.global_crops, out["global_patch"])
         return losses
 
     @torch.no_grad()
@@ -399,7 +379,8 @@ class DINOv2(Objective):
         ibot = self.expected_masked_patches(model_kwargs) * patch_head
         global_fwd = 2 * (model_flops(model_kwargs) + head) + ibot
         local_fwd = d.local_crops_number * (model_flops(model_kwargs, local_size or d.local_crops_size) + head)
-        return global_fwd + local_fwd + global_fwd / 3
+        anchor = 2 * model_flops(model_kwargs) / 3 if self.anchors_source and self.cfg.adapt.anchor > 0 else 0.0
+        return global_fwd + local_fwd + global_fwd / 3 + anchor
 
     def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:  # noqa: ARG002 - the interface (the teacher, not the engine)
         """The teacher's backbone, in `VisionTransformer`'s (timm's) names: what fine-tuning starts from."""
@@ -434,7 +415,7 @@ class DINOv2(Objective):
         self._entropy = entropy.cpu() if is_rank0() else None  # the sum goes on, held by rank 0
         return {"step": self.step, "teacher": self._teacher_state(), "dino_center": self.dino_loss.center.cpu(),
                 "ibot_center": self.ibot_loss.center.cpu(), "collapse": self.collapse.state_dict(),
-                "entropy_since_eval": entropy.cpu()}
+                "entropy_since_eval": entropy.cpu(), **(self.anchor.state_dict() if self.anchor else {})}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -446,5 +427,7 @@ class DINOv2(Objective):
         self.dino_loss.center = state["dino_center"].clone()
         self.ibot_loss.center = state["ibot_center"].clone()
         self.collapse.load_state_dict(state.get("collapse"))  # absent from a checkpoint written before it
+        if self.anchor is not None:
+            self.anchor.load_state_dict(state)
         since = state.get("entropy_since_eval")
         self._entropy = since.clone() if since is not None and is_rank0() else None  # summed once over the ranks

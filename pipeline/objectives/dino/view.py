@@ -1,8 +1,10 @@
 """DINOv2's view of a training sample, drawn in the loader workers: the multi-crop (data/multicrop.py) and
-each global crop's iBOT mask, every draw from the sample's augmentation seed."""
+each global crop's iBOT mask, every draw from the sample's augmentation seed; and a micro batch of them as the
+student and the teacher take them (`Views`, `crop_major`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,3 +34,29 @@ class MultiCropView:
         masks = torch.stack([block_mask(seed_for(IBOT_MASK, seed, i), self.grid, self.mask_probability,
                                         self.mask_ratio).flatten() for i in range(2)])
         return torch.stack(crops["global_crops"]), local, masks
+
+
+@dataclass
+class Views:
+    """One micro batch's crops as the student and teacher take them: crop-major, as Meta's collate (all
+    images' first global crop, then all second ones), and the student's further forward arguments."""
+
+    global_crops: torch.Tensor
+    """(2B, 3, G, G)"""
+    local_crops: torch.Tensor | None
+    """(nB, 3, L, L); None without local crops"""
+    masks: torch.Tensor | None
+    """(2B, N) iBOT's masks of the global crops' patches; None without iBOT"""
+    batch: int
+    n_local: int
+    student: dict[str, Any] = field(default_factory=dict)
+    """More keyword arguments of the student's forward (DINOv3's RoPE draws)."""
+    mask_indices: torch.Tensor | None = None
+    """(M,) the masked patches' rows, padded to the fixed `mask_bound` (masked.py); set by `loss`"""
+    mask_valid: torch.Tensor | None = None
+    """(M,) which of those rows are masked patches"""
+
+
+def crop_major(x: torch.Tensor) -> torch.Tensor:
+    """(B, n, ...) per sample, as the loader stacks a view -> (n B, ...) crop-major."""
+    return x.transpose(0, 1).flatten(0, 1)

@@ -61,6 +61,7 @@ class DINOv3(DINOv2):
 
     model_class = DINOv3Model
     section = "dinov3"
+    anchors_source = False  # adapt.anchor is its Gram term against the source (adapt.anchored)
 
     def __init__(self, cfg: Config, info: Any):
         super().__init__(cfg, info)
