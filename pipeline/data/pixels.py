@@ -265,3 +265,14 @@ def resolve_pixels(cfg: Any, info: Any) -> Any:
     # An RGB set's run keeps model.in_chans unset: its config.yaml reads as before, a resume compares alike.
     model = dataclasses.replace(cfg.model, in_chans=channels if channels != 3 else cfg.model.in_chans)
     return dataclasses.replace(cfg, model=model, data=resolve_data(cfg.data, info))
+
+
+def for_model(cfg: Any, info: Any, in_chans: int, where: str) -> Any:
+    """The DataConfig a trained model reads a set with (launch/evaluate.py, launch/embed.py): the set's channels the
+    model's (one line naming `where` otherwise, before anything is read), data.mean/std as `resolve_data` makes them
+    (a weights file's default on an array set: dataset.json's statistics)."""
+    channels = set_channels(info)
+    if channels != in_chans:
+        raise DataError(f"{where}: {info.path} holds {channels}-channel images and the model takes {in_chans} "
+                        f"(its model.in_chans); give a set of the channels it was trained on")
+    return resolve_data(cfg, info)

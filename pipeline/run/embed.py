@@ -41,6 +41,7 @@ from pipeline import atomic
 from pipeline.config import DataConfig
 from pipeline.data import dataset_info_of, tario
 from pipeline.data.info import expected_of
+from pipeline.data.pixels import for_model
 from pipeline.data.reader import Indexes
 from pipeline.data.transforms import BatchNormalizer, eval_transform
 from pipeline.dist import DistEnv
@@ -78,13 +79,14 @@ class ShardImages(IterableDataset):
         expected = {s: e for split in self.info.splits.values() for s, e in expected_of(split).items()}
         indexes = Indexes(self.cfg.cache_dir, self.cfg.cache_limit_gb, RetryPolicy.from_config(self.cfg), expected)
         labelled = self.info.num_classes > 0
+        channels = int(self.info.pixels.get("channels", 3))
         try:
             for i in range(w, len(self.parts), n):
                 local = indexes.get(self.parts[i].shard).path  # a remote shard: copied and checked first
                 keys, names, labels, images, bad = [], [], [], [], 0
                 for raw in tario.iter_raw_samples(local):
                     try:
-                        img = tario.decode_image(tario.image_member(raw)[1], self.cfg.max_image_pixels)
+                        img = tario.sample_image(raw, self.cfg.max_image_pixels)  # an array member too (pixels.py)
                     except tario.SampleError:
                         bad += 1
                         continue
@@ -92,13 +94,14 @@ class ShardImages(IterableDataset):
                     keys.append(f"{self.parts[i].split}/{raw.key}")  # a shard's keys repeat in the next split
                     names.append(tario.source_name(raw))
                     labels.append(label)
-                    images.append(normalize(transform(img), out=torch.empty(3, *self.img_size)))
+                    x = transform(img)  # (C, H, W): 3 for an RGB set, the set's channels for an array set
+                    images.append(normalize(x, out=torch.empty(x.shape[0], *self.img_size)))
                     if len(keys) == self.batch:
                         yield {"part": i, "keys": keys, "names": names, "labels": labels, "images": torch.stack(images),
                                "last": False}
                         keys, names, labels, images = [], [], [], []
                 yield {"part": i, "keys": keys, "names": names, "labels": labels, "bad": bad, "last": True,
-                       "images": torch.stack(images) if images else torch.empty(0, 3, *self.img_size)}
+                       "images": torch.stack(images) if images else torch.empty(0, channels, *self.img_size)}
         finally:
             indexes.close()
 
@@ -206,6 +209,7 @@ def embed(backbone: Backbone, data_path: str, splits: list[str], out: str, env: 
     """Embed every sample of `splits`; this rank's counts {written, skipped (parts there), bad}."""
     cfg = DataConfig(**{**backbone.data.__dict__, "path": data_path})
     info = dataset_info_of(cfg)
+    cfg = for_model(cfg, info, backbone.kwargs.get("in_chans", 3), "--data")  # the set's channels the model's
     for split in splits:
         info.split(split)  # a DataError naming the splits there are
     parts = [Part(s, shard, f"{s}/part-{i:05d}.parquet") for s in splits for i, shard in enumerate(info.split(s).shards)]

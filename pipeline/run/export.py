@@ -59,7 +59,8 @@ def timm_config(backbone: Backbone) -> dict[str, Any]:
             "num_heads": k["num_heads"], "mlp_ratio": k["mlp_ratio"], "qkv_bias": k["qkv_bias"],
             "class_token": True, "global_pool": k["global_pool"], "init_values": k.get("init_values"),
             "reg_tokens": k.get("reg_tokens", 0), "no_embed_class": bool(k.get("no_embed_class")),
-            "dynamic_img_size": bool(k.get("dynamic_img_size")), "num_classes": k["num_classes"]}
+            "dynamic_img_size": bool(k.get("dynamic_img_size")), "num_classes": k["num_classes"],
+            "in_chans": k.get("in_chans", 3)}  # an array set's channels (docs/data.md): timm builds its patch embedding
     return {"architecture": TIMM_ENTRY[k.get("mlp_layer") or "mlp"], "num_classes": k["num_classes"],
             "num_features": k["embed_dim"], "model_args": args,
             "pretrained_cfg": _pretrained_cfg(backbone, (h, w), not args["dynamic_img_size"], k["num_classes"])}
@@ -81,7 +82,7 @@ def _timm_dinov3_config(backbone: Backbone) -> dict[str, Any]:
     args = {"img_size": [h, w], "patch_size": k["patch_size"], "embed_dim": k["embed_dim"], "depth": k["depth"],
             "num_heads": k["num_heads"], "mlp_ratio": k["mlp_ratio"], "qkv_bias": k["qkv_bias"],
             "init_values": k["init_values"], "num_reg_tokens": k["reg_tokens"], "rope_temperature": k["rope_temperature"],
-            "global_pool": k["global_pool"], "num_classes": k["num_classes"],
+            "global_pool": k["global_pool"], "num_classes": k["num_classes"], "in_chans": k.get("in_chans", 3),
             # timm's Eva packs SwiGLU's gate and value into one fc1 unless it aligns (or scales): rounding to a
             # multiple of 1 keeps the width and gives the separate fc1_g/fc1_x our weights have.
             **({"swiglu_align_to": k["swiglu_align_to"] or 1} if swiglu else {})}
@@ -93,7 +94,8 @@ def _timm_dinov3_config(backbone: Backbone) -> dict[str, Any]:
 def _pretrained_cfg(backbone: Backbone, size: tuple[int, int], fixed: bool, classes: int) -> dict[str, Any]:
     """The run's eval transform as timm's data config reads it (resolve_data_config)."""
     data = backbone.data
-    return {"input_size": [3, *size], "fixed_input_size": fixed, "interpolation": data.interpolation,
+    channels = backbone.kwargs.get("in_chans", 3)  # an array set's (docs/data.md); timm's data config says it
+    return {"input_size": [channels, *size], "fixed_input_size": fixed, "interpolation": data.interpolation,
             "crop_pct": data.crop_pct, "crop_mode": "center", "mean": list(data.mean), "std": list(data.std),
             "num_classes": classes, "first_conv": "patch_embed.proj", "classifier": "head",
             "license": "see the model card (README.md)"}
@@ -224,11 +226,13 @@ def export_onnx(backbone: Backbone, folder: Path, check_batch: int = 3, force: b
     outputs = ["cls", "mean_patch", *(["logits"] if backbone.model.num_classes else [])]
     dynamic = {0: "batch", **({2: "height", 3: "width"} if len(sizes) > 1 else {})}
     path = folder / "model.onnx"
-    torch.onnx.export(wrapper, (torch.randn(2, 3, *sizes[0]),), str(path), input_names=["images"],
+    channels = backbone.kwargs.get("in_chans", 3)  # the input is (batch, C, H, W): an array set's C channels
+    torch.onnx.export(wrapper, (torch.randn(2, channels, *sizes[0]),), str(path), input_names=["images"],
                       output_names=outputs, dynamo=False, opset_version=17,
                       dynamic_axes={"images": dynamic, **{o: {0: "batch"} for o in outputs}})
     generator = torch.Generator().manual_seed(0)
-    worst = max(check_onnx(wrapper, path, torch.randn(check_batch, 3, *size, generator=generator)) for size in sizes)
+    worst = max(check_onnx(wrapper, path, torch.randn(check_batch, channels, *size, generator=generator))
+                for size in sizes)
     if worst > ONNX_TOLERANCE:
         path.unlink()
         raise WeightsError(f"{path}: ONNX Runtime's outputs differ from PyTorch's by {worst:.2e} "

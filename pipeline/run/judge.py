@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.data import build_eval_loader, raise_if_any_failed
+from pipeline.data.pixels import for_model
 from pipeline.dist import DistEnv
 from pipeline.eval.features import class_tokens, extract, gather_rows
 from pipeline.eval.knn import KNN_KS, knn_accuracy
@@ -40,6 +41,7 @@ class Judge:
                  train_split: str = "train", val_split: str = "val"):
         self.protocols = protocols
         cfg, info = labelled_set(first.data, data_path, train_split, val_split, "--data")
+        cfg = for_model(cfg, info, first.kwargs.get("in_chans", 3), "--data")  # the set's channels the model's
         img = first.kwargs["img_size"]
         self.train = build_eval_loader(dataclasses.replace(cfg, val_split=train_split), img, batch, rank=env.rank,
                                        world_size=env.world_size, info=info)
