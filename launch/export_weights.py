@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.errors import add_launcher_arguments, one_line_errors, set_debug  # noqa: E402
+from pipeline.model.timm_backbone import TimmBackbone  # noqa: E402
 from pipeline.model.vit import architecture  # noqa: E402
 from pipeline.model.weights import WeightsError, save_weights  # noqa: E402
 from pipeline.objectives import load_config  # noqa: E402
@@ -96,6 +97,10 @@ def export_file(path: Path, out: Path, force: bool) -> int:
 
     refuse_to_replace(out, force)
     backbone = load_backbone(path, flag="")
+    if isinstance(backbone.model, TimmBackbone):  # a distillation's timm student: timm's names, its model said
+        save_weights(backbone.model.model.state_dict(), out, metadata=backbone.model.metadata())
+        print(f"wrote {out}: timm's {backbone.model.timm_model} {backbone.model.timm_kwargs} from {path}")
+        return 0
     arch = architecture(type(backbone.model), backbone.kwargs)
     state = backbone.model.state_dict()
     save_weights(state, out, metadata={k: str(v) for k, v in arch.items()})

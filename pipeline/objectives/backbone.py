@@ -28,6 +28,7 @@ from pipeline.config import Config, ConfigFiles, DataConfig, ModelConfig
 from pipeline.model.dinov3 import DINOv3ViT, backbone_class
 from pipeline.model.layouts import OURS_DINOV3, OURS_MAE, OURS_VIT, Recognised, is_ours, recognise
 from pipeline.model.mae import sincos_pos_embed_2d
+from pipeline.model.timm_backbone import METADATA_KEYS, TimmBackbone, from_metadata
 from pipeline.model.variants import model_kwargs_from_config, pair
 from pipeline.model.vit import VisionTransformer
 from pipeline.model.weights import WeightsError, load_weights, weights_metadata
@@ -144,6 +145,9 @@ def load_backbone(source: str | Path, files: ConfigFiles, tag: str | None = None
     `flag`: the command's name for the source."""
     src = find_source(str(source), files, flag=flag)
     cfg, path = src.config, src.path
+    timm_student = _timm_backbone(path, cfg, tag, files)  # a distillation's timm student (its export, or the run)
+    if timm_student is not None:
+        return timm_student
     state, tag, ours = _read(path, cfg, tag)
     where = f"{path}" + (f" ({tag})" if tag else "")
     found = recognise(state, where, ours=ours)
@@ -170,11 +174,41 @@ def load_backbone(source: str | Path, files: ConfigFiles, tag: str | None = None
     return Backbone(model.eval(), kwargs, cfg.data if cfg is not None else DataConfig(), path, tag, cfg, found)
 
 
+def _timm_backbone(path: Path, cfg: Config | None, tag: str | None, files: ConfigFiles) -> Backbone | None:
+    """A timm model a distillation exported (students/<name>/model.safetensors, or its run's model.safetensors:
+    timm's names, the model in the metadata), or a checkpoint of such a run; None for any other source. Read
+    beside its run's config.yaml, it takes that run's data.* (its normalisation)."""
+    file = path if path.is_file() else path / "model.safetensors" if tag is None else None
+    arch = from_metadata(weights_metadata(file)) if file is not None and file.is_file() else None
+    if arch is None and path.is_dir() and cfg is not None and cfg.model.objective == "distill":
+        tag = tag or ckpt.newest_complete_tag(path)  # a checkpoint: the student as the run built it
+        built = ckpt.TrainerState.read(ckpt.checkpoint_dir(path) / tag).model if tag else {}
+        arch = {k: built[k] for k in METADATA_KEYS} if "timm_model" in built else None
+        state = objective_of_run(cfg).weights_from_checkpoint(path, tag, cfg) if arch is not None else {}
+    elif arch is not None:
+        state = load_weights(file)
+    if arch is None:
+        return None
+    run_config = path.parent.parent.parent / "config.yaml"  # RUN/students/NAME/model.safetensors
+    if cfg is None and path.parent.parent.name == "students" and run_config.is_file():
+        cfg = files.load(run_config)
+    where = f"{path}" + (f" ({tag})" if tag and path.is_dir() else "")
+    model = _build(TimmBackbone, arch, where)
+    try:
+        model.model.load_state_dict({k: v.float() for k, v in state.items()})
+    except RuntimeError as e:
+        raise WeightsError(f"{where}: the weights do not fit timm's {arch['timm_model']} "
+                           f"{arch['timm_kwargs']}: {str(e).splitlines()[1].strip()}") from None
+    return Backbone(model.eval(), arch, cfg.data if cfg is not None else DataConfig(), path,
+                    tag if path.is_dir() else None, cfg)
+
+
 def _build(cls: type[nn.Module], kwargs: dict[str, Any], where: str) -> nn.Module:
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:  # arguments one class does not take, or values it refuses
-        raise WeightsError(f"{where}: cannot build {cls.__name__} {_describe(kwargs)}: {e}") from None
+        what = "" if cls is TimmBackbone else f" {_describe(kwargs)}"
+        raise WeightsError(f"{where}: cannot build {cls.__name__}{what}: {e}") from None
 
 
 def _load(model: nn.Module, weights: dict[str, torch.Tensor], kwargs: dict[str, Any], where: str) -> None:

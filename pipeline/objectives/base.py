@@ -15,6 +15,7 @@ The trainer (pipeline/run/trainer.py) names no objective. It asks the objective,
     ... at eval steps:      result = objective.evaluate(engine, dtype, run_dir, step)
     objective.state_dict() / load_state_dict()        # its own state, saved with every checkpoint
     ... at the end:         objective.exported_weights(engine)   # what model.safetensors holds
+                            objective.extra_exports(engine)      # files beside it (a distillation's students)
 
 The trainer reads nothing else of an objective: what a hook needs later (its eval loaders, a teacher) the
 objective keeps for itself.
@@ -163,6 +164,11 @@ class Objective:
         """Collective. The fp32 weights the run exports (model.safetensors, what fine-tuning starts from):
         by default the trained model's; an objective whose product is another model (a teacher) gives that."""
         return full_fp32_state_dict(engine)
+
+    def extra_exports(self, engine: Any) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:  # noqa: ARG002 - the interface
+        """Collective. Files the run exports beside model.safetensors: path under the run directory -> (fp32
+        weights, safetensors metadata); a distillation's students/<name>/model.safetensors. None by default."""
+        return {}
 
     @classmethod
     def exported_architecture(cls, model_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -3,11 +3,24 @@ checks, and the recipe `model.objective: distill` (the objective itself: distill
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from pipeline.config import Check, Config
 from pipeline.objectives.recipe import ReadBack, Recipe
+from pipeline.source_config import name_problem
+
+
+@dataclass
+class StudentConfig:
+    """One student of `distill.students`: a timm model (`timm`), or a ViT of ours (`model.*`)."""
+
+    name: str = ""
+    """The student's name: its export is `<run.dir>/students/<name>/model.safetensors`."""
+    timm: str | None = None
+    """A timm model name (any with `forward_features` giving a feature map: a ResNet, a ConvNeXt, an EfficientNet), built with pretrained=False and no classifier; its export is in timm's names. None: the ViT `model.*` describes."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """timm's own keyword arguments for `timm` (e.g. output_stride: 8, for a finer feature map)."""
 
 
 @dataclass
@@ -26,6 +39,8 @@ class DistillConfig:
     """Weight of the patch-token term (the teacher's grid resized to the student's, as DINOv3 resizes its Gram teacher's)."""
     resize_method: Literal["bicubic", "bilinear"] = "bicubic"
     """How the teacher's patch grid is resized to the student's when they differ (a /14 teacher, a /16 student)."""
+    students: list[StudentConfig] = field(default_factory=list)
+    """Empty: one student, the ViT `model.*` describes, exported as model.safetensors. One entry (more: not built yet): that student (`{name: cnn, timm: resnet10t, kwargs: {output_stride: 8}}`), exported as model.safetensors and as students/<name>/model.safetensors; `model.img_size` is its input size."""
     knn_k: int = 20
     """Evaluation: neighbours voting in the student's k-NN top-1 (0 disables it; only where the validation split has labels). At the first evaluation the teacher's is given too."""
     knn_train_samples: int = 10000
@@ -43,9 +58,25 @@ def distill_checks(cfg: Config) -> list[Check]:
         ("distill.patch_weight", d.patch_weight >= 0 and d.cls_weight + d.patch_weight > 0,
          ">= 0, and distill.cls_weight + distill.patch_weight > 0"),
         ("distill.knn_k", d.knn_k >= 0, ">= 0"),
+        ("distill.students", len(d.students) <= 1 and not students_problem(d.students),
+         students_problem(d.students) or "at most one student (several from one teacher forward: not built yet, "
+                                         "issue 61)"),
+        ("deepspeed.zero_stage", cfg.deepspeed.zero_stage < 3 or not any(s.timm for s in d.students),
+         "below 3 with a timm student (timm initialises its weights in place, which a ZeRO-3 partitioned "
+         "parameter does not take)"),
         ("data.mixup", cfg.data.mixup == 0 and cfg.data.cutmix == 0,
          "0 with model.objective 'distill' (as data.cutmix: the teacher teaches on the images, not on labels)"),
     ]
+
+
+def students_problem(students: list[StudentConfig]) -> str:
+    """What is wrong with the entries of distill.students ('' when nothing), naming the entry."""
+    for i, s in enumerate(students):
+        if name_problem(s.name):
+            return f"a list whose entry {i} has a plain name ({name_problem(s.name)})"
+        if s.kwargs and s.timm is None:
+            return f"a list whose entry {i} ('{s.name}') has kwargs only with a `timm` model"
+    return ""
 
 
 def _objective() -> type:

@@ -30,6 +30,7 @@ from pipeline.config import DataConfig
 from pipeline.data import dataset_info_of
 from pipeline.eval.features import embedding
 from pipeline.model.dinov3 import DINOv3ViT
+from pipeline.model.timm_backbone import TimmBackbone
 from pipeline.model.variants import pair
 from pipeline.model.vit import VisionTransformer, architecture
 from pipeline.model.weights import WeightsError, save_weights
@@ -47,6 +48,12 @@ def timm_config(backbone: Backbone) -> dict[str, Any]:
     timm's vision_transformer.py, a DINOv3ViT as timm's DINOv3 models (eva.py's `vit_*_patch16_dinov3`)."""
     if isinstance(backbone.model, DINOv3ViT):
         return _timm_dinov3_config(backbone)
+    if isinstance(backbone.model, TimmBackbone):  # a distillation's timm student: timm's own model and arguments
+        m = backbone.model
+        return {"architecture": m.timm_model, "num_classes": 0, "num_features": m.embed_dim,
+                "model_args": m.timm_kwargs, "pretrained_cfg": {
+                    **_pretrained_cfg(backbone, m.img_size, False, 0),
+                    **{k: v for k, v in m.model.pretrained_cfg.items() if k in ("first_conv", "classifier")}}}
     k = {**architecture(VisionTransformer, backbone.kwargs), **backbone.kwargs}  # the constructor's defaults filled in
     if k.get("representation_size"):
         raise WeightsError(f"{backbone.source}: a pre-logits layer (model.representation_size) has no timm "
@@ -123,7 +130,8 @@ def export_timm(backbone: Backbone, folder: Path, force: bool = False) -> list[P
     check_folder(folder, names, force)
     config = timm_config(backbone)
     folder.mkdir(parents=True, exist_ok=True)
-    save_weights(backbone.model.state_dict(), folder / "model.safetensors")
+    model = backbone.model.model if isinstance(backbone.model, TimmBackbone) else backbone.model  # timm's names
+    save_weights(model.state_dict(), folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (folder / "README.md").write_text(model_card(backbone, config, folder.name))
     return [folder / n for n in names]
@@ -163,11 +171,14 @@ def model_card(backbone: Backbone, config: dict[str, Any], folder: str) -> str:
              "cfg = timm.data.resolve_data_config({}, model=model)", "transform = timm.data.create_transform(**cfg)",
              "features = model.forward_features(transform(image).unsqueeze(0))  # (1, tokens, D): [:, 0] the class token",
              "```", "", "## Model", "",
-             f"{'DINOv3 ViT (RoPE)' if 'num_reg_tokens' in args else 'ViT'}, patch {args['patch_size']}, width "
-             f"{args['embed_dim']}, depth {args['depth']}, {args['num_heads']} heads, input {args['img_size'][0]}x"
-             f"{args['img_size'][1]}, {args.get('reg_tokens', args.get('num_reg_tokens'))} registers, "
-             f"{'a ' + str(args['num_classes']) + '-class head' if args['num_classes'] else 'no classifier (a backbone)'}; "
-             f"normalisation mean {config['pretrained_cfg']['mean']}, std {config['pretrained_cfg']['std']}.", ""]
+             (f"timm's `{config['architecture']}` (arguments {args}), width {config['num_features']}, "
+              f"input {config['pretrained_cfg']['input_size'][1]}x{config['pretrained_cfg']['input_size'][2]}, no "
+              f"classifier (a backbone)" if isinstance(backbone.model, TimmBackbone) else
+              f"{'DINOv3 ViT (RoPE)' if 'num_reg_tokens' in args else 'ViT'}, patch {args['patch_size']}, width "
+              f"{args['embed_dim']}, depth {args['depth']}, {args['num_heads']} heads, input {args['img_size'][0]}x"
+              f"{args['img_size'][1]}, {args.get('reg_tokens', args.get('num_reg_tokens'))} registers, "
+              f"{'a ' + str(args['num_classes']) + '-class head' if args['num_classes'] else 'no classifier (a backbone)'}")
+             + f"; normalisation mean {config['pretrained_cfg']['mean']}, std {config['pretrained_cfg']['std']}.", ""]
     if cfg is not None:
         t = cfg.train
         lines += ["## How it was trained", "",
@@ -210,7 +221,8 @@ def onnx_sizes(model: nn.Module, img_size: int | tuple[int, int]) -> list[tuple[
     """The input sizes the ONNX graph is checked at: the trained one, and for a model without a position table
     (RoPE: DINOv3ViT, whose graph takes any grid) another, non-square one."""
     h, w = pair(img_size)
-    if hasattr(model, "pos_embed"):  # a learned table, resized in Python: the traced graph keeps the trained grid
+    if hasattr(model, "pos_embed") or not hasattr(model, "patch_embed"):  # a learned table (resized in Python: the
+        # traced graph keeps the trained grid), or a timm student (checked where it was trained)
         return [(h, w)]
     p = model.patch_embed.patch_size
     return [(h, w), (h + 2 * p[0], w + p[1])]

@@ -100,7 +100,8 @@ class Trainer:
         self.objective.build_companions(model, kwargs, float32_init(cfg, ds_config))
         self.ema = build_model_ema(cfg, model, lambda: self.objective.build_model(kwargs), ds_config)
         # optimizer: the client optimizer, whose param_groups DeepSpeed steps; groups: what each of them is
-        self.engine, self.optimizer, self.groups = build_engine(cfg, model, kwargs["depth"], ds_config)
+        depth = kwargs.get("depth", 0)  # the blocks train.layer_decay counts (a timm student has none said)
+        self.engine, self.optimizer, self.groups = build_engine(cfg, model, depth, ds_config)
         if self.ema is not None:  # train.ema_decay: evaluated beside the model, exported in its place
             self.ema.to(self.engine.device)
 
@@ -133,7 +134,7 @@ class Trainer:
         self.client_state = training_client_state(self.train_loader, self.objective, env, self.ema)
         self.watchdog: Watchdog | None = None  # started with the loop (fit)
         self.step = resume.restore(plan, cfg, self.engine, self.client_state, reapply_hparams=lambda: apply_hparams(
-            self.optimizer.param_groups, self.groups, self.engine.lr_scheduler, cfg.train, kwargs["depth"]))
+            self.optimizer.param_groups, self.groups, self.engine.lr_scheduler, cfg.train, depth))
         if env.is_main:  # data.sources: the mix in RUN_DIR/data_mix.jsonl, a changed one tagged in MLflow
             record_mix(self.run_dir, self.tracker, self.train_loader, self.step)
 
@@ -383,6 +384,10 @@ class Trainer:
         else:
             state = self.objective.exported_weights(self.engine)  # a teacher, for DINOv2
         ckpt.export_weights(self.engine, run_dir / "model.safetensors", metadata=metadata, state=state)
+        for rel, (state, own) in self.objective.extra_exports(self.engine).items():  # a distillation's students
+            if self.env.is_main:
+                (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+            ckpt.export_weights(self.engine, run_dir / rel, metadata={"step": str(self.step), **own}, state=state)
         if self.env.is_main:
             # (config.yaml reached MLflow when this start connected: tracking/sync.py logs tracking.json's config)
             self.tracker.log_artifact(run_dir / "model.safetensors")  # a path tag instead with tracking.log_model=false

@@ -140,3 +140,86 @@ def test_the_flops_count_the_teachers_forward_as_a_third(data, teachers):
     projections = 2 * 2 * (1 + 7 * 7) * 32 * 128  # two Linear(32, 128) on the 1 + 7x7 tokens at 28 px
     assert obj.flops_per_image(kwargs) == pytest.approx(model_flops(student) + projections + teacher / 3)
     assert teacher > 0
+
+
+CNN = 'distill.students=[{name: cnn, timm: test_resnet, kwargs: {output_stride: 8}}]'  # timm's tiny ResNet
+
+
+@pytest.mark.parametrize("kind", ["meta_dinov2", "timm_dinov3", "dino_run"])
+def test_a_timm_cnn_student_learns_the_teachers_features_and_exports_in_timms_names(data, teachers, kind, tmp_path,
+                                                                                   capsys, monkeypatch):
+    import timm
+
+    from pipeline.model.timm_backbone import TimmBackbone
+    from pipeline.model.weights import load_weights, save_weights
+    from pipeline.run.backbone import load_backbone
+    from tests.unit.recipe_runs import Source
+    from tests.unit.test_recipe_matrix import embed, evaluate
+
+    path, reference, side = teachers[kind]
+    obj, model, kwargs = objective(data, path, side, CNN)
+    assert isinstance(model.backbone, TimmBackbone) and obj.student_grid == (4, 4)  # stride 8 at 28 and 32 px
+    before = {k: v.clone() for k, v in obj.teacher.module.state_dict().items()}
+    seen = []  # the teacher's outputs as the loss gets them
+    tokens = obj.teacher.tokens
+    monkeypatch.setattr(obj.teacher, "tokens", lambda *a: seen.append(tokens(*a)) or seen[-1])
+    engine = _Engine(model)
+    engine.device = torch.device("cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    images = torch.randn(4, 3, side, side, generator=torch.Generator().manual_seed(2))
+    losses = []
+    for step in range(6):
+        obj.before_step(engine, step)
+        loss = obj.loss(engine, images, torch.zeros(4), None)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert obj.teacher_forwards == 6 and len(seen) == 6
+    t = obj.teacher
+    torch.testing.assert_close(seen[0][0], reference(images)[:, :t.dim], atol=1e-5, rtol=1e-5)  # the file's own
+    assert seen[0][1].shape == (4, 16, t.dim)  # its patch grid resized to the student's 4x4 map
+    after = obj.teacher.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # frozen: bit for bit
+    # The export: timm's names, loadable by timm.create_model; read back as a backbone by the commands.
+    [(rel, (state, metadata))] = obj.extra_exports(engine).items()
+    assert rel == "students/cnn/model.safetensors"
+    out = tmp_path / "run" / rel
+    out.parent.mkdir(parents=True)
+    save_weights(state, out, metadata=metadata)
+    theirs = timm.create_model("test_resnet", pretrained=False, num_classes=0, output_stride=8)
+    theirs.load_state_dict(load_weights(out))  # strict: every name timm's
+    model.eval()
+    with obj.features(engine) as features:
+        want = features(images)
+    torch.testing.assert_close(theirs.eval().forward_head(theirs.forward_features(images), pre_logits=True),
+                               want[:, :theirs.num_features])
+    found = load_backbone(out)
+    with torch.no_grad():
+        torch.testing.assert_close(found.model.forward_features(images)[:, 0], want[:, :theirs.num_features])
+    if kind == "meta_dinov2":  # the commands, once: evaluate, embed, export_weights (file, timm folder)
+        src = Source(out, lambda x: want, side, "ResNet", [])
+        evaluate(src, data, tmp_path, capsys, monkeypatch)
+        embed(src, data, tmp_path, capsys, monkeypatch)
+        from tests.unit.test_recipe_matrix import launcher
+
+        assert launcher("export_weights").main([str(out), "--out", str(tmp_path / "again.safetensors")]) == 0
+        assert load_weights(tmp_path / "again.safetensors").keys() == state.keys()
+        assert launcher("export_weights").main([str(out), "--format", "timm", "--out", str(tmp_path / "t")]) == 0
+        folder = timm.create_model(f"local-dir:{tmp_path / 't'}", pretrained=True).eval()
+        torch.testing.assert_close(folder.forward_features(images), theirs.forward_features(images))
+
+
+def test_a_student_timm_cannot_build_or_align_is_one_line(data, teachers):
+    path = teachers["timm_dinov3"][0]
+    for student, match in [("{name: cnn, timm: no_such_net}", r"distill.students\[0\].timm: timm cannot build "
+                                                                r"'no_such_net'"),
+                           ("{name: cnn, timm: test_vit}", r"gives features of shape \(1, \d+, \d+\), not a \(B, C, h, w\) feature map"),
+                           ("{name: cnn, timm: resnet10t}", r"1x2 feature map at model.img_size=\[32, 48\], the "
+                                                            r"teacher a 2x3 patch grid: they cannot be aligned")]:
+        with pytest.raises(ConfigError, match=match) as e:
+            objective(data, path, 32, f"distill.students=[{student}]", "model.img_size=[32,48]")
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="distill.students"):
+        load_config(DEMO, [*SHRINK, f"data.path={data}", "distill.students=[{name: a/b, timm: resnet10t}]"])

@@ -17,12 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.config import Config, ConfigFiles
+from pipeline.config import Config, ConfigError, ConfigFiles
 from pipeline.data import label_free, raise_if_any_failed
 from pipeline.dist import DistEnv, say
 from pipeline.errors import reading_source
 from pipeline.eval.features import Features, class_tokens, embedding, extract
 from pipeline.eval.knn import knn_loaders, knn_top1
+from pipeline.model.timm_backbone import TimmBackboneError, feature_grid, timm_flops
 from pipeline.model.variants import model_flops, model_kwargs_from_config, pair
 from pipeline.model.vit import architecture
 from pipeline.model.weights import WeightsError
@@ -59,10 +60,34 @@ class Distill(Objective):
         return self.found
 
     def model_kwargs(self) -> dict[str, Any]:
-        kwargs = model_kwargs_from_config(self.cfg.model, 0)
-        kwargs["num_classes"] = 0  # the student is a backbone: its head is fitted by whoever uses it
+        student = self.d.students[0] if self.d.students else None
+        if student is not None and student.timm:
+            kwargs = self.timm_student(student.timm, student.kwargs)
+        else:
+            kwargs = model_kwargs_from_config(self.cfg.model, 0)
+            kwargs["num_classes"] = 0  # the student is a backbone: its head is fitted by whoever uses it
+            self.student_grid = tuple(s // kwargs["patch_size"] for s in pair(kwargs["img_size"]))
         self.model_class = student_class(kwargs)  # what a resume compares (its ARCH_KEYS)
-        return {**kwargs, "teacher_dim": self.read_teacher().model.embed_dim}
+        self.student_kwargs = {**kwargs, "teacher_dim": self.read_teacher().model.embed_dim}  # extra_exports' metadata
+        return self.student_kwargs
+
+    def timm_student(self, name: str, timm_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A timm student's arguments (TimmBackbone's), its feature map's grid found from its shapes alone: the
+        teacher's patch grid is resized to it, which needs the two grids of one shape (a map of another aspect
+        than the teacher's grid would be stretched onto it: a stride that does not divide model.img_size)."""
+        img, patch = pair(self.cfg.model.img_size), self.read_teacher().model.patch_embed.patch_size[0]
+        try:
+            _, grid = feature_grid(name, timm_kwargs, img)
+        except TimmBackboneError as e:
+            raise ConfigError(f"distill.students[0].timm: {e}") from None
+        teacher = (img[0] // patch, img[1] // patch)
+        if grid[0] * teacher[1] != grid[1] * teacher[0]:
+            raise ConfigError(f"distill.students[0]: timm's {name!r} gives a {grid[0]}x{grid[1]} feature map at "
+                              f"model.img_size={list(img)}, the teacher a {teacher[0]}x{teacher[1]} patch grid: "
+                              f"they cannot be aligned (another shape); give a model.img_size the student's "
+                              f"stride divides")
+        self.student_grid = grid
+        return {"timm_model": name, "timm_kwargs": dict(timm_kwargs), "img_size": img}
 
     def build_model(self, model_kwargs: dict[str, Any]) -> nn.Module:
         return DistillStudent(**model_kwargs)
@@ -98,9 +123,7 @@ class Distill(Objective):
         # The teacher under the run's autocast dtype where its inputs are low precision on a GPU (float32
         # weights, as DINOv2's teacher); float32 on a CPU.
         low = images.dtype if engine.device.type == "cuda" and images.dtype != torch.float32 else None
-        patch = (engine.module if hasattr(engine, "module") else engine).backbone.patch_embed.patch_size
-        grid = (images.shape[-2] // patch[0], images.shape[-1] // patch[1])
-        t_cls, t_patches = self.teacher.tokens(images, grid, self.d.resize_method, low)
+        t_cls, t_patches = self.teacher.tokens(images, self.student_grid, self.d.resize_method, low)
         self.teacher_forwards += 1
         s_cls, s_patches = engine(images)
         terms = self.feature_loss(s_cls, s_patches, t_cls, t_patches)
@@ -163,13 +186,26 @@ class Distill(Objective):
         MFU counts each image's FLOPs 3x)."""
         student = backbone_kwargs(model_kwargs)
         h, w = pair(student["img_size"])
-        tokens = 1 + (h // student["patch_size"]) * (w // student["patch_size"])
-        proj = 2 * 2 * tokens * student["embed_dim"] * model_kwargs["teacher_dim"]  # two Linears, multiply-adds x 2
+        if "timm_model" in student:  # a timm model: counted by torch's FLOP counter on the meta device
+            width, grid = feature_grid(student["timm_model"], student["timm_kwargs"], (h, w))
+            tokens, own = 1 + grid[0] * grid[1], timm_flops(student["timm_model"], student["timm_kwargs"], (h, w))
+        else:
+            width, own = student["embed_dim"], model_flops(student)
+            tokens = 1 + (h // student["patch_size"]) * (w // student["patch_size"])
+        proj = 2 * 2 * tokens * width * model_kwargs["teacher_dim"]  # two Linears, multiply-adds x 2
         teacher = model_flops(self.teacher.flops_kwargs) if self.teacher is not None else 0.0
-        return model_flops(student) + proj + teacher / 3
+        return own + proj + teacher / 3
 
     def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:
         return exported(full_fp32_state_dict(engine))
+
+    def extra_exports(self, engine: Any) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
+        """A student named in distill.students: its export again at students/<name>/model.safetensors."""
+        if not self.d.students:
+            return {}
+        arch = self.exported_architecture(self.student_kwargs)
+        return {f"students/{self.d.students[0].name}/model.safetensors": (
+            self.exported_weights(engine), {k: str(v) for k, v in arch.items()})}
 
     checkpoint_weights = "the student's backbone (DeepSpeed's, consolidated to fp32)"
 
