@@ -204,3 +204,19 @@ def test_an_rgb_source_starts_a_c_channel_student_as_timms_adapt_input_conv(data
     for model in (student, teacher):
         assert torch.equal(model.backbone.patch_embed.proj.weight, want)
     assert "patch projection RGB -> 4 channels (timm's adapt_input_conv)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("config", "layout"), [("dinov2_adapt_vitb14.yaml", "meta_dinov2"),
+                                                ("dinov3_adapt_vitl16.yaml", "timm_dinov3")])
+def test_the_adapt_configs_take_their_sources_architecture(config, layout, tmp_path):
+    """The configs/pretrain/*_adapt_* recipes write no architecture key a source would contradict: --init of a
+    file of their layout (tiny widths) gives the run the file's architecture; the anchor as each recipe has it."""
+    from pipeline.objectives import load_config
+    from pipeline.run.init_source import prepare_init
+
+    src = foreign_file(layout, tmp_path / "src")
+    cfg = load_config(ROOT / "configs/pretrain" / config, [f"adapt.init={src.path}", f"run.dir={tmp_path / 'run'}"])
+    explicit = {"variant", "drop_path_rate", "img_size", "grad_checkpointing"}  # the model keys the files write
+    cfg, hook = prepare_init(cfg, None, explicit)
+    assert hook is not None and cfg.model.embed_dim != 768 and cfg.adapt.init_digest
+    assert cfg.adapt.anchor == 2.0 and (cfg.gram.loss_weight == 2.0) == (cfg.model.objective == "dinov3")
