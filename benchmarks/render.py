@@ -28,7 +28,9 @@ ABOUT = {
     "e2e": "JPEG shards -> train loader -> DeepSpeed step against the same step on synthetic tensors "
            "already on the device: does the data keep up (`benchmarks/e2e.py`).",
     "loader": "the train stream against torchvision's ImageFolder on the same JPEGs and the "
-              "decode+transform ceiling, images/s and CPU ms per image (`benchmarks/loader.py`).",
+              "decode+transform ceiling, images/s and CPU ms per image, and (`u16x4`) the stream over 4-channel "
+              "uint16 `.npy` arrays of the same size, its CPU ms per image against the RGB stream's "
+              "(`benchmarks/loader.py`).",
     "preemption": "the per-step preemption agreement: one all-reduce of a flag over the ranks "
                   "(`benchmarks/preemption.py`).",
     "scale": "what 1, 2, 4, ... N nodes fetch and read per epoch and how many shards a global batch "
