@@ -116,6 +116,8 @@ def _arguments(found: Recognised, cfg: Config | None, path: Path, classes: int, 
         return {**found.arch, "num_classes": classes}
     if cfg is not None:
         model = dataclasses.replace(cfg.model, num_classes=classes)
+        if model.objective == "distill" and cfg.distill.students:  # the run exports its first student: its keys
+            model = dataclasses.replace(model, **cfg.distill.students[0].model)
         return {**model_kwargs_from_config(model, classes), **dict(read_back_of(cfg).kwargs)}
     metadata = _metadata_arch(weights_metadata(path)) if path.is_file() else {}
     if metadata:
@@ -183,6 +185,7 @@ def _timm_backbone(path: Path, cfg: Config | None, tag: str | None, files: Confi
     if arch is None and path.is_dir() and cfg is not None and cfg.model.objective == "distill":
         tag = tag or ckpt.newest_complete_tag(path)  # a checkpoint: the student as the run built it
         built = ckpt.TrainerState.read(ckpt.checkpoint_dir(path) / tag).model if tag else {}
+        built = next(iter(built["students"].values())) if "students" in built else built  # its first student
         arch = {k: built[k] for k in METADATA_KEYS} if "timm_model" in built else None
         state = objective_of_run(cfg).weights_from_checkpoint(path, tag, cfg) if arch is not None else {}
     elif arch is not None:

@@ -21,6 +21,8 @@ class StudentConfig:
     """A timm model name (any with `forward_features` giving a feature map: a ResNet, a ConvNeXt, an EfficientNet), built with pretrained=False and no classifier; its export is in timm's names. None: the ViT `model.*` describes."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """timm's own keyword arguments for `timm` (e.g. output_stride: 8, for a finer feature map)."""
+    model: dict[str, Any] = field(default_factory=dict)
+    """A ViT student's `model.*` keys that differ from model.* (e.g. {variant: vit_s16, embed_dim: 384}); empty: model.* as written."""
 
 
 @dataclass
@@ -40,7 +42,7 @@ class DistillConfig:
     resize_method: Literal["bicubic", "bilinear"] = "bicubic"
     """How the teacher's patch grid is resized to the student's when they differ (a /14 teacher, a /16 student)."""
     students: list[StudentConfig] = field(default_factory=list)
-    """Empty: one student, the ViT `model.*` describes, exported as model.safetensors. One entry (more: not built yet): that student (`{name: cnn, timm: resnet10t, kwargs: {output_stride: 8}}`), exported as model.safetensors and as students/<name>/model.safetensors; `model.img_size` is its input size."""
+    """Empty: one student, the ViT `model.*` describes, exported as model.safetensors. Otherwise each entry a student (`{name: cnn, timm: resnet10t, kwargs: {output_stride: 8}}`, `{name: vit_s, model: {embed_dim: 384}}`), all on one teacher forward per micro batch, each exported as students/<name>/model.safetensors (the first also as model.safetensors); `model.img_size` is every student's input size. Two or more need train.grad_clip 0 (DeepSpeed clips the norm over all of them)."""
     knn_k: int = 20
     """Evaluation: neighbours voting in the student's k-NN top-1 (0 disables it; only where the validation split has labels). At the first evaluation the teacher's is given too."""
     knn_train_samples: int = 10000
@@ -58,9 +60,10 @@ def distill_checks(cfg: Config) -> list[Check]:
         ("distill.patch_weight", d.patch_weight >= 0 and d.cls_weight + d.patch_weight > 0,
          ">= 0, and distill.cls_weight + distill.patch_weight > 0"),
         ("distill.knn_k", d.knn_k >= 0, ">= 0"),
-        ("distill.students", len(d.students) <= 1 and not students_problem(d.students),
-         students_problem(d.students) or "at most one student (several from one teacher forward: not built yet, "
-                                         "issue 61)"),
+        ("distill.students", not students_problem(d.students), students_problem(d.students)),
+        ("train.grad_clip", len(d.students) < 2 or cfg.train.grad_clip == 0,
+         "0 with two or more distill.students (DeepSpeed clips the norm over every parameter: one student's "
+         "gradients would scale another's)"),
         ("deepspeed.zero_stage", cfg.deepspeed.zero_stage < 3 or not any(s.timm for s in d.students),
          "below 3 with a timm student (timm initialises its weights in place, which a ZeRO-3 partitioned "
          "parameter does not take)"),
@@ -76,6 +79,10 @@ def students_problem(students: list[StudentConfig]) -> str:
             return f"a list whose entry {i} has a plain name ({name_problem(s.name)})"
         if s.kwargs and s.timm is None:
             return f"a list whose entry {i} ('{s.name}') has kwargs only with a `timm` model"
+        if s.model and s.timm is not None:
+            return f"a list whose entry {i} ('{s.name}') has model keys only without a `timm` model"
+    if len({s.name for s in students}) != len(students):
+        return f"a list of unique names (got {[s.name for s in students]})"
     return ""
 
 

@@ -305,8 +305,10 @@ def changed_hparams(state: ckpt.TrainerState, cfg: Config) -> list[str]:
 
 
 def plain(v: Any) -> Any:
-    """Tuples as lists: a value as it reads back from JSON."""
-    return list(v) if isinstance(v, (tuple, list)) else v
+    """Tuples as lists, within dicts and lists too (a distillation's students): a value as it reads back from JSON."""
+    if isinstance(v, dict):
+        return {k: plain(x) for k, x in v.items()}
+    return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
 
 
 def _yaml(v: Any) -> str:

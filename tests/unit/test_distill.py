@@ -158,11 +158,11 @@ def test_a_timm_cnn_student_learns_the_teachers_features_and_exports_in_timms_na
 
     path, reference, side = teachers[kind]
     obj, model, kwargs = objective(data, path, side, CNN)
-    assert isinstance(model.backbone, TimmBackbone) and obj.student_grid == (4, 4)  # stride 8 at 28 and 32 px
+    assert isinstance(model.backbone, TimmBackbone) and obj.grids == {"cnn": (4, 4)}  # stride 8 at 28 and 32 px
     before = {k: v.clone() for k, v in obj.teacher.module.state_dict().items()}
     seen = []  # the teacher's outputs as the loss gets them
-    tokens = obj.teacher.tokens
-    monkeypatch.setattr(obj.teacher, "tokens", lambda *a: seen.append(tokens(*a)) or seen[-1])
+    native = obj.teacher.native
+    monkeypatch.setattr(obj.teacher, "native", lambda *a: seen.append(native(*a)) or seen[-1])
     engine = _Engine(model)
     engine.device = torch.device("cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -179,7 +179,8 @@ def test_a_timm_cnn_student_learns_the_teachers_features_and_exports_in_timms_na
     assert obj.teacher_forwards == 6 and len(seen) == 6
     t = obj.teacher
     torch.testing.assert_close(seen[0][0], reference(images)[:, :t.dim], atol=1e-5, rtol=1e-5)  # the file's own
-    assert seen[0][1].shape == (4, 16, t.dim)  # its patch grid resized to the student's 4x4 map
+    torch.testing.assert_close(seen[0][1].mean(1), reference(images)[:, t.dim:], atol=1e-5, rtol=1e-5)
+    assert seen[0][2] == (side // t.patch,) * 2  # its own grid, resized in the loss to the student's 4x4 map
     after = obj.teacher.module.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # frozen: bit for bit
     # The export: timm's names, loadable by timm.create_model; read back as a backbone by the commands.
@@ -223,3 +224,42 @@ def test_a_student_timm_cannot_build_or_align_is_one_line(data, teachers):
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="distill.students"):
         load_config(DEMO, [*SHRINK, f"data.path={data}", "distill.students=[{name: a/b, timm: resnet10t}]"])
+
+
+def test_two_students_on_one_teacher_forward_end_where_each_alone_ends(data, teachers, monkeypatch):
+    """A ViT and a timm CNN distilled together: one teacher forward per micro batch, each student's weights after
+    5 AdamW steps those of the same student distilled alone from the same seed (1e-6, fp32)."""
+    path, _, side = teachers["meta_dinov2"]
+    vit, cnn = "{name: vit, model: {embed_dim: 16, num_heads: 1}}", CNN.removeprefix("distill.students=[")[:-1]
+    images = [torch.randn(4, 3, side, side, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+
+    def distil(students: str):
+        obj, model, _ = objective(data, path, side, f"distill.students=[{students}]", "train.grad_clip=0")
+        engine = _Engine(model)
+        engine.device = torch.device("cpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+        for step, x in enumerate(images[:2] + images[2:] + images[:1]):  # 5 steps
+            obj.before_step(engine, step)
+            loss = obj.loss(engine, x, torch.zeros(4), None)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return obj, model, engine
+
+    both, model, engine = distil(f"{vit}, {cnn}")
+    assert both.teacher_forwards == 5  # once per micro batch, for both students
+    assert set(both.train_metrics()) == {"vit/cls_loss", "vit/patch_loss", "cnn/cls_loss", "cnn/patch_loss"}
+    exports = both.extra_exports(engine)
+    assert set(exports) == {"students/vit/model.safetensors", "students/cnn/model.safetensors"}
+    for name, students in (("vit", vit), ("cnn", cnn)):
+        alone, alone_model, alone_engine = distil(students)
+        mine = model.students[name].state_dict()
+        theirs = alone_model.state_dict()
+        assert mine.keys() == theirs.keys()
+        for k in mine:
+            torch.testing.assert_close(mine[k], theirs[k], atol=1e-6, rtol=0, msg=f"{name}: {k}")
+        state, _ = exports[f"students/{name}/model.safetensors"]
+        assert state.keys() == alone.exported_weights(alone_engine).keys()
+    torch.testing.assert_close(both.exported_weights(engine)["cls_token"], model.students["vit"].backbone.cls_token)
+    with pytest.raises(ConfigError, match="train.grad_clip"):
+        load_config(DEMO, [*SHRINK, f"data.path={data}", f"distill.students=[{vit}, {cnn}]", "train.grad_clip=1"])

@@ -8,6 +8,7 @@ ViT of model.variant (distill_config.RECIPE). docs/distill.md has the recipe and
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -29,8 +30,15 @@ from pipeline.model.vit import architecture
 from pipeline.model.weights import WeightsError
 from pipeline.objectives.backbone import Backbone, load_backbone
 from pipeline.objectives.base import EvalResult, Objective, TrainView
+from pipeline.objectives.dinov3.gram_teacher import resize_patches
 from pipeline.objectives.distill.loss import FeatureLoss
-from pipeline.objectives.distill.student import DistillStudent, backbone_kwargs, exported, student_class
+from pipeline.objectives.distill.student import (
+    DistillStudent,
+    DistillStudents,
+    backbone_kwargs,
+    exported,
+    student_class,
+)
 from pipeline.objectives.distill.teacher import Teacher
 from pipeline.train import ds_compat
 from pipeline.train.checkpoint import consolidate, full_fp32_state_dict
@@ -60,18 +68,40 @@ class Distill(Objective):
         return self.found
 
     def model_kwargs(self) -> dict[str, Any]:
-        student = self.d.students[0] if self.d.students else None
-        if student is not None and student.timm:
-            kwargs = self.timm_student(student.timm, student.kwargs)
-        else:
-            kwargs = model_kwargs_from_config(self.cfg.model, 0)
-            kwargs["num_classes"] = 0  # the student is a backbone: its head is fitted by whoever uses it
-            self.student_grid = tuple(s // kwargs["patch_size"] for s in pair(kwargs["img_size"]))
-        self.model_class = student_class(kwargs)  # what a resume compares (its ARCH_KEYS)
-        self.student_kwargs = {**kwargs, "teacher_dim": self.read_teacher().model.embed_dim}  # extra_exports' metadata
-        return self.student_kwargs
+        """One student: its own arguments (DistillStudent's, as before distill.students). Two or more:
+        {"students": {name: arguments}} (DistillStudents'). `self.grids`: each student's token grid."""
+        entries = self.d.students or [None]
+        self.grids: dict[str, tuple[int, int]] = {}
+        students = {(e.name if e else "student"): self.student(i, e) for i, e in enumerate(entries)}
+        self.names = list(students)
+        dim = self.read_teacher().model.embed_dim
+        if len(students) == 1:
+            kwargs = next(iter(students.values()))
+            self.model_class = student_class(kwargs)  # what a resume compares (its ARCH_KEYS)
+            self.student_kwargs = {name: {**kwargs, "teacher_dim": dim} for name in students}
+            return {**kwargs, "teacher_dim": dim}
+        self.model_class = DistillStudents
+        self.student_kwargs = {name: {**kw, "teacher_dim": dim} for name, kw in students.items()}
+        return {"teacher_dim": dim, "students": students, "img_size": pair(self.cfg.model.img_size)}
 
-    def timm_student(self, name: str, timm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    def student(self, i: int, entry: Any) -> dict[str, Any]:
+        """A student's constructor arguments (a ViT's from model.* and its entry's `model`, or a timm model's),
+        its grid into `self.grids`."""
+        name = entry.name if entry else "student"
+        if entry is not None and entry.timm:
+            kwargs = self.timm_student(i, entry.timm, entry.kwargs)
+            self.grids[name] = self._timm_grid
+            return kwargs
+        try:
+            model = dataclasses.replace(self.cfg.model, **(entry.model if entry else {}))
+        except TypeError as e:
+            raise ConfigError(f"distill.students[{i}].model: {e} (model.* keys expected)") from None
+        kwargs = model_kwargs_from_config(model, 0)
+        kwargs["num_classes"] = 0  # the student is a backbone: its head is fitted by whoever uses it
+        self.grids[name] = tuple(s // kwargs["patch_size"] for s in pair(kwargs["img_size"]))
+        return kwargs
+
+    def timm_student(self, i: int, name: str, timm_kwargs: dict[str, Any]) -> dict[str, Any]:
         """A timm student's arguments (TimmBackbone's), its feature map's grid found from its shapes alone: the
         teacher's patch grid is resized to it, which needs the two grids of one shape (a map of another aspect
         than the teacher's grid would be stretched onto it: a stride that does not divide model.img_size)."""
@@ -79,22 +109,22 @@ class Distill(Objective):
         try:
             _, grid = feature_grid(name, timm_kwargs, img)
         except TimmBackboneError as e:
-            raise ConfigError(f"distill.students[0].timm: {e}") from None
+            raise ConfigError(f"distill.students[{i}].timm: {e}") from None
         teacher = (img[0] // patch, img[1] // patch)
         if grid[0] * teacher[1] != grid[1] * teacher[0]:
-            raise ConfigError(f"distill.students[0]: timm's {name!r} gives a {grid[0]}x{grid[1]} feature map at "
+            raise ConfigError(f"distill.students[{i}]: timm's {name!r} gives a {grid[0]}x{grid[1]} feature map at "
                               f"model.img_size={list(img)}, the teacher a {teacher[0]}x{teacher[1]} patch grid: "
                               f"they cannot be aligned (another shape); give a model.img_size the student's "
                               f"stride divides")
-        self.student_grid = grid
+        self._timm_grid = grid
         return {"timm_model": name, "timm_kwargs": dict(timm_kwargs), "img_size": img}
 
     def build_model(self, model_kwargs: dict[str, Any]) -> nn.Module:
-        return DistillStudent(**model_kwargs)
+        return (DistillStudents if "students" in model_kwargs else DistillStudent)(**model_kwargs)
 
     def build_companions(self, model: nn.Module, model_kwargs: dict[str, Any],  # noqa: ARG002 - the interface
                          init: Callable[[], AbstractContextManager[Any]]) -> None:
-        side = pair(model_kwargs["img_size"])
+        side = pair(self.cfg.model.img_size)
         with reading_source(f"distill.teacher={self.d.teacher}"):
             self.teacher = Teacher(self.read_teacher(), self.d.teacher, side, init)
         self.found = None  # its weights are in the teacher now
@@ -103,6 +133,9 @@ class Distill(Objective):
 
     @classmethod
     def exported_architecture(cls, model_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The (first) student's backbone's: what model.safetensors holds."""
+        if "students" in model_kwargs:
+            model_kwargs = next(iter(model_kwargs["students"].values()))
         return architecture(student_class(model_kwargs), backbone_kwargs(model_kwargs))
 
     # -- the data: the train transform's one view of each sample, seen by both models; labels unread
@@ -123,15 +156,20 @@ class Distill(Objective):
         # The teacher under the run's autocast dtype where its inputs are low precision on a GPU (float32
         # weights, as DINOv2's teacher); float32 on a CPU.
         low = images.dtype if engine.device.type == "cuda" and images.dtype != torch.float32 else None
-        t_cls, t_patches = self.teacher.tokens(images, self.student_grid, self.d.resize_method, low)
+        t_cls, t_map, t_grid = self.teacher.native(images, low)  # once for every student
         self.teacher_forwards += 1
-        s_cls, s_patches = engine(images)
-        terms = self.feature_loss(s_cls, s_patches, t_cls, t_patches)
-        total = sum(terms.values())
-        with torch.no_grad():
-            for name, value in terms.items():
-                self._window[name] = self._window.get(name, 0) + value.detach().float()
-            self._count += 1
+        out = engine(images)
+        out = out if isinstance(out, dict) else {self.names[0]: out}  # one student: its own pair
+        total = 0
+        for name, (s_cls, s_patches) in out.items():
+            t_patches = resize_patches(t_map, t_grid, self.grids[name], self.d.resize_method)  # on its grid
+            terms = self.feature_loss(s_cls, s_patches, t_cls, t_patches)
+            total = total + sum(terms.values())  # each student's parameters only in its own terms
+            with torch.no_grad():
+                for term, value in terms.items():
+                    key = term if len(out) == 1 else f"{name}/{term}"  # train/<student>/cls_loss
+                    self._window[key] = self._window.get(key, 0) + value.detach().float()
+        self._count += 1
         return total
 
     def train_metrics(self) -> dict[str, torch.Tensor]:
@@ -140,23 +178,29 @@ class Distill(Objective):
 
     # -- evaluation
     @contextmanager
-    def features(self, engine: Any) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
-        """The student backbone's (what it exports), eval mode."""
+    def features(self, engine: Any, student: str | None = None) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+        """A student backbone's (what it exports; the first's by default: what eval.sets judges), eval mode."""
         model = engine.module if hasattr(engine, "module") else engine
         dtype, was = next(model.parameters()).dtype, model.training
+        several = isinstance(model, DistillStudents)
+        backbone = model.students[student or self.names[0]].backbone if several else model.backbone
+        extra = {"student": student or self.names[0]} if several else {}
         model.eval()
         try:
-            yield lambda images: embedding(engine(images.to(dtype), features=True), model.backbone)
+            yield lambda images: embedding(engine(images.to(dtype), features=True, **extra), backbone)
         finally:
             model.train(was)
 
     @torch.no_grad()
     def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:  # noqa: ARG002 - the interface
-        """The student's k-NN top-1 (its L2-normalised class token), and at the first evaluation of the
-        process the teacher's, the figure the student reads against."""
-        device = engine.device
-        with self.features(engine) as student:
-            metrics = self._knn(lambda x: class_tokens(student(x)), device, dtype, "eval/knn_top1")
+        """Each student's k-NN top-1 (its L2-normalised class token: eval/knn_top1, or eval/<student>/knn_top1
+        for two or more), and at the first evaluation of the process the teacher's, the figure they read
+        against."""
+        device, metrics = engine.device, {}
+        for name in self.names:
+            with self.features(engine, name) as student:
+                key = "eval/knn_top1" if len(self.names) == 1 else f"eval/{name}/knn_top1"
+                metrics.update(self._knn(lambda x, f=student: class_tokens(f(x)), device, dtype, key))
         if not self.judged_teacher:
             self.teacher.to(device)
             t_dtype = next(self.teacher.module.parameters()).dtype
@@ -182,36 +226,32 @@ class Distill(Objective):
 
     # -- cost, export, state
     def flops_per_image(self, model_kwargs: dict[str, Any]) -> float:
-        """The student's forward and its projections, plus the teacher's forward (forward only: a third, as
-        MFU counts each image's FLOPs 3x)."""
-        student = backbone_kwargs(model_kwargs)
-        h, w = pair(student["img_size"])
-        if "timm_model" in student:  # a timm model: counted by torch's FLOP counter on the meta device
-            width, grid = feature_grid(student["timm_model"], student["timm_kwargs"], (h, w))
-            tokens, own = 1 + grid[0] * grid[1], timm_flops(student["timm_model"], student["timm_kwargs"], (h, w))
-        else:
-            width, own = student["embed_dim"], model_flops(student)
-            tokens = 1 + (h // student["patch_size"]) * (w // student["patch_size"])
-        proj = 2 * 2 * tokens * width * model_kwargs["teacher_dim"]  # two Linears, multiply-adds x 2
+        """Each student's forward and its projections, plus the teacher's forward once (forward only: a third,
+        as MFU counts each image's FLOPs 3x)."""
+        students = model_kwargs.get("students") or {"": model_kwargs}
         teacher = model_flops(self.teacher.flops_kwargs) if self.teacher is not None else 0.0
-        return own + proj + teacher / 3
+        return sum(student_flops(backbone_kwargs(k), model_kwargs["teacher_dim"]) for k in students.values()) + teacher / 3
 
     def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:
-        return exported(full_fp32_state_dict(engine))
+        """The (first) student's backbone."""
+        return exported(full_fp32_state_dict(engine), self.names[0] if len(self.names) > 1 else None)
 
     def extra_exports(self, engine: Any) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
-        """A student named in distill.students: its export again at students/<name>/model.safetensors."""
+        """Each student named in distill.students: its export at students/<name>/model.safetensors."""
         if not self.d.students:
             return {}
-        arch = self.exported_architecture(self.student_kwargs)
-        return {f"students/{self.d.students[0].name}/model.safetensors": (
-            self.exported_weights(engine), {k: str(v) for k, v in arch.items()})}
+        state, several = full_fp32_state_dict(engine), len(self.names) > 1
+        return {f"students/{name}/model.safetensors": (
+            exported(state, name if several else None),
+            {k: str(v) for k, v in self.exported_architecture(self.student_kwargs[name]).items()})
+            for name in self.names}
 
-    checkpoint_weights = "the student's backbone (DeepSpeed's, consolidated to fp32)"
+    checkpoint_weights = "the (first) student's backbone (DeepSpeed's, consolidated to fp32)"
 
     @classmethod
-    def weights_from_checkpoint(cls, run_dir: Path, tag: str, cfg: Config) -> dict[str, torch.Tensor]:  # noqa: ARG003 - the interface
-        return exported(consolidate(run_dir, tag))
+    def weights_from_checkpoint(cls, run_dir: Path, tag: str, cfg: Config) -> dict[str, torch.Tensor]:
+        students = cfg.distill.students
+        return exported(consolidate(run_dir, tag), students[0].name if len(students) > 1 else None)
 
     def state_dict(self) -> dict[str, Any]:
         return {"teacher_digest": self.teacher.digest, "teacher_source": self.teacher.source}
@@ -221,3 +261,15 @@ class Distill(Objective):
             raise WeightsError(f"distill.teacher={self.d.teacher}: the checkpoint was distilled from another teacher "
                                f"({state.get('teacher_source')}, sha256 {state['teacher_digest'][:12]}; this one "
                                f"{self.teacher.digest[:12]}): give that teacher, or start a new run.dir")
+
+
+def student_flops(student: dict[str, Any], teacher_dim: int) -> float:
+    """A student's forward FLOPs per image and its two projections' (multiply-adds x 2)."""
+    h, w = pair(student["img_size"])
+    if "timm_model" in student:  # a timm model: counted by torch's FLOP counter on the meta device
+        width, grid = feature_grid(student["timm_model"], student["timm_kwargs"], (h, w))
+        tokens, own = 1 + grid[0] * grid[1], timm_flops(student["timm_model"], student["timm_kwargs"], (h, w))
+    else:
+        width, own = student["embed_dim"], model_flops(student)
+        tokens = 1 + (h // student["patch_size"]) * (w // student["patch_size"])
+    return own + 2 * 2 * tokens * width * teacher_dim  # two Linears

@@ -51,6 +51,43 @@ class DistillStudent(nn.Module):
         self.backbone.set_grad_checkpointing(enable)
 
 
+class DistillStudents(nn.Module):
+    """Several students on one teacher forward (`distill.students` of two or more), one module under one engine:
+    `students[name]` a DistillStudent each. Each is drawn from the random state it was built in, as if it were
+    the only one (the state restored before each), and its parameters appear in no other student's loss, so its
+    gradients, and its AdamW steps, are those of the same student distilled alone."""
+
+    ARCH_KEYS = ("students",)
+
+    def __init__(self, teacher_dim: int, students: dict[str, dict[str, Any]],
+                 img_size: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.img_size = img_size  # every student's input size (the trainer's loaders read it from the arguments)
+        cpu = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        built = {}
+        for name, kwargs in students.items():
+            torch.set_rng_state(cpu)  # each student's draws as alone, from the seed's state
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+            built[name] = DistillStudent(teacher_dim, **kwargs)
+        self.students = nn.ModuleDict(built)
+
+    def forward(self, images: torch.Tensor, features: bool = False, student: str | None = None) -> Any:
+        """{name: (projected class token, projected patch tokens)}; with `features`, the tokens of `student`'s
+        backbone (the first's by default: what eval.sets judges)."""
+        if features:
+            return self.students[student or next(iter(self.students))](images, features=True)
+        return {name: s(images) for name, s in self.students.items()}
+
+    def no_weight_decay(self) -> set[str]:
+        return {f"students.{n}.{k}" for n, s in self.students.items() for k in s.no_weight_decay()}
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        for s in self.students.values():
+            s.set_grad_checkpointing(enable)
+
+
 def backbone_kwargs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in model_kwargs.items() if k != "teacher_dim"}
 
@@ -61,8 +98,10 @@ def student_class(model_kwargs: dict[str, Any]) -> type[nn.Module]:
     return backbone_class(backbone_kwargs(model_kwargs))
 
 
-def exported(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The backbone's weights of a DistillStudent's state dict, in the backbone's own names (a timm model's in
-    timm's: what `timm.create_model(name, num_classes=0, **kwargs)` loads)."""
-    prefix = TIMM_PREFIX if any(k.startswith(TIMM_PREFIX) for k in state) else PREFIX
+def exported(state: dict[str, torch.Tensor], student: str | None = None) -> dict[str, torch.Tensor]:
+    """The backbone's weights of a DistillStudent's state dict (of DistillStudents': `student`'s), in the
+    backbone's own names (a timm model's in timm's: what `timm.create_model(name, num_classes=0, **kwargs)`
+    loads)."""
+    outer = f"students.{student}." if student is not None else ""
+    prefix = outer + (TIMM_PREFIX if any(k.startswith(outer + TIMM_PREFIX) for k in state) else PREFIX)
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}

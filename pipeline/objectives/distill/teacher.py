@@ -70,13 +70,19 @@ class Teacher:
             self.module.to(device)
 
     @torch.no_grad()
-    def tokens(self, images: torch.Tensor, student_grid: tuple[int, int], resize: str,
-               autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The teacher's class token (B, Dt) and its patch tokens on the student's grid (B, N, Dt), after its final
-        norm, float32. Collective under ZeRO-3 (every rank gathers the teacher)."""
+    def native(self, images: torch.Tensor, autocast_dtype: torch.dtype | None
+               ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """The teacher's forward: its class token (B, Dt) and patch tokens (B, N, Dt) after its final norm,
+        float32, and its grid. Collective under ZeRO-3 (every rank gathers the teacher)."""
         dtype = next(self.module.parameters()).dtype
         grid = (images.shape[-2] // self.patch, images.shape[-1] // self.patch)
         with ds_compat.gathered(self.module), torch.autocast(images.device.type, dtype=autocast_dtype or dtype,
                                                              enabled=autocast_dtype is not None):
             out = self.module.forward_tokens(images.to(dtype))
-        return out.cls_token.float(), resize_patches(out.patch_tokens.float(), grid, student_grid, resize)
+        return out.cls_token.float(), out.patch_tokens.float(), grid
+
+    def tokens(self, images: torch.Tensor, student_grid: tuple[int, int], resize: str,
+               autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`native`, its patch tokens resized to the student's grid (B, N, Dt)."""
+        cls, patches, grid = self.native(images, autocast_dtype)
+        return cls, resize_patches(patches, grid, student_grid, resize)
