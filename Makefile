@@ -1,4 +1,4 @@
-# make demo | demo-mae | demo-dino | demo-dinov3 | test | test-fast | lint | bench. The first target run creates .venv from constraints.txt;
+# make demo | demo-mae | demo-mae-16bit | demo-dino | demo-dinov3 | test | test-fast | lint | bench. The first target run creates .venv from constraints.txt;
 # later runs reuse it (re-installed only when pyproject.toml or constraints.txt change).
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 # checkout: two checkouts sharing ~/.cache/torch_extensions rebuild each other's ops mid-run.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: venv test test-fast lint bench demo demo-mae demo-dino demo-dinov3 clean
+.PHONY: venv test test-fast lint bench demo demo-mae demo-mae-16bit demo-dino demo-dinov3 clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ demo: $(STAMP)
 # MAE on the digits without labels, then fine-tuned with 10% of them against the same from scratch.
 demo-mae: $(STAMP)
 	bash launch/demo_mae.sh
+
+# The same on the digits as single-channel 16-bit arrays (docs/data.md, issue 62).
+demo-mae-16bit: $(STAMP)
+	bash launch/demo_mae.sh uint16
 
 demo-dino: $(STAMP)
 	bash launch/demo_dino.sh

@@ -14,10 +14,13 @@ shards() {
 
 # The label-free demos' data: the digits without labels (pretraining), with them (eval.sets, 1,438 training and
 # 359 validation images), and 10% of the training labels (143 images, the fine-tunes).
+# `label_free_shards uint16`: the same images as single-channel 16-bit arrays, in data/digits16*.
 label_free_shards() {
-  shards --source digits --no-labels --out data/digits-unlabelled
-  shards --source digits --out data/digits
-  shards --source digits --train-fraction 0.1 --out data/digits-10pct
+  local dtype=${1:-uint8} tag=""
+  [ "$dtype" = uint8 ] || tag=16
+  shards --source digits --dtype "$dtype" --no-labels --out "data/digits$tag-unlabelled"
+  shards --source digits --dtype "$dtype" --out "data/digits$tag"
+  shards --source digits --dtype "$dtype" --train-fraction 0.1 --out "data/digits$tag-10pct"
 }
 
 # deepspeed on $RANKS processes, on a free port each time: the default 29500 may belong to another job here.

@@ -3,6 +3,7 @@
 
     python launch/make_shards.py --source digits --out data/digits
     python launch/make_shards.py --source digits --no-labels --out data/digits-unlabelled   # images only
+    python launch/make_shards.py --source digits --dtype uint16 --out data/digits16   # 1-channel 16-bit arrays
     python launch/make_shards.py --source folder:/data/imagenet --out data/imagenet --workers 8 --resize 256
     python launch/make_shards.py --source synthetic --num-samples 5000 --num-classes 10 --size 64 --out data/synth
     python launch/make_shards.py --source 'shards:/data/laion/{00000..00099}.tar' --label-key json:label --out /data/laion
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quality", type=int, default=None, help="JPEG quality when re-encoding (default 95; synthetic 90)")
     g = p.add_argument_group("digits / synthetic")
     g.add_argument("--size", type=parse_size, default=None, help="image size, 32 or 64x48 (digits 32, synthetic 64)")
+    g.add_argument("--dtype", choices=("uint8", "uint16"), default="uint8",
+                   help="digits: uint16 writes single-channel 16-bit arrays (the 17 grey levels x 65535/16) instead "
+                        "of 8-bit RGB PNGs")
     g.add_argument("--num-samples", type=int, default=1000, help="synthetic: samples in all (default 1000)")
     g.add_argument("--num-classes", type=int, default=10, help="synthetic: classes (default 10)")
     g = p.add_argument_group("shards written by others")
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(size, int):
                 raise DataError("--size for digits must be one number (square images)")
             vf = 0.2 if args.val_fraction is None else args.val_fraction
-            source = digits_source(size, vf, args.seed)
+            source = digits_source(size, vf, args.seed, args.dtype)
         elif kind == "synthetic":
             vf = 0.2 if args.val_fraction is None else args.val_fraction
             source = synthetic_source(args.num_samples, args.num_classes, args.size or 64, vf, args.seed,

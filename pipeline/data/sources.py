@@ -108,22 +108,34 @@ def _digit_png(pixels: np.ndarray, size: int) -> bytes:
     return _encode_png(img)
 
 
+def _digit_uint16(levels: np.ndarray, size: int) -> np.ndarray:
+    """The 8x8 digit's 17 grey levels (0-16) scaled to 16 bits (x 65535 / 16), resized bicubic as the PNG's (in
+    float32, then rounded and clipped): size x size x 1 uint16, a single-channel 16-bit image (issue 62's demo)."""
+    img = Image.fromarray((levels * (65535.0 / 16.0)).astype(np.float32), "F").resize((size, size), Image.BICUBIC)
+    return np.clip(np.asarray(img).round(), 0, 65535).astype(np.uint16)[..., None]
+
+
 class _DigitsEncoder:
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, dtype: str = "uint8"):
+        self.size, self.dtype = size, dtype
         self.images: np.ndarray | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"size": self.size, "images": None}  # workers load the (bundled) data themselves
+        return {"size": self.size, "dtype": self.dtype, "images": None}  # workers load the (bundled) data themselves
 
-    def __call__(self, item: Item) -> tuple[str, bytes]:
+    def __call__(self, item: Item) -> tuple[str, bytes] | tuple[str, bytes, pixels.SampleInfo]:
         if self.images is None:
             from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
             self.images = load_digits().images
+        if self.dtype == "uint16":  # an array member with its statistics, as a folder's .npy (pixels.py)
+            array = _digit_uint16(self.images[item.ref], self.size)
+            info = pixels.SampleInfo(1, "uint16", None, pixels.ChannelStats.of(array))
+            return pixels.ARRAY_MEMBER, pixels.encode_array(array), info
         return "png", _digit_png(self.images[item.ref], self.size)
 
 
-def digits_source(size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Source:
+def digits_source(size: int = 32, val_fraction: float = 0.2, seed: int = 0, dtype: str = "uint8") -> Source:
+    """scikit-learn's digits: 8-bit RGB PNGs, or (`dtype` uint16) single-channel 16-bit arrays of the same images."""
     try:
         from sklearn.datasets import load_digits
     except ImportError:
@@ -132,7 +144,8 @@ def digits_source(size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> S
     labels = [int(t) for t in digits.target]
     train, val = stratified_split(labels, val_fraction, seed)
     splits = {"train": [Item(labels[i], i) for i in train], "val": [Item(labels[i], i) for i in val]}
-    return Source("digits", [str(i) for i in range(10)], splits, _DigitsEncoder(size), "png")
+    return Source("digits", [str(i) for i in range(10)], splits, _DigitsEncoder(size, dtype),
+                  pixels.ARRAY_MEMBER if dtype == "uint16" else "png")
 
 
 # synthetic ------------------------------------------------------------------

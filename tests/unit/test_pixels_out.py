@@ -105,3 +105,51 @@ def test_a_four_channel_fine_tune_is_judged_embedded_and_exported_alike(tmp_path
         err = capsys.readouterr().err
         assert code == 1 and re.search(r"--data: .* holds 4-channel images and the model takes 3", err), err
         assert err.strip().count("\n") == 0
+
+
+@pytest.mark.slow
+def test_a_real_dicom_file_goes_through_make_shards_a_run_and_embed(tmp_path):
+    """pydicom's own CT_small.dcm (128 x 128, Hounsfield units after its rescale) as two classes of copies:
+    make_shards (the command) -> a 2-step supervised run -> launch/embed.py, whose vectors are the run's model's
+    features of the slice as the eval loader gives it."""
+    import shutil
+    import subprocess
+    import sys
+
+    import pandas
+    import pydicom
+
+    from pipeline.config import DataConfig
+    from pipeline.data import build_eval_loader
+    from pipeline.eval.features import embedding
+    from pipeline.run.backbone import load_backbone
+    from tests.integration.runs import ROOT
+
+    path = pydicom.data.get_testdata_file("CT_small.dcm")
+    for c in ("a", "b"):
+        (tmp_path / "src" / c).mkdir(parents=True)
+        for i in range(6):
+            shutil.copy(path, tmp_path / "src" / c / f"{c}{i}.dcm")
+    shards = tmp_path / "shards"
+    subprocess.run([sys.executable, "launch/make_shards.py", "--source", f"folder:{tmp_path / 'src'}", "--out",
+                    str(shards), "--val-fraction", "0.34", "--no-progress"], cwd=ROOT, check=True)
+    info = json.loads((shards / "dataset.json").read_text())
+    assert (info["channels"], info["dtype"], info["image_format"]) == (1, "float32", "npy")
+    run_dir = tmp_path / "run"
+    out = run("pretrain.py", "configs/pretrain/demo.yaml",
+              [*TINY, f"data.path={shards}", "data.mean=null", "data.std=null", f"run.dir={run_dir}",
+               "train.global_batch_size=4", "train.micro_batch_size=2", "train.steps=2", "train.eval_every=2",
+               "deepspeed.bf16=false"], ranks=1)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert launcher("embed").main(["--from", str(run_dir), "--data", str(shards), "--out", str(tmp_path / "emb"),
+                                   "--workers", "0", "--splits", "val"]) == 0
+    table = pandas.read_parquet(tmp_path / "emb")
+    backbone = load_backbone(run_dir)
+    data = DataConfig(path=str(shards), val_split="val", mean=tuple(info["mean"]), std=tuple(info["std"]),
+                      num_workers=0)
+    images = next(iter(build_eval_loader(data, 16, 4)))[0][:1]  # every val sample is the same slice
+    with torch.no_grad():
+        want = embedding(backbone.model.forward_features(images), backbone.model)[0, :backbone.model.embed_dim]
+    assert len(table) == info["splits"]["val"]["num_samples"]
+    for vector in table["cls"]:
+        np.testing.assert_allclose(np.asarray(vector), want.numpy(), atol=AGREE, rtol=0)

@@ -122,6 +122,32 @@ def test_nan_pixels_are_counted_as_bad_samples(tmp_path):
     assert np.isfinite(images.numpy()).all()
 
 
+def test_the_digits_as_16_bit_arrays_keep_their_17_grey_levels(tmp_path):
+    """make_shards --source digits --dtype uint16 (the 16-bit MAE demo's data): at their own 8 px, each image is the
+    digit's levels 0-16 x 65535/16, one channel, and dataset.json's statistics are NumPy's over the train split."""
+    from sklearn.datasets import load_digits
+
+    from pipeline.data import read_dataset_info
+    from pipeline.data.shards import digits_source
+
+    write_dataset(digits_source(8, 0.2, 0, "uint16"), tmp_path, **QUIET)
+    info = read_dataset_info(tmp_path)
+    assert (info.pixels["channels"], info.pixels["dtype"], info.image_format) == (1, "uint16", "npy")
+    import tarfile
+    seen = []
+    for shard in info.splits["train"].shards:
+        with tarfile.open(shard) as tar:
+            seen += [np.load(io.BytesIO(tar.extractfile(m).read())) for m in tar.getmembers() if m.name.endswith(".npy")]
+    assert all(a.shape == (8, 8, 1) and a.dtype == np.uint16 for a in seen)
+    grey = {int(round(k * 65535 / 16)) for k in range(17)}  # at their own size: the levels, scaled, nothing between
+    assert set(np.unique(np.stack(seen)).tolist()) == grey == set(np.round(np.unique(load_digits().images) * 65535 / 16))
+    seen = [a.astype(np.float64) for a in seen]
+    stack = np.stack(seen)
+    assert len(seen) == info.splits["train"].num_samples
+    np.testing.assert_allclose(info.pixels["mean"], [stack.mean()], rtol=1e-6)
+    np.testing.assert_allclose(info.pixels["std"], [stack.std()], rtol=1e-6)
+
+
 MAE = ["model.objective=mae", "mae.decoder_embed_dim=16", "mae.decoder_depth=1", "mae.decoder_num_heads=2",
        "mae.knn_train_samples=16", "mae.recon_images=2", "train.grad_clip=0.0"]  # tests/integration/test_mae.py's
 # tests/integration/test_dino.py's and test_dinov3.py's, smaller (crops of 16 and 8 px on the TINY ViT)
