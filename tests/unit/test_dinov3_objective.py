@@ -196,3 +196,30 @@ def test_pretrain_from_continues_a_run_for_dinov3_only(capsys):
     with pytest.raises(SystemExit):
         pretrain_config(parse_pretrain_args(["--config", "configs/pretrain/demo.yaml", "--from", "runs/x"]))
     assert "model.objective=supervised does not continue a run" in capsys.readouterr().err
+
+
+def test_steps_on_a_one_channel_16_bit_image_with_gram_crops():
+    """Issue 62: DINOv3 with Gram anchoring on 1-channel uint16 arrays (model.in_chans 1, the set's statistics):
+    every crop of one channel (Gram's too), a few steps of finite losses, the Gram loss from its start step."""
+    obj = objective(*GRAM, "model.in_chans=1", "data.mean=[30000.0]", "data.std=[9000.0]",
+                    "dinov3.color_jitter_p=0", "dinov3.greyscale_p=0", "dinov3.solarize_p=0")
+    kwargs = obj.model_kwargs()
+    model = obj.build_all(kwargs)
+    engine = FakeEngine(model, [{"decay": True, "weight_decay": 0.04}])
+    view = obj.train_view(kwargs).sample
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arrays = [np.random.default_rng(i).integers(0, 65536, (20, 24, 1), dtype=np.uint16) for i in range(4)]
+    for step in range(3):
+        parts = [view(a, 10 * step + i, step) for i, a in enumerate(arrays)]
+        global_crops, local_crops, gram_crops = parts[0][0], parts[0][1], parts[0][-1]
+        assert global_crops.shape[1] == local_crops.shape[1] == gram_crops.shape[1] == 1
+        batch = tuple(torch.stack(p) for p in zip(*parts))
+        obj.before_step(engine, step)
+        loss = obj.loss(engine, batch, torch.zeros(4), None)
+        assert torch.isfinite(loss)
+        assert (obj.train_metrics()["gram_loss"] > 0) == (step >= 1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        obj.after_step(engine, step + 1)
+    assert model.backbone.patch_embed.proj.weight.shape[1] == 1
