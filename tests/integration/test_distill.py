@@ -1,5 +1,6 @@
 """Feature distillation end to end on CPU (gloo): a teacher in Meta's DINOv2 layout (patch 8: its 2x2 grid resized
-to the student's 4x4) distilled into TINY's ViT, preempted on 2 ranks and resumed on 1 at ZeRO-3 (the student
+to the students' 4x4) distilled into two ViT students on one teacher forward (TINY's and a narrower one),
+preempted on 2 ranks and resumed on 1 at ZeRO-3 (the student
 and the teacher partitioned; gradient checkpointing on: TINY's), ends where the uninterrupted 2-rank ZeRO-1 run
 ends: the exported student and the whole trained model (its projections too) within 1e-6. The checkpoints
 hold the teacher's digest and none of its weights; continuing the run against another teacher is refused in one
@@ -29,7 +30,11 @@ def base(data, run_dir, teacher, *extra):
     # No clipping: the global norm is summed over ZeRO partitions in a layout-dependent order (test_dino.py).
     return [*TINY, "model.objective=distill", f"distill.teacher={teacher}", "distill.knn_train_samples=64",
             "deepspeed.bf16=false", "train.grad_clip=0.0", f"data.path={data}", f"run.dir={run_dir}",
-            "deepspeed.zero_stage=1", "train.steps=8", "train.ckpt_every=4", "train.eval_every=0", *extra]
+            "deepspeed.zero_stage=1", "train.steps=8", "train.ckpt_every=4", "train.eval_every=0", STUDENTS, *extra]
+
+
+# Two ViT students on one teacher forward (one engine): TINY's and a narrower one.
+STUDENTS = "distill.students=[{name: tiny}, {name: narrow, model: {embed_dim: 16, num_heads: 1}}]"
 
 
 @pytest.mark.slow
@@ -46,6 +51,8 @@ def test_distill_preempted_on_2_ranks_resumes_on_1_at_zero3_and_ends_where_the_u
     assert "layout changed (world size 2 -> 1)" in resumed.stdout
     assert_close(weights(ref_dir), weights(run_dir))  # the exported student backbone
     assert_close(ckpt.consolidate(ref_dir), ckpt.consolidate(run_dir))  # the trained model, projections too
+    for name in ("tiny", "narrow"):  # every student's export
+        assert_close(weights(ref_dir / "students" / name), weights(run_dir / "students" / name))
     state = ckpt.read_client_state(run_dir, ckpt.newest_complete_tag(run_dir))["objective"]
     assert set(state) == {"teacher_digest", "teacher_source"}
     assert not any(k.startswith(("teacher", "module.teacher")) for k in ckpt.consolidate(run_dir))
