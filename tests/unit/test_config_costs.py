@@ -74,7 +74,23 @@ def flops_per_image(path: Path, text: str) -> float:
     info = SimpleNamespace(num_classes=int(value(classes.group(1))) if classes else 1000, path=str(path))
     cfg = load_config(path)
     objective = OBJECTIVES[cfg.model.objective](cfg, info)
+    if cfg.model.objective == "distill":  # its teacher: the run of configs/pretrain/<run dir's name>.yaml
+        objective.found = run_backbone_on_meta(Path(cfg.distill.teacher).name)
     return objective.flops_per_image(objective.model_kwargs())
+
+
+def run_backbone_on_meta(name: str):
+    """The backbone the run of configs/pretrain/NAME.yaml exports, built on the meta device (shapes only)."""
+    import torch
+
+    from pipeline.model.dinov3 import build_backbone
+    from pipeline.model.variants import model_kwargs_from_config
+    from pipeline.objectives.backbone import Backbone
+
+    cfg = load_config(ROOT / "configs" / "pretrain" / f"{name}.yaml")
+    kwargs = {**model_kwargs_from_config(cfg.model, 0), "num_classes": 0}
+    with torch.device("meta"):
+        return Backbone(build_backbone(kwargs), kwargs, cfg.data, Path(name), None, cfg)
 
 
 @dataclass(frozen=True)

@@ -229,7 +229,8 @@ class Distill(Objective):
         """Each student's forward and its projections, plus the teacher's forward once (forward only: a third,
         as MFU counts each image's FLOPs 3x)."""
         students = model_kwargs.get("students") or {"": model_kwargs}
-        teacher = model_flops(self.teacher.flops_kwargs) if self.teacher is not None else 0.0
+        teacher = (model_flops(self.teacher.flops_kwargs) if self.teacher is not None  # as built, or as read
+                   else model_flops({**self.read_teacher().kwargs, "img_size": pair(self.cfg.model.img_size)}))
         return sum(student_flops(backbone_kwargs(k), model_kwargs["teacher_dim"]) for k in students.values()) + teacher / 3
 
     def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:
