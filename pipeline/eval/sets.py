@@ -19,6 +19,7 @@ import torch
 
 from pipeline.config import DataConfig
 from pipeline.data import DataError, EvalLoader, build_eval_loader, dataset_info_of, raise_if_any_failed
+from pipeline.data.pixels import set_channels
 from pipeline.dist import DistEnv
 from pipeline.eval.features import class_tokens, extract
 from pipeline.eval.knn import KNN_KS, knn_accuracy
@@ -58,6 +59,9 @@ class EvalSets:
         out = []
         for name, path in eval_cfg.sets.items():
             cfg, info = labelled_set(data, path, eval_cfg.train_split, eval_cfg.val_split, f"eval.sets.{name}")
+            if set_channels(info) != len(data.mean):  # the run's data.mean has its model's channels (pixels.py)
+                raise DataError(f"eval.sets.{name}: {path} holds {set_channels(info)}-channel images and the run's "
+                                f"model takes {len(data.mean)}; judge it on a set of the channels it trains on")
             val = build_eval_loader(cfg, img_size, batch, rank=env.rank, world_size=env.world_size, info=info)
             memory = build_eval_loader(dataclasses.replace(cfg, val_split=cfg.train_split), img_size, batch,
                                        rank=env.rank, world_size=env.world_size, info=info,

@@ -91,6 +91,24 @@ def test_an_array_set_under_the_rgb_default_statistics_takes_its_own(tmp_path):
     assert mine.mean == (100.0,) * 3 and mine.std == (10.0,) * 3
 
 
+def test_an_eval_set_of_other_channels_than_the_runs_is_one_line_before_anything_is_read(tmp_path):
+    from types import SimpleNamespace
+
+    from pipeline.dist import DistEnv
+    from pipeline.eval.sets import EvalSets
+
+    env = DistEnv(0, 0, 1, "127.0.0.1", 0, "test")
+    four = array_set(tmp_path / "four", 4, "uint16", n=8)
+    sets = SimpleNamespace(sets={"bands": str(four)}, train_split="train", val_split="val", memory_samples=0)
+    with pytest.raises(DataError, match=r"eval.sets.bands: .* holds 4-channel images and the run's model takes 3"):
+        EvalSets.build(sets, DataConfig(path="elsewhere", num_workers=0), env, (16, 16), 4)
+    one = array_set(tmp_path / "one", 1, "uint16", n=8)
+    run_data = DataConfig(path=str(one), num_workers=0, mean=(100.0,), std=(10.0,))  # a 1-channel run's, resolved
+    with pytest.raises(DataError, match=r"eval.sets.bands: .* holds 4-channel images and the run's model takes 1"):
+        EvalSets.build(sets, run_data, env, (16, 16), 4)
+    assert EvalSets.build(SimpleNamespace(**{**vars(sets), "sets": {"own": str(one)}}), run_data, env, (16, 16), 4)
+
+
 def test_null_statistics_of_an_rgb_set_is_one_line(tmp_path):
     from PIL import Image
     (tmp_path / "src" / "a").mkdir(parents=True)
