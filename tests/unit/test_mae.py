@@ -284,3 +284,23 @@ def test_average_pool_with_fc_norm_is_timms_global_pool_avg():
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
+
+
+def test_one_channel_mae_patchifies_predicts_and_trains_on_its_channel():
+    """Issue 62: MAE of model.in_chans 1 (a 16-bit CT slice, say): patches of P x P x 1, the decoder's output
+    and pixel target of that width, and a few steps on one normalised batch lower its loss (same mask)."""
+    model = tiny(in_chans=1)
+    imgs = torch.randn(4, 1, 16, 16, generator=torch.Generator().manual_seed(1))
+    patches = model.patchify(imgs)
+    assert patches.shape == (4, 16, 16) and torch.equal(model.unpatchify(patches), imgs)
+    noise = torch.rand(4, 16, generator=torch.Generator().manual_seed(2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        loss, pred, mask = model(imgs, 0.75, noise)
+        assert pred.shape == (4, 16, 16) and int(mask.sum()) == 4 * 12
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
