@@ -173,7 +173,9 @@ def load_backbone(source: str | Path, files: ConfigFiles, tag: str | None = None
         p = model.patch_embed.patch_size[0]
         weights["pos_embed"] = sincos_pos_embed_2d(model.embed_dim, (h // p, w // p))
     _load(model, weights, kwargs, where)
-    return Backbone(model.eval(), kwargs, cfg.data if cfg is not None else DataConfig(), path, tag, cfg, found)
+    student_run = None if cfg is not None or path.is_dir() else _student_run_config(path, files)
+    data = cfg.data if cfg is not None else student_run.data if student_run is not None else DataConfig()
+    return Backbone(model.eval(), kwargs, data, path, tag, cfg, found)
 
 
 def _timm_backbone(path: Path, cfg: Config | None, tag: str | None, files: ConfigFiles) -> Backbone | None:
@@ -192,9 +194,7 @@ def _timm_backbone(path: Path, cfg: Config | None, tag: str | None, files: Confi
         state = load_weights(file)
     if arch is None:
         return None
-    run_config = path.parent.parent.parent / "config.yaml"  # RUN/students/NAME/model.safetensors
-    if cfg is None and path.parent.parent.name == "students" and run_config.is_file():
-        cfg = files.load(run_config)
+    cfg = cfg or _student_run_config(path, files)
     where = f"{path}" + (f" ({tag})" if tag and path.is_dir() else "")
     model = _build(TimmBackbone, arch, where)
     try:
@@ -204,6 +204,13 @@ def _timm_backbone(path: Path, cfg: Config | None, tag: str | None, files: Confi
                            f"{arch['timm_kwargs']}: {str(e).splitlines()[1].strip()}") from None
     return Backbone(model.eval(), arch, cfg.data if cfg is not None else DataConfig(), path,
                     tag if path.is_dir() else None, cfg)
+
+
+def _student_run_config(path: Path, files: ConfigFiles) -> Config | None:
+    """The config of the distillation a students/<name>/model.safetensors belongs to (its data.*: the
+    normalisation it was trained with), if the file is still in its run directory."""
+    run_config = path.parent.parent.parent / "config.yaml"  # RUN/students/NAME/model.safetensors
+    return files.load(run_config) if path.parent.parent.name == "students" and run_config.is_file() else None
 
 
 def _build(cls: type[nn.Module], kwargs: dict[str, Any], where: str) -> nn.Module:
