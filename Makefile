@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 # checkout: two checkouts sharing ~/.cache/torch_extensions rebuild each other's ops mid-run.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: venv test test-fast lint bench demo demo-mae demo-mae-16bit demo-dino demo-dinov3 clean
+.PHONY: venv test test-fast lint bench demo demo-mae demo-mae-16bit demo-dino demo-dinov3 demo-adapt clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,10 @@ demo-dino: $(STAMP)
 # DINOv3's stages (pretraining, Gram anchoring, high resolution), then fine-tuned at 1x and 2x the resolution.
 demo-dinov3: $(STAMP)
 	bash launch/demo_dinov3.sh
+
+# A DINOv2 source on the digits adapted (--init) on inverted, rotated digits; k-NN against the source, ablations.
+demo-adapt: $(STAMP)
+	bash launch/demo_adapt.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

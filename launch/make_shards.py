@@ -4,6 +4,7 @@
     python launch/make_shards.py --source digits --out data/digits
     python launch/make_shards.py --source digits --no-labels --out data/digits-unlabelled   # images only
     python launch/make_shards.py --source digits --dtype uint16 --out data/digits16   # 1-channel 16-bit arrays
+    python launch/make_shards.py --source digits:shifted --out data/digits-shifted   # inverted, turned 90 degrees
     python launch/make_shards.py --source folder:/data/imagenet --out data/imagenet --workers 8 --resize 256
     python launch/make_shards.py --source synthetic --num-samples 5000 --num-classes 10 --size 64 --out data/synth
     python launch/make_shards.py --source 'shards:/data/laion/{00000..00099}.tar' --label-key json:label --out /data/laion
@@ -42,7 +43,7 @@ from pipeline.data.shards import (  # noqa: E402
     synthetic_source,
     write_dataset,
 )
-from pipeline.data.sources import without_labels  # noqa: E402
+from pipeline.data.sources import DIGIT_STYLES, without_labels  # noqa: E402
 
 
 def parse_size(text: str) -> int | tuple[int, int]:
@@ -63,7 +64,7 @@ def parse_bytes(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", required=True,
-                   help="folder:PATH | digits | synthetic | shards:PATTERN (brace range or glob)")
+                   help="folder:PATH | digits[:shifted] | synthetic | shards:PATTERN (brace range or glob)")
     p.add_argument("--out", required=True, help="output folder, or s3://bucket/prefix: shards and dataset.json")
     p.add_argument("--max-samples-per-shard", type=int, default=1000, help="samples per shard (default 1000)")
     p.add_argument("--max-bytes-per-shard", type=parse_bytes, default=None,
@@ -121,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(size, int):
                 raise DataError("--size for digits must be one number (square images)")
             vf = 0.2 if args.val_fraction is None else args.val_fraction
-            source = digits_source(size, vf, args.seed, args.dtype)
+            if arg and arg not in DIGIT_STYLES:
+                raise DataError(f"--source digits:{arg}: the style is one of {', '.join(DIGIT_STYLES)}")
+            source = digits_source(size, vf, args.seed, args.dtype, arg or None)
         elif kind == "synthetic":
             vf = 0.2 if args.val_fraction is None else args.val_fraction
             source = synthetic_source(args.num_samples, args.num_classes, args.size or 64, vf, args.seed,

@@ -102,6 +102,9 @@ def _encode_png(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
+DIGIT_STYLES = ("shifted",)  # --source digits:STYLE: the same digits drawn otherwise (a second domain)
+
+
 def _digit_png(pixels: np.ndarray, size: int) -> bytes:
     img = Image.fromarray(np.clip(pixels * (255.0 / 16.0), 0, 255).round().astype(np.uint8), "L")
     img = img.resize((size, size), Image.BICUBIC).convert("RGB")
@@ -116,26 +119,31 @@ def _digit_uint16(levels: np.ndarray, size: int) -> np.ndarray:
 
 
 class _DigitsEncoder:
-    def __init__(self, size: int, dtype: str = "uint8"):
-        self.size, self.dtype = size, dtype
+    def __init__(self, size: int, dtype: str = "uint8", style: str | None = None):
+        self.size, self.dtype, self.style = size, dtype, style
         self.images: np.ndarray | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"size": self.size, "dtype": self.dtype, "images": None}  # workers load the (bundled) data themselves
+    def __getstate__(self) -> dict[str, Any]:  # workers load the (bundled) data themselves
+        return {"size": self.size, "dtype": self.dtype, "style": self.style, "images": None}
 
     def __call__(self, item: Item) -> tuple[str, bytes] | tuple[str, bytes, pixels.SampleInfo]:
         if self.images is None:
             from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
             self.images = load_digits().images
+        levels = self.images[item.ref]
+        if self.style == "shifted":  # dark ink on a light ground, turned a quarter: docs/adapt.md's second domain
+            levels = np.rot90(16.0 - levels)
         if self.dtype == "uint16":  # an array member with its statistics, as a folder's .npy (pixels.py)
-            array = _digit_uint16(self.images[item.ref], self.size)
+            array = _digit_uint16(levels, self.size)
             info = pixels.SampleInfo(1, "uint16", None, pixels.ChannelStats.of(array))
             return pixels.ARRAY_MEMBER, pixels.encode_array(array), info
-        return "png", _digit_png(self.images[item.ref], self.size)
+        return "png", _digit_png(levels, self.size)
 
 
-def digits_source(size: int = 32, val_fraction: float = 0.2, seed: int = 0, dtype: str = "uint8") -> Source:
-    """scikit-learn's digits: 8-bit RGB PNGs, or (`dtype` uint16) single-channel 16-bit arrays of the same images."""
+def digits_source(size: int = 32, val_fraction: float = 0.2, seed: int = 0, dtype: str = "uint8",
+                  style: str | None = None) -> Source:
+    """scikit-learn's digits: 8-bit RGB PNGs, or (`dtype` uint16) single-channel 16-bit arrays of the same images;
+    `style` 'shifted': each inverted (dark on light) and rotated 90 degrees, the same labels and split."""
     try:
         from sklearn.datasets import load_digits
     except ImportError:
@@ -144,7 +152,8 @@ def digits_source(size: int = 32, val_fraction: float = 0.2, seed: int = 0, dtyp
     labels = [int(t) for t in digits.target]
     train, val = stratified_split(labels, val_fraction, seed)
     splits = {"train": [Item(labels[i], i) for i in train], "val": [Item(labels[i], i) for i in val]}
-    return Source("digits", [str(i) for i in range(10)], splits, _DigitsEncoder(size, dtype),
+    return Source(f"digits-{style}" if style else "digits", [str(i) for i in range(10)], splits,
+                  _DigitsEncoder(size, dtype, style),
                   pixels.ARRAY_MEMBER if dtype == "uint16" else "png")
 
 

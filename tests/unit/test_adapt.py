@@ -220,3 +220,28 @@ def test_the_adapt_configs_take_their_sources_architecture(config, layout, tmp_p
     cfg, hook = prepare_init(cfg, None, explicit)
     assert hook is not None and cfg.model.embed_dim != 768 and cfg.adapt.init_digest
     assert cfg.adapt.anchor == 2.0 and (cfg.gram.loss_weight == 2.0) == (cfg.model.objective == "dinov3")
+
+
+def test_the_demos_second_domain_is_the_same_digits_inverted_and_turned(capsys):
+    """make_shards --source digits:shifted (make demo-adapt's second domain): the same images, labels and split
+    as --source digits, each drawn dark on light and rotated 90 degrees (at 8 px, no resize)."""
+    import importlib.util
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from pipeline.data.sources import digits_source
+
+    spec = importlib.util.spec_from_file_location("make_shards", ROOT / "launch/make_shards.py")
+    make_shards = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_shards)
+
+    plain, shifted = digits_source(size=8), digits_source(size=8, style="shifted")
+    assert shifted.name == "digits-shifted" and shifted.splits == plain.splits
+    for item in plain.splits["val"][:5]:
+        a, b = (np.asarray(Image.open(io.BytesIO(s.encode(item)[1]))) for s in (plain, shifted))
+        # (within 1: 8/16 of the ink is 127.5 of 255, rounded to 128 either way)
+        assert np.abs(b.astype(int) - np.rot90(255 - a.astype(int))).max() <= 1 and not np.array_equal(a, b)
+    assert make_shards.main(["--source", "digits:upside", "--out", "unused"]) == 2
+    assert "--source digits:upside: the style is one of shifted" in capsys.readouterr().err
