@@ -58,6 +58,7 @@ from pipeline.train.ds_compat import DeepSpeedFailed, UnsafeCheckpoint
 from pipeline.train.lock import RunDirLocked, lock_run_dir
 from pipeline.train.optim import RESUMABLE_HPARAMS, exempt_names
 from pipeline.train.state import ClientState
+from pipeline.train.storage_wait import storage_wait_s
 from pipeline.train.watchdog import process_group_timeout_s
 
 
@@ -101,7 +102,8 @@ def start(cfg: Config) -> tuple[DistEnv, ResumePlan | None]:
     """Steps 1-5 in every process: join the process group, lock RUN_DIR (rank 0), plan. The one place a
     run decides whether it starts or resumes; the caller hands the plan to the fine-tune and the trainer."""
     with exit_at_once_on_signal("joining the process group"):  # nothing to save yet: a signal ends it here
-        env = init_distributed(process_group_timeout_s(cfg.dist.timeout_s))
+        # A collective waits out what the watchdog allows: dist.timeout_s past a storage wait (watchdog.py).
+        env = init_distributed(process_group_timeout_s(cfg.dist.timeout_s, storage_wait_s(cfg.data)))
     lock(cfg, env)  # before anything is written: a second job on this run.dir stops here
     return env, plan(cfg, env)
 

@@ -56,6 +56,7 @@ from pipeline.train.metrics import ThroughputMeter, device_peak_flops
 from pipeline.train.optim import apply_hparams, exempt_names, peak_group_lr
 from pipeline.train.preemption import Preemption
 from pipeline.train.state import training_client_state
+from pipeline.train.storage_wait import StorageWaits
 from pipeline.train.watchdog import Watchdog
 
 __all__ = ["Trainer", "all_finite", "backward_and_step", "build_engine", "build_model", "fit"]
@@ -195,7 +196,7 @@ class Trainer:
             return ExitCode.PREEMPTED
         # From here on a rank that stops making progress ends the job and says where (pipeline/train/watchdog.py).
         self.watchdog = Watchdog(self.cfg.dist.timeout_s, env.rank, self.run_dir,  # a storage wait is not a hang
-                                 beacon=storage_beacon(self.cfg.data.cache_dir))
+                                 storage=StorageWaits.of_job(storage_beacon(self.cfg.data.cache_dir), env.world_size))
         for loader in self.eval_loaders:
             loader.progress = self.watchdog.touch  # each eval batch is progress
         if self.train_loader.decoder is not None:  # data.decode_device: cuda: the next decode overlaps this step

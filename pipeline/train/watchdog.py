@@ -19,10 +19,12 @@ in a collective) moves a beacon file's time to when its next attempt will have a
 (`RetryPolicy.waiting`, pipeline/remote/retry.py), and the watchdog counts from there. Said once per wait,
 with the retry it is on. When the budget runs out the reader raises its StorageError, and the run stops
 with that error's code (1) and line, dist.timeout_s before any peer's watchdog could speak. The beacon is
-per node (data.cache_dir): a rank on another node whose own reads are not failing does not see it.
+per node (data.cache_dir); a rank on another node, waiting for this one in a collective, hears of the wait
+through the job's rendezvous store (pipeline/train/storage_wait.py).
 
-The process group's timeout is set a minute longer (`process_group_timeout_s`), so that the watchdog,
-which says where, speaks before the collective raises.
+The process group's timeout is set a minute past the longest the watchdog may wait (`process_group_timeout_s`:
+dist.timeout_s after a storage wait of up to data.retry_time_s + data.read_timeout_s), so that the watchdog,
+which says where, speaks before the collective raises, and a collective never ends a wait the watchdog allows.
 """
 
 from __future__ import annotations
@@ -36,22 +38,25 @@ import time
 from pathlib import Path
 
 from pipeline.exit_codes import ExitCode
+from pipeline.train.storage_wait import StorageWaits
 
 ERRORS_DIR = "errors"  # RUN_DIR/errors/: the same folder as DeepSpeed's tracebacks (ds_compat)
 PG_TIMEOUT_MARGIN_S = 60.0
 
 
-def process_group_timeout_s(timeout_s: float) -> float:
-    """The collectives' own timeout: after the watchdog's, so that a hang is reported by the watchdog."""
-    return timeout_s + PG_TIMEOUT_MARGIN_S
+def process_group_timeout_s(timeout_s: float, storage_wait_s: float = 0.0) -> float:
+    """The collectives' own timeout: after the longest the watchdog may wait (`timeout_s` past a storage wait of
+    up to `storage_wait_s`), so that a hang is reported by the watchdog and a peer's storage wait is waited on."""
+    return timeout_s + storage_wait_s + PG_TIMEOUT_MARGIN_S
 
 
 class Watchdog:
     """`beat(phase, step)` whenever the rank makes progress; `stop()` at the end. A daemon thread."""
 
-    def __init__(self, limit_s: float, rank: int, run_dir: Path, grace_s: float = 5.0, beacon: str | None = None):
+    def __init__(self, limit_s: float, rank: int, run_dir: Path, grace_s: float = 5.0,
+                 storage: StorageWaits | None = None):
         self.limit_s, self.rank, self.run_dir, self.grace_s = limit_s, rank, Path(run_dir), grace_s
-        self.beacon = beacon  # storage_beacon(data.cache_dir): readers of this node retrying storage
+        self.storage = storage  # readers retrying storage: this node's (its beacon) and the other nodes'
         self._told: float | None = None  # the mark for which "waiting on storage" was said
         self._mark = ("setup", 0, time.monotonic())  # one tuple: assigned atomically, read whole
         self._stop = threading.Event()
@@ -73,24 +78,17 @@ class Watchdog:
     def _watch(self) -> None:
         every = min(1.0, self.limit_s / 10)
         while not self._stop.wait(every):
+            if self.storage is not None:
+                self.storage.share()  # this node's wait, for the other nodes' watchdogs
             phase, step, since = self._mark
             waited = time.monotonic() - since
             if waited <= self.limit_s:
                 continue
-            storage = self._storage_wait()
+            storage = self.storage.wait() if self.storage is not None else None
             if storage is not None and storage[0] <= self.limit_s:
                 self._say_storage(phase, step, since, waited, storage[1])
                 continue
             self._fire(phase, step, waited if storage is None else min(waited, storage[0]))
-
-    def _storage_wait(self) -> tuple[float, str] | None:
-        """(seconds since the node's current storage wait ends: negative while a reader still retries, what it
-        retries) from the beacon; None without one."""
-        try:
-            with open(self.beacon or "", encoding="utf-8", errors="replace") as f:
-                return time.time() - os.fstat(f.fileno()).st_mtime, f.read(500).strip()
-        except OSError:
-            return None
 
     def _say_storage(self, phase: str, step: int, since: float, waited: float, what: str) -> None:
         if self._told == since:

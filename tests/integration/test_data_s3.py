@@ -361,43 +361,111 @@ def outage(seconds: float | None):
     return plan
 
 
-@pytest.mark.parametrize("down_s, budget_s", [(10, 120), (None, 15)], ids=["back", "gone"])
+@pytest.mark.parametrize("down_s, budget_s, where", [(10, 120, "eval.sets"), (None, 15, "eval.sets"),
+                                                     (None, 15, "data.path")], ids=["back", "gone", "gone-data.path"])
 def test_an_eval_set_in_a_bucket_down_longer_than_dist_timeout_s_is_waited_on_not_a_hang(
         s3: SeaweedS3, bucket_shards: str, shards: Path, tmp_path: Path, down_s: float | None,
-        budget_s: float) -> None:
+        budget_s: float, where: str) -> None:
     """eval.sets.bucket in the bucket, the store down (every request 503) from the evaluation's first shard GET
     on, for 10 s with dist.timeout_s=5: the watchdog hears that storage is being retried within
     data.retry_time_s and waits (said once), the run ends exit 0 with the set's figures (before: exit 76, "rank
     0 hung", the evaluation lost). For good, with data.retry_time_s=15: the storage error's code and line (1),
-    not 76. One rank, TINY, 2 steps. The first is also mirrored (run.remote, a tag per step, train.keep_last=1)
-    to a bucket that answers every DELETE 403: a refusal is said at most once, the run still exits 0 and the
-    bucket holds its last tag and its weights (before: 403s retried for data.retry_time_s, then exit 1)."""
+    not 76. One rank, TINY, 2 steps. The first is also mirrored (run.remote, 3 steps, a tag each,
+    train.keep_last=1) to a bucket that answers every DELETE 403: pruning refused is said once, the run exits 0
+    within a minute of its last step and the bucket holds its last tag and its weights (before: 403s retried
+    for data.retry_time_s, then exit 1).
+    gone-data.path: the training shards (data.path) in the bucket, down for good: the same line and code, from
+    the fetch-ahead process or a loader worker. (data.path's "back": the two-node test below.)"""
     from tests.integration.runs import TINY, run
 
     run_dir = tmp_path / "run"
-    args = [*TINY, f"data.path={shards}", f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}",
-            "train.steps=2", "train.eval_every=2", "train.ckpt_every=0", f"eval.sets.bucket={bucket_shards}",
-            "dist.timeout_s=5", "data.retry_backoff_s=1", "data.retry_attempts=20", f"data.retry_time_s={budget_s}"]
+    data = [f"data.path={shards}", f"eval.sets.bucket={bucket_shards}"] if where == "eval.sets" else \
+        [f"data.path={bucket_shards}"]
+    args = [*TINY, *data, f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}",
+            "train.steps=2", "train.eval_every=2", "train.ckpt_every=0",
+            "data.retry_backoff_s=1", "data.retry_attempts=20", f"data.retry_time_s={budget_s}",
+            # data.path: the first batch also waits on the loader's fork server (test_hangs.py's LIMIT_S)
+            f"dist.timeout_s={5 if where == 'eval.sets' else 10}"]
     if down_s is not None:
-        args += [f"run.remote=s3://{BUCKET}/mirrored", "train.ckpt_every=1", "train.keep_last=1"]
+        args += [f"run.remote=s3://{BUCKET}/mirrored", "train.ckpt_every=1", "train.keep_last=1", "train.steps=3"]
     with FaultServer(upstream=s3.url, plan=outage(down_s)) as proxy:
         out = run("pretrain.py", "configs/pretrain/demo.yaml", args, ranks=1, extra_env=s3.env(endpoint=proxy.url),
                   timeout=300)
-        faults = len(proxy.faults)
+        ended, faults = time.time(), len(proxy.faults)
     said = out.stdout + out.stderr
     assert faults and "storage: retry " in said and "hung: no progress" not in said, said[-4000:]
     assert "but storage is being retried within data.retry_time_s (retry " in said, said[-4000:]  # once per wait
     if down_s is not None:
         assert out.returncode == 0, said[-4000:]
         assert any("eval/bucket/knn_top1" in r["metrics"] for r in metrics(run_dir)), said[-2000:]
-        # (whether a pruning meets the 403 depends on the upload's timing: the tag in flight is kept locally; the
-        # lock's DELETE always does)
-        assert said.count("pruning refused") <= 1 and "by ending its lease (its DELETE failed: 403)" in said, said
+        # Tag 1 goes up at step 1; the local retention drops it at step 3 at the latest (one tag beyond keep_last
+        # while uploads lag: tag 2's, in the outage), and the next tag's upload prunes it from the bucket: that
+        # DELETE, and the lock's, meet the 403. Said once; the run ends within a minute of its last step (before:
+        # each DELETE retried for data.retry_time_s, then exit 1).
+        assert said.count("pruning refused") == 1 and "by ending its lease (its DELETE failed: 403)" in said, said
+        last_step = [r["time"] for r in metrics(run_dir) if "train/loss" in r["metrics"]][-1]
+        print(f"exited {ended - last_step:.1f} s after its last step")
+        assert ended - last_step < 60, f"exited {ended - last_step:.0f} s after its last step"
         got = s3.client().get_object(Bucket=BUCKET, Key="mirrored/model.safetensors")["Body"].read()
         assert got == (run_dir / "model.safetensors").read_bytes()
-        assert (run_dir / "checkpoints" / "step_0000002").is_dir()
-        s3.client().head_object(Bucket=BUCKET, Key="mirrored/checkpoints/step_0000002/complete.json")
+        assert (run_dir / "checkpoints" / "step_0000003").is_dir()
+        s3.client().head_object(Bucket=BUCKET, Key="mirrored/checkpoints/step_0000003/complete.json")
     else:
         errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
         assert out.returncode == 1 and len(errors) == 1, said[-4000:]
         assert errors[0].startswith(f"error: {bucket_shards}/") and "gave up after" in errors[0], errors
+
+
+def test_two_nodes_one_whose_bucket_is_down_longer_than_dist_timeout_s_train_the_undisturbed_weights(
+        s3: SeaweedS3, bucket_shards: str, local_weights: dict, tmp_path: Path) -> None:
+    """data.path in the bucket, 2 nodes of 1 rank (each its own data.cache_dir, as on two hosts): node 1 reaches
+    the store through a proxy that is down (every request 503) for 15 s from its first shard GET, dist.timeout_s=10;
+    node 0's rank waits for node 1's in the first step's all-reduce, its own reads fine. Node 1's storage wait
+    reaches node 0's watchdog through the job's store (pipeline/train/storage_wait.py): it says once that it
+    waits, not hung, and the job ends exit 0 with the weights of the undisturbed one-node run (before: node 0's
+    watchdog, which saw only its own node's beacon, ended the job with 76). The data set is also someone else's:
+    s3://data/elsewhere/dataset.json names its shards under s3://data/synth, which data.allowed_origins allows
+    (without it: refused in one line, the test above)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psutil
+
+    c = s3.client()
+    info = json.loads(c.get_object(Bucket=BUCKET, Key="synth/dataset.json")["Body"].read())
+    for split in info["splits"].values():
+        for entry in split["shards"]:
+            entry["name"] = f"{bucket_shards}/{entry['name']}"
+    c.put_object(Bucket=BUCKET, Key="elsewhere/dataset.json", Body=json.dumps(info).encode())
+    port = free_port()
+
+    def args(node: int) -> list[str]:
+        return [*overrides(f"s3://{BUCKET}/elsewhere", tmp_path / "run", tmp_path / f"cache{node}"),
+                f"data.allowed_origins=[{bucket_shards}]", "dist.timeout_s=10", "data.retry_backoff_s=1",
+                "data.retry_attempts=20", "data.retry_time_s=120"]
+
+    with FaultServer(upstream=s3.url, plan=outage(15)) as proxy:
+        procs = [torchrun(2, 0, 1, port, args(0), extra_env=s3.env()),
+                 torchrun(2, 1, 1, port, args(1), extra_env=s3.env(endpoint=proxy.url))]
+        with ThreadPoolExecutor(2) as pool:  # both pipes drained at once: neither node blocks on a full one
+            read = [pool.submit(p.stdout.read) for p in procs]  # type: ignore[union-attr]
+            try:
+                procs[0].wait(timeout=300)
+                procs[1].wait(timeout=60)  # (a node whose peer ended may wait on it: killed below)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                for p in procs:  # still running: its rank, then its agent
+                    if p.poll() is None:
+                        for child in psutil.Process(p.pid).children(recursive=True):
+                            child.kill()
+                        p.kill()
+            outs = [r.result() for r in read]
+        faults = len(proxy.faults)
+    said = "\n".join(outs)
+    lines = [line for line in said.splitlines() if line.startswith(("error", "watchdog"))]  # each node's own
+    assert [p.wait() for p in procs] == [0, 0], "\n".join([*lines, said[-4000:]])
+    assert faults and "storage: retry " in outs[1] and "storage: retry " not in outs[0], said[-6000:]
+    assert "hung: no progress" not in said, said[-6000:]
+    waits = [line for line in outs[0].splitlines() if "but storage is being retried" in line]
+    assert len(waits) == 1 and "rank 0" in waits[0] and "train-00000" in waits[0] and ", on node " in waits[0], said
+    assert_same_weights(weights(tmp_path / "run"), local_weights)

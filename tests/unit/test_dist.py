@@ -153,9 +153,10 @@ def test_init_distributed_single_process_gloo(monkeypatch):
 
 
 def test_the_process_group_times_out_a_minute_after_the_watchdog(monkeypatch, tmp_path):
-    """The group a run joins (resume.start, the one place it is joined) has dist.timeout_s + 60 s as its
-    collectives' timeout: the watchdog (dist.timeout_s) names the stuck rank, step and phase before a
-    collective raises from inside gloo or NCCL."""
+    """The group a run joins (resume.start, the one place it is joined) has dist.timeout_s + 60 s past the
+    longest storage wait (data.retry_time_s + data.read_timeout_s) as its collectives' timeout: the watchdog
+    (dist.timeout_s, counted past a storage wait) names the stuck rank, step and phase before a collective
+    raises from inside gloo or NCCL, and no collective ends a wait the watchdog allows."""
     from datetime import timedelta
 
     torch = pytest.importorskip("torch")
@@ -173,11 +174,12 @@ def test_the_process_group_times_out_a_minute_after_the_watchdog(monkeypatch, tm
         pytest.skip("a process group already exists in this test process")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     run_dir = tmp_path / "run"
-    cfg = load_config(ROOT / "configs/pretrain/demo.yaml", [f"run.dir={run_dir}", "dist.timeout_s=42"])
+    cfg = load_config(ROOT / "configs/pretrain/demo.yaml", [f"run.dir={run_dir}", "dist.timeout_s=42",
+                                                           "data.retry_time_s=100", "data.read_timeout_s=7"])
     try:
         resume.start(cfg)
         group = torch_dist.distributed_c10d._get_default_group()
-        assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=42 + 60)
+        assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=42 + 100 + 7 + 60)
     finally:
         if torch_dist.is_initialized():
             torch_dist.destroy_process_group()
