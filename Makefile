@@ -1,4 +1,4 @@
-# make demo | demo-mae | demo-mae-16bit | demo-dino | demo-dinov3 | test | test-fast | lint | bench. The first target run creates .venv from constraints.txt;
+# make demo | demo-mae | demo-mae-16bit | demo-dino | demo-dinov3 | demo-distill | test | test-fast | lint | bench. The first target run creates .venv from constraints.txt;
 # later runs reuse it (re-installed only when pyproject.toml or constraints.txt change).
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 # checkout: two checkouts sharing ~/.cache/torch_extensions rebuild each other's ops mid-run.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: venv test test-fast lint bench demo demo-mae demo-mae-16bit demo-dino demo-dinov3 demo-adapt clean
+.PHONY: venv test test-fast lint bench demo demo-mae demo-mae-16bit demo-dino demo-dinov3 demo-adapt demo-distill clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,9 @@ demo-mae-16bit: $(STAMP)
 
 demo-dino: $(STAMP)
 	bash launch/demo_dino.sh
+
+demo-distill: $(STAMP)
+	bash launch/demo_distill.sh
 
 # DINOv3's stages (pretraining, Gram anchoring, high resolution), then fine-tuned at 1x and 2x the resolution.
 demo-dinov3: $(STAMP)
