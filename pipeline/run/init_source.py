@@ -12,7 +12,9 @@ token, MAE's decoder) keeps the model's own init; a run directory of the same re
 its heads along (its teacher's, or its MAE's decoder). One line says what came from the file and what did not.
 
 At a resume: the run's checkpoint holds all of that; the source is not loaded, only its digest compared with the
-one recorded (another --init is refused in one line).
+one recorded (another --init is refused in one line). With adapt.anchor on, the frozen source is not in the
+checkpoint (it never trains): `reload_source` reads it again from the recorded file (its digest checked here
+first: a file gone or changed is one line), into the anchor as the first start read it into the student.
 """
 
 from __future__ import annotations
@@ -99,8 +101,18 @@ def _resumed(cfg: Config, plan: ResumePlan) -> Config:
             raise WeightsError(f"--init {cfg.adapt.init}: {cfg.run.dir} started from {was} (SHA-256 {digest[:12]}..., "
                                f"recorded at its first start), and this is another file; drop --init to continue "
                                f"it, or use a new run.dir")
-    if was:
+    if was and cfg.adapt.anchor > 0:  # the anchor is read again from the source (reload_source): the same file
+        if not Path(was).exists():
+            raise WeightsError(f"adapt.init={was}: not found; {cfg.run.dir} (adapt.anchor={cfg.adapt.anchor:g}) "
+                               f"reads its frozen source from it at a resume (the checkpoints do not store it)")
+        if source_digest(was) != digest:
+            raise WeightsError(f"adapt.init={was}: its SHA-256 is not the one {cfg.run.dir} recorded at its first "
+                               f"start ({digest[:12]}...): the anchor (adapt.anchor) cannot be read again from it")
+        say(f"--init: {cfg.run.dir} has a checkpoint ({plan.tag}): it wins; adapt.anchor's frozen source is read "
+            f"again from {was} (its SHA-256 as recorded)")
+    elif was:
         say(f"--init: {cfg.run.dir} has a checkpoint ({plan.tag}): it wins, {was} is not read again")
+    if was:
         saved = plan.state.config.get("model") or {}
         model = dataclasses.replace(cfg.model, **{k: _plain(saved[k]) for k in ARCH_KEYS if k in saved})
         cfg = dataclasses.replace(cfg, model=model, adapt=dataclasses.replace(cfg.adapt, init=was, init_digest=digest))
@@ -130,8 +142,14 @@ def _source_model(cfg: Config, backbone: Backbone, explicit: set[str]):
         kind = "a DINOv3 ViT (RoPE)" if dinov3 else "a ViT (position table)"
         raise WeightsError(f"{where} is {kind}: model.objective={cfg.model.objective} cannot start from it "
                            f"({'dinov3 starts from DINOv3 weights' if not dinov3 else 'use model.objective: dinov3'})")
+    regs = cfg.model.reg_tokens
+    if "reg_tokens" in explicit and regs is not None and regs != (arch["reg_tokens"] or 0):  # registers beyond the source's
+        if regs < (arch["reg_tokens"] or 0):
+            raise ConfigError(f"model.reg_tokens={regs}: {where} has {arch['reg_tokens']} registers, which all load; "
+                              f"model.reg_tokens may add fresh ones, not drop the source's (>= {arch['reg_tokens']})")
+        arch = {**arch, "reg_tokens": regs}  # the source's in the first slots, the rest fresh (`_copy`)
     for key in ARCH_KEYS:  # a key the config writes, contradicting the source
-        if key != "variant" and key in explicit and not _same(getattr(cfg.model, key), arch[key]):
+        if key not in ("variant", "reg_tokens") and key in explicit and not _same(getattr(cfg.model, key), arch[key]):
             raise ConfigError(f"model.{key}={getattr(cfg.model, key)}: {where} has model.{key}={arch[key]} (the "
                               f"architecture is the source's); drop model.{key} from the config")
     if arch["variant"] != cfg.model.variant:  # a name (needed to pick the recipe's class), not a contradiction
@@ -172,6 +190,18 @@ def load_init(student: nn.Module, backbone: Backbone, objective: str) -> str:
             + (f"; {channels}" if channels else ""))
 
 
+@torch.no_grad()
+def reload_source(module: nn.Module, cfg: Config, what: str) -> None:
+    """A resumed run's anchor (`module`: the teacher's backbone's structure, partitioned alike under ZeRO-3)
+    read again from adapt.init (its digest checked by `_resumed`), by `load_init` as the first start loaded the
+    student's backbone, which the EMA teacher, and so the anchor at step 0, was: the same tensors, bit for bit.
+    (Its mask token, fresh at the first start, is its own init here: the anchor's forward uses no mask.)"""
+    holder = nn.Module()
+    holder.backbone = module  # a student's shape: load_init's path, run directories' heads left out
+    line = load_init(holder, load_backbone(cfg.adapt.init, flag="adapt.init"), cfg.model.objective)
+    say(f"{what}: the frozen source read again from adapt.init: {line.split('; fresh:')[0]}")
+
+
 def _arch_defaults() -> dict[str, Any]:
     return {"mlp_layer": "mlp", "init_values": None, "reg_tokens": 0}
 
@@ -208,6 +238,11 @@ def _copy(target: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> tup
     """Every parameter of `target` that `state` holds, copied (shapes checked); (how many, the names left fresh)."""
     loaded, fresh = 0, []
     for name, param in target.named_parameters():
+        if name == "reg_token" and (name not in state or state[name].shape[1] < real_shape(param)[1]):
+            loaded += _more_registers(param, state.get(name))
+            have = state[name].shape[1] if name in state else 0
+            fresh.append(f"{prefix}{name} {have}-{real_shape(param)[1] - 1} (registers past the source's {have})")
+            continue
         if name not in state:
             fresh.append(prefix + name)
             continue
@@ -218,6 +253,23 @@ def _copy(target: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> tup
         init_param(param, lambda t, v=value: t.copy_(v.to(t.dtype)))
         loaded += 1
     return loaded, fresh
+
+
+def _more_registers(param: nn.Parameter, source: torch.Tensor | None) -> int:
+    """model.reg_tokens above the source's: its registers (None: it has none) in the first slots, the rest fresh
+    at the model's init (normal, std 1e-6), drawn from a fixed seed so that a resumed anchor's read of the source
+    (reload_source) gives the same registers, bit for bit. 1 when the file gave some, else 0."""
+    shape = real_shape(param)
+    if source is not None and tuple(source.shape[::2]) != (shape[0], shape[2]):
+        raise WeightsError(f"the source's 'reg_token' is {tuple(source.shape)}, the run's model has {tuple(shape)}")
+
+    def fill(t: torch.Tensor) -> None:
+        t.copy_(1e-6 * torch.randn(shape, generator=torch.Generator().manual_seed(0)))
+        if source is not None:
+            t[:, :source.shape[1]].copy_(source.to(t.dtype))
+
+    init_param(param, fill)
+    return int(source is not None)
 
 
 INIT_EVAL = "eval_init.json"  # RUN_DIR/: the eval.sets figures of the source itself (step 0)

@@ -5,6 +5,7 @@ while the heads do; the source judged at step 0; a resume against another source
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def data(tmp_path_factory) -> Path:
     return labelled_set(tmp_path_factory.mktemp("set") / "labelled")
 
 
-def _student_and_teacher(overrides: list[str], source: Path, data: Path, run_dir: Path):
+def _student_and_teacher(overrides: list[str], source: Path, data: Path, run_dir: Path, explicit: frozenset = frozenset()):
     """The objective's student with --init's hook applied, and its teacher, as the trainer builds them."""
     from contextlib import nullcontext
 
@@ -107,7 +108,7 @@ def _student_and_teacher(overrides: list[str], source: Path, data: Path, run_dir
     from pipeline.run.init_source import prepare_init
 
     cfg = load_config(DEMO, [*overrides, f"data.path={data}", f"run.dir={run_dir}", f"adapt.init={source}"])
-    cfg, hook = prepare_init(cfg, None, set())
+    cfg, hook = prepare_init(cfg, None, set(explicit))
     objective = build_objective(cfg, dataset_info_of(cfg.data))
     kwargs = objective.model_kwargs()
     model = objective.build_model(kwargs)
@@ -135,6 +136,48 @@ def test_student_and_teacher_start_as_the_file_and_the_heads_are_fresh(layout, d
         got = embedding(model.backbone.forward_features(x), model.backbone)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     assert cfg.adapt.init_digest and len(cfg.adapt.init_digest) == 64
+    # adapt.anchor at a resume (not stored in checkpoints): read again from the file into a module of the
+    # teacher's backbone's structure, it is the step-0 teacher the anchor took, bit for bit (its mask token,
+    # unused by the anchor's forward, aside).
+    from pipeline.run.init_source import reload_source
+
+    anchor = copy.deepcopy(teacher.backbone)
+    for p in anchor.parameters():
+        p.data.zero_()
+    reload_source(anchor, cfg, "adapt.anchor")
+    assert "adapt.anchor: the frozen source read again from adapt.init" in capsys.readouterr().out
+    want = dict(teacher.backbone.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in anchor.named_parameters() if n != "mask_token")
+
+
+def test_registers_beyond_the_sources_start_fresh_after_its_own_and_fewer_is_one_line(data, tmp_path, capsys):
+    """model.reg_tokens=4 from a Meta DINOv2 file without registers: the model has 4, fresh (said in the line),
+    every other tensor the file's, the features run; from one with 4, model.reg_tokens=6 keeps them in slots 0-3;
+    2 is one line."""
+    reg4 = foreign_file("meta_dinov2", tmp_path / "src").path
+    state = torch.load(reg4)
+    del state["register_tokens"]  # Meta's layout without registers (its pos_embed has the class row either way)
+    torch.save(state, none := tmp_path / "dinov2_noreg.pth")
+    regs = frozenset({"reg_tokens"})
+    cfg, student, teacher = _student_and_teacher([*DINOV2_TINY, "model.reg_tokens=4"], none, data, tmp_path / "a", regs)
+    line = capsys.readouterr().out
+    assert cfg.model.reg_tokens == 4 and "fresh: backbone.mask_token, backbone.reg_token 0-3 (registers past the " \
+        "source's 0), dino_head" in line, line
+    from pipeline.model.layouts import recognise
+
+    want = recognise(state).state  # the file's tensors under the model's names
+    x = torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+    for model in (student, teacher):
+        got = dict(model.backbone.named_parameters())
+        assert got.keys() - want.keys() == {"reg_token", "mask_token"} and got["reg_token"].shape == (1, 4, 128)
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+        assert model.backbone.forward_features(x).shape == (2, 1 + 4 + 4, 128)  # class, registers, 2x2 patches
+    _, six, _ = _student_and_teacher([*DINOV2_TINY, "model.reg_tokens=6"], reg4, data, tmp_path / "c", regs)
+    assert "backbone.reg_token 4-5 (registers past the source's 4)" in capsys.readouterr().out
+    source_regs = torch.load(reg4)["register_tokens"]
+    assert torch.equal(six.backbone.reg_token[:, :4], source_regs) and six.backbone.reg_token.shape[1] == 6
+    with pytest.raises(ConfigError, match=r"^model.reg_tokens=2: --init .* has 4 registers.*\(>= 4\)$"):
+        _student_and_teacher([*DINOV2_TINY, "model.reg_tokens=2"], reg4, data, tmp_path / "e", regs)
 
 
 def test_a_config_key_that_contradicts_the_source_is_one_line(data, tmp_path):
@@ -191,6 +234,12 @@ def test_the_backbone_is_frozen_bit_for_bit_while_the_heads_train_judged_from_st
     assert commands.pretrain([*args[:3], str(other.path), *args[4:], "train.steps=3"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "started from" in err and "another file" in err
+    # The source gone at a resume of this anchored run (the demo's adapt.anchor=2): its anchor cannot be read
+    # again (the checkpoints do not store it): one line naming adapt.init, exit 1.
+    src.path.rename(src.path.with_suffix(".gone"))
+    assert commands.pretrain([*args[:2], *args[4:], "train.steps=3"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"adapt.init={src.path}: not found" in err, err
 
 
 def test_an_rgb_source_starts_a_c_channel_student_as_timms_adapt_input_conv(data, tmp_path, capsys):

@@ -4,8 +4,10 @@ Gram teacher (gram_teacher.py: taken from the EMA teacher before step 0, when th
 never again). gram.* says how the loss is computed (normalised, negatives, per image); the source sees the
 student's own global crops, so nothing is resized. DINOv3 anchors with its own Gram term (adapt.anchored).
 
-State: the source's backbone, float32, partitioned as the teacher under ZeRO-3, saved whole with every
-checkpoint (`state_dict`), so that a resumed run (any world size and stage) anchors to the same weights.
+State: the source's backbone, float32, partitioned as the teacher under ZeRO-3, never stored in a checkpoint
+(it never trains): a resumed run (any world size and stage) reads it again from the recorded source
+(adapt.init, its SHA-256 checked at the command: pipeline/run/init_source.py's `reload_source`), loaded as the
+first start loaded the student, so it anchors to the same weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class SourceAnchor:
         self.source = GramTeacher(backbone, start=0, every=0, max_updates=0)
         self.loss = GramLoss(apply_norm=g.normalized, remove_neg=g.remove_neg,
                              remove_only_teacher_neg=g.remove_only_teacher_neg)
-        self.weight, self.img_level = weight, g.img_level
+        self.weight, self.img_level, self.cfg = weight, g.img_level, cfg
 
     @torch.no_grad()
     def before_step(self, step: int, teacher_backbone: nn.Module, device: torch.device) -> None:
@@ -56,10 +58,16 @@ class SourceAnchor:
         return self.weight * self.loss(student_patches, target, img_level=self.img_level)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"anchor": self.source.state_dict()}  # collective under ZeRO-3 (gathered), as the teacher's
+        return {}  # nothing: the source is read again from adapt.init at a resume (load_state_dict)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.source.load_state_dict(state["anchor"])
+        if "anchor" in state:  # a checkpoint written when the anchor was stored with it
+            self.source.load_state_dict(state["anchor"])
+            return
+        # Here, not at the top: pipeline/run/ imports every recipe's objective, which imports this.
+        from pipeline.run.init_source import reload_source
+
+        reload_source(self.source.backbone, self.cfg, "adapt.anchor")
 
 
 def source_anchor(cfg: Config, model_class: Any, model_kwargs: dict[str, Any],

@@ -6,7 +6,8 @@ resolution, resized to the student's grid, are the Gram loss's targets.
 State, as the teacher is: float32 whatever the student's dtype, built in the objective's `init` (under ZeRO-3
 partitioned as the teacher, so that a copy runs on each rank's own shards with no communication:
 `pipeline.train.ema.Ema` at decay 0), saved whole (gathered) with every checkpoint and loaded on any world
-size and ZeRO stage. When the copies happen is a function of the step alone (`takes_copy`): a resumed run
+size and ZeRO stage; as an adapt.anchor (the source, never updated) it is not saved but read again from the
+source at a resume (pipeline/run/init_source.py's `reload_source`). When the copies happen is a function of the step alone (`takes_copy`): a resumed run
 takes the ones an uninterrupted run would.
 """
 

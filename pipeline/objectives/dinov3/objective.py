@@ -195,13 +195,21 @@ class DINOv3(DINOv2):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self.gram is not None:  # collective under ZeRO-3, as the teacher's
-            state.update(gram_teacher=self.gram.state_dict(), gram_carried=self.gram_carried)
+            state.update(gram_carried=self.gram_carried)
+            if self.cfg.adapt.anchor <= 0:  # an anchor (the source, never updated) is read again at a resume
+                state.update(gram_teacher=self.gram.state_dict())
         return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.gram is None:
+            return
+        if self.cfg.adapt.anchor > 0 and "gram_teacher" not in state:  # adapt.anchor: the source, not stored
+            from pipeline.run.init_source import reload_source  # (pipeline/run/ imports every objective)
+
+            reload_source(self.gram.backbone, self.cfg, "adapt.anchor (the Gram teacher)")
+            self.gram_carried = bool(state.get("gram_carried", False))
             return
         if "gram_teacher" not in state:  # gram.loss_weight turned on at a resume: start from the teacher
             say("gram: the checkpoint holds no Gram teacher (gram.loss_weight was 0 when it was written); it is "
