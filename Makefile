@@ -1,4 +1,4 @@
-# make demo | demo-mae | demo-mae-16bit | demo-dino | demo-dinov3 | demo-distill | test | test-fast | lint | bench. The first target run creates .venv from constraints.txt;
+# make demo | demo-mae | demo-mae-16bit | demo-dino | demo-dinov3 | demo-adapt | demo-distill | test | test-fast | lint | bench. The first target run creates .venv from constraints.txt;
 # later runs reuse it (re-installed only when pyproject.toml or constraints.txt change).
 SHELL := /bin/bash
 PYTHON ?= python3
