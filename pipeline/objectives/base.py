@@ -79,6 +79,10 @@ class Objective:
 
     def __init__(self, cfg: Config, info: Any):
         self.cfg, self.info = cfg, info  # info: the data set's dataset.json (pipeline.data.DatasetInfo)
+        # How a resumed run reads its --init source again into a module of the backbone's structure, said as the
+        # str: set by the run that has one (pipeline/run/init_source.py's reload_source; the objectives are a
+        # layer below it); an anchor that is stored in no checkpoint needs it (adapt.anchor).
+        self.read_source: Callable[[nn.Module, str], None] | None = None
 
     # -- the model(s)
     def model_kwargs(self) -> dict[str, Any]:
@@ -192,3 +196,8 @@ class Objective:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned (an empty dict for a checkpoint that has none)."""
+
+    def _source_reader(self) -> Callable[[nn.Module, str], None]:
+        if self.read_source is None:  # a run with adapt.anchor has adapt.init, and the trainer sets it
+            raise RuntimeError("adapt.anchor: the run gave the objective no reader of adapt.init (read_source)")
+        return self.read_source

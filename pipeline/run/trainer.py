@@ -35,7 +35,7 @@ from pipeline.objectives.base import EvalResult
 from pipeline.remote.retry import storage_beacon
 from pipeline.run import resume
 from pipeline.run.data_mix import record_mix
-from pipeline.run.init_source import versus_init
+from pipeline.run.init_source import reload_source, versus_init
 from pipeline.run.step import (
     NonFiniteGuard,
     NonFiniteLosses,
@@ -84,6 +84,8 @@ class Trainer:
         cfg = resolve_pixels(cfg, info)  # model.in_chans and data.mean/std as the set's pixels need (docs/data.md)
         self.cfg, self.env, self.run_dir = cfg, env, Path(cfg.run.dir)
         self.objective = build_objective(cfg, info)  # what the recipe is (pipeline/objectives/)
+        if cfg.adapt.init:  # --init: an anchor is stored in no checkpoint, a resume reads it from the source again
+            self.objective.read_source = lambda module, what: reload_source(module, cfg, what)
         self.model_kwargs = kwargs = self.objective.model_kwargs()
         # The plan, before anything is built: a checkpoint of another model is refused before DeepSpeed
         # starts, another layout converted; the DeepSpeed config says how to load it.

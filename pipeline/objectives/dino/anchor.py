@@ -60,14 +60,12 @@ class SourceAnchor:
     def state_dict(self) -> dict[str, Any]:
         return {}  # nothing: the source is read again from adapt.init at a resume (load_state_dict)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], read_source: Callable[[nn.Module, str], None]) -> None:
+        """`read_source`: the objective's (the run's reader of adapt.init)."""
         if "anchor" in state:  # a checkpoint written when the anchor was stored with it
             self.source.load_state_dict(state["anchor"])
             return
-        # Here, not at the top: pipeline/run/ imports every recipe's objective, which imports this.
-        from pipeline.run.init_source import reload_source
-
-        reload_source(self.source.backbone, self.cfg, "adapt.anchor")
+        read_source(self.source.backbone, "adapt.anchor")
 
 
 def source_anchor(cfg: Config, model_class: Any, model_kwargs: dict[str, Any],

@@ -428,6 +428,6 @@ class DINOv2(Objective):
         self.ibot_loss.center = state["ibot_center"].clone()
         self.collapse.load_state_dict(state.get("collapse"))  # absent from a checkpoint written before it
         if self.anchor is not None:
-            self.anchor.load_state_dict(state)
+            self.anchor.load_state_dict(state, self._source_reader())
         since = state.get("entropy_since_eval")
         self._entropy = since.clone() if since is not None and is_rank0() else None  # summed once over the ranks

@@ -206,9 +206,7 @@ class DINOv3(DINOv2):
         if self.gram is None:
             return
         if self.cfg.adapt.anchor > 0 and "gram_teacher" not in state:  # adapt.anchor: the source, not stored
-            from pipeline.run.init_source import reload_source  # (pipeline/run/ imports every objective)
-
-            reload_source(self.gram.backbone, self.cfg, "adapt.anchor (the Gram teacher)")
+            self._source_reader()(self.gram.backbone, "adapt.anchor (the Gram teacher)")
             self.gram_carried = bool(state.get("gram_carried", False))
             return
         if "gram_teacher" not in state:  # gram.loss_weight turned on at a resume: start from the teacher
