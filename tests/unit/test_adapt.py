@@ -223,7 +223,18 @@ def test_the_backbone_is_frozen_bit_for_bit_while_the_heads_train_judged_from_st
     heads = [k for k in last if k.startswith("dino_head.mlp")]
     assert heads and any(not torch.equal(first[k], last[k]) for k in heads)  # the heads trained
     init = json.loads((run_dir / "eval_init.json").read_text())
-    assert "eval/lab/knn_top1" in init
+    # The step-0 figure is the source's own: what `launch/evaluate.py --from SOURCE --data SET` gives.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("launch_evaluate", ROOT / "launch" / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    capsys.readouterr()
+    assert evaluate.main(["--from", str(src.path), "--data", str(data), "--protocol", "knn", "--no-mlflow"]) == 0
+    table = capsys.readouterr().out
+    for k in (10, 20, 100):  # (a coarse figure on this tiny set; the same normalisation and size on both sides)
+        assert f"k-NN k={k} {100 * init[f'eval/lab/knn_top1_k{k}']:.2f}% {100 * init[f'eval/lab/knn_top5_k{k}']:.2f}%" \
+            in " ".join(table.split()), (table, init)
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     vs = [m for m in logged if "eval/lab/knn_top1_vs_init" in json.dumps(m)]
     assert vs, "eval/lab/knn_top1_vs_init is logged at the evaluation after step 0"
