@@ -47,6 +47,23 @@ def objective(data: Path, teacher: Path, side: int, *extra: str):
     return obj, obj.build_all(kwargs), kwargs
 
 
+def distil_steps(obj, model, batches: list[torch.Tensor], **adamw) -> tuple[list[float], _Engine]:
+    """One AdamW step per batch (the objective's before_step, its loss, backward), as the trainer steps it;
+    the losses and the engine stand-in (what extra_exports and exported_weights take)."""
+    engine = _Engine(model)
+    engine.device = torch.device("cpu")
+    opt = torch.optim.AdamW(model.parameters(), **adamw)
+    losses = []
+    for step, images in enumerate(batches):
+        obj.before_step(engine, step)
+        loss = obj.loss(engine, images, torch.zeros(len(images)), None)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, engine
+
+
 def test_the_loss_is_its_formula_term_by_term():
     torch.manual_seed(0)
     s_cls, t_cls, s_p, t_p = torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 4, 5), torch.randn(3, 4, 5)
@@ -81,18 +98,8 @@ def test_a_few_steps_teach_the_student_and_leave_the_teacher_as_read(data, teach
     path, _, side = teachers["meta_dinov2"]
     obj, model, kwargs = objective(data, path, side, "distill.loss=smooth_l1")
     before = {k: v.clone() for k, v in obj.teacher.module.state_dict().items()}
-    engine = _Engine(model)
-    engine.device = torch.device("cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     images = torch.randn(4, 3, side, side, generator=torch.Generator().manual_seed(2))
-    losses = []
-    for step in range(12):
-        obj.before_step(engine, step)
-        loss = obj.loss(engine, images, torch.zeros(4), None)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses, engine = distil_steps(obj, model, [images] * 12, lr=1e-2)
     assert losses[-1] < 0.7 * losses[0], losses
     assert obj.teacher_forwards == 12  # one teacher forward per micro batch
     assert set(obj.train_metrics()) == {"cls_loss", "patch_loss"}
@@ -163,18 +170,8 @@ def test_a_timm_cnn_student_learns_the_teachers_features_and_exports_in_timms_na
     seen = []  # the teacher's outputs as the loss gets them
     native = obj.teacher.native
     monkeypatch.setattr(obj.teacher, "native", lambda *a: seen.append(native(*a)) or seen[-1])
-    engine = _Engine(model)
-    engine.device = torch.device("cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     images = torch.randn(4, 3, side, side, generator=torch.Generator().manual_seed(2))
-    losses = []
-    for step in range(6):
-        obj.before_step(engine, step)
-        loss = obj.loss(engine, images, torch.zeros(4), None)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses, engine = distil_steps(obj, model, [images] * 6, lr=1e-3)
     assert losses[-1] < 0.7 * losses[0], losses
     assert obj.teacher_forwards == 6 and len(seen) == 6
     t = obj.teacher
@@ -235,15 +232,7 @@ def test_two_students_on_one_teacher_forward_end_where_each_alone_ends(data, tea
 
     def distil(students: str):
         obj, model, _ = objective(data, path, side, f"distill.students=[{students}]", "train.grad_clip=0")
-        engine = _Engine(model)
-        engine.device = torch.device("cpu")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
-        for step, x in enumerate(images[:2] + images[2:] + images[:1]):  # 5 steps
-            obj.before_step(engine, step)
-            loss = obj.loss(engine, x, torch.zeros(4), None)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        _, engine = distil_steps(obj, model, images + images[:1], lr=1e-3, weight_decay=0.05)  # 5 steps
         return obj, model, engine
 
     both, model, engine = distil(f"{vit}, {cnn}")
