@@ -12,6 +12,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -314,6 +315,15 @@ def test_a_cache_just_above_its_minimum_turns_no_good_shard_bad(s3: SeaweedS3, t
     assert_same_weights(weights(tmp_path / "s3run"), weights(tmp_path / "local"))
 
 
+def put_dataset_json_naming(client: Any, key: str, shards: str) -> None:
+    """s3://data/<key>: synth's dataset.json with every shard named by URL under `shards` (another prefix)."""
+    info = json.loads(client.get_object(Bucket=BUCKET, Key="synth/dataset.json")["Body"].read())
+    for split in info["splits"].values():
+        for entry in split["shards"]:
+            entry["name"] = f"{shards}/{entry['name'].rsplit('/', 1)[-1]}"
+    client.put_object(Bucket=BUCKET, Key=key, Body=json.dumps(info).encode())
+
+
 def test_a_dataset_json_in_the_bucket_naming_a_shard_under_another_prefix_is_refused_unless_allowed(
         s3: SeaweedS3, bucket_shards: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """s3://data/foreign/dataset.json names its shards by URL under s3://data/synth (another prefix: another
@@ -329,12 +339,7 @@ def test_a_dataset_json_in_the_bucket_naming_a_shard_under_another_prefix_is_ref
     monkeypatch.setattr(s3_clients, "_clients", {})  # this process's clients: made now, for this store
     for key, value in s3.env().items():
         monkeypatch.setenv(key, value)
-    c = s3.client()
-    info = json.loads(c.get_object(Bucket=BUCKET, Key="synth/dataset.json")["Body"].read())
-    for split in info["splits"].values():
-        for entry in split["shards"]:
-            entry["name"] = f"{bucket_shards}/{entry['name'].rsplit('/', 1)[-1]}"
-    c.put_object(Bucket=BUCKET, Key="foreign/dataset.json", Body=json.dumps(info).encode())
+    put_dataset_json_naming(s3.client(), "foreign/dataset.json", bucket_shards)
     cfg = DataConfig(path=f"s3://{BUCKET}/foreign", num_workers=0, cache_dir=str(tmp_path / "cache"))
     with pytest.raises(DataError) as e:
         build_train_loader(cfg, 16, 8, seed=0)
@@ -430,12 +435,7 @@ def test_two_nodes_one_whose_bucket_is_down_longer_than_dist_timeout_s_train_the
 
     import psutil
 
-    c = s3.client()
-    info = json.loads(c.get_object(Bucket=BUCKET, Key="synth/dataset.json")["Body"].read())
-    for split in info["splits"].values():
-        for entry in split["shards"]:
-            entry["name"] = f"{bucket_shards}/{entry['name']}"
-    c.put_object(Bucket=BUCKET, Key="elsewhere/dataset.json", Body=json.dumps(info).encode())
+    put_dataset_json_naming(s3.client(), "elsewhere/dataset.json", bucket_shards)
     port = free_port()
 
     def args(node: int) -> list[str]:
