@@ -175,7 +175,7 @@ def load_init(student: nn.Module, backbone: Backbone, objective: str) -> str:
         loaded, fresh = _copy(student, whole, "")
         what = f"{backbone.source} ({backbone.tag}): the whole model, heads included"
     else:
-        target, prefix = (student.backbone, "backbone.") if hasattr(student, "backbone") else (student, "")
+        prefix = "backbone." if target is not student else ""
         state = _fit_positions(backbone.model.state_dict(), target, backbone.kwargs)
         state, channels = fit_in_chans(state, **fit)
         loaded, fresh = _copy(target, state, prefix)
