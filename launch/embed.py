@@ -19,7 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.errors import add_launcher_arguments, local_path, one_line_errors, set_debug  # noqa: E402
+from pipeline.errors import (  # noqa: E402
+    add_launcher_arguments,
+    add_normalisation_arguments,
+    local_path,
+    one_line_errors,
+    set_debug,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--patch-tokens", action="store_true", help="also every patch token (N x D per sample)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per forward (default 64)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank (default 2)")
+    add_normalisation_arguments(parser)
     add_launcher_arguments(parser)
     args = parser.parse_args(argv)
     set_debug(args)
@@ -45,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.data import dataset_info_of
     from pipeline.dist import detect_env, init_distributed
     from pipeline.model.weights import WeightsError
-    from pipeline.run.backbone import load_backbone, tag_of_step
+    from pipeline.run.backbone import load_backbone, normalised, tag_of_step
     from pipeline.run.embed import embed
 
     env = init_distributed() if detect_env().world_size > 1 else detect_env()
@@ -53,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if args.step is not None and not args.source.is_dir():
         raise WeightsError(f"--step needs a run directory; {args.source} is not one")
     tag = tag_of_step(args.source, args.step) if args.step is not None else None
-    backbone = load_backbone(args.source, tag)
+    backbone = normalised(load_backbone(args.source, tag), args.mean, args.std)
     splits = (args.splits.split(",") if args.splits
               else sorted(dataset_info_of(DataConfig(path=args.data)).splits))
     counts = embed(backbone, args.data, splits, args.out, env, device, args.batch_size, args.patch_tokens,

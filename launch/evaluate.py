@@ -23,7 +23,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.errors import add_launcher_arguments, local_path, one_line_errors, set_debug  # noqa: E402
+from pipeline.errors import (  # noqa: E402
+    add_launcher_arguments,
+    add_normalisation_arguments,
+    local_path,
+    one_line_errors,
+    set_debug,
+)
 
 PROTOCOLS = ("knn", "linear")
 
@@ -43,6 +49,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                        "--data when it has one, so the curves meet in MLflow; else the --data "
                                        "folder's name)")
     parser.add_argument("--no-mlflow", action="store_true", help="print the table only")
+    add_normalisation_arguments(parser)
     add_launcher_arguments(parser)
     args = parser.parse_args(argv)
     set_debug(args)
@@ -87,7 +94,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
     from pipeline.dist import detect_env, init_distributed
     from pipeline.model.weights import WeightsError
-    from pipeline.run.backbone import complete_tags, load_backbone, tag_of_step
+    from pipeline.run.backbone import complete_tags, load_backbone, normalised, tag_of_step
     from pipeline.run.judge import Judge, table
 
     env = init_distributed() if detect_env().world_size > 1 else detect_env()
@@ -100,7 +107,7 @@ def evaluate(args: argparse.Namespace) -> int:
         tags = [tag_of_step(args.source, args.step) if args.step is not None else None]
     rows, results, judge = [], [], None
     for tag in tags:
-        backbone = load_backbone(args.source, tag)
+        backbone = normalised(load_backbone(args.source, tag), args.mean, args.std)
         judge = judge or Judge(args.data, backbone, env, args.batch_size, args.protocols, args.train_split,
                                args.val_split)
         name = f"step {backbone.step}" if backbone.step is not None else backbone.source.name

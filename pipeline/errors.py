@@ -41,6 +41,15 @@ def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
+def add_normalisation_arguments(parser: argparse.ArgumentParser) -> None:
+    """--mean/--std of the commands that read a source's features: the normalisation, per channel, instead of
+    the source run's data.mean/std (a release file's: ImageNet's, docs/evaluation.md)."""
+    for name, what in (("mean", "mean"), ("std", "standard deviation")):
+        parser.add_argument(f"--{name}", type=float, nargs="+", metavar="X",
+                            help=f"normalisation {what} per channel (default: the source run's data.{name}; "
+                                 f"a release file's: ImageNet's)")
+
+
 def set_debug(args: argparse.Namespace) -> None:
     if getattr(args, "debug", False):
         os.environ[DEBUG_ENV] = "1"  # for this process's later readers, and the processes it starts

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from pipeline.config import Config, ConfigFiles, DataConfig, ModelConfig
+from pipeline.data.multicrop import IMAGENET_MEAN, IMAGENET_STD
 from pipeline.model.dinov3 import DINOv3ViT, backbone_class
 from pipeline.model.layouts import OURS_DINOV3, OURS_MAE, OURS_VIT, Recognised, is_ours, recognise
 from pipeline.model.mae import sincos_pos_embed_2d
@@ -46,7 +47,8 @@ class Backbone:
     kwargs: dict[str, Any]
     """Its constructor arguments."""
     data: DataConfig
-    """The source run's data.* (its normalisation and eval transform); the defaults for a bare file."""
+    """The source run's data.* (its normalisation and eval transform); for a release file without one, the
+    defaults with its authors' normalisation (`release_data`)."""
     source: Path
     tag: str | None
     """The checkpoint read (None: an export or a file)."""
@@ -174,8 +176,18 @@ def load_backbone(source: str | Path, files: ConfigFiles, tag: str | None = None
         weights["pos_embed"] = sincos_pos_embed_2d(model.embed_dim, (h // p, w // p))
     _load(model, weights, kwargs, where)
     student_run = None if cfg is not None or path.is_dir() else _student_run_config(path, files)
-    data = cfg.data if cfg is not None else student_run.data if student_run is not None else DataConfig()
+    data = cfg.data if cfg is not None else student_run.data if student_run is not None else release_data(found)
     return Backbone(model.eval(), kwargs, data, path, tag, cfg, found)
+
+
+def release_data(found: Recognised) -> DataConfig:
+    """The data.* defaults for weights read without a run config: ours keep the config's defaults (0.5, as our
+    runs do unless they said otherwise); a release file of another layout takes ImageNet's mean and std, what
+    Meta's MAE, DINOv2 and DINOv3 and timm's DINOv3 files were trained with (timm's VisionTransformer layout
+    too: Meta's mae_pretrain_vit_*.pth are in it; timm's augreg ViTs used 0.5, the commands' --mean/--std)."""
+    if found.layout in (OURS_VIT, OURS_MAE, OURS_DINOV3):
+        return DataConfig()
+    return DataConfig(mean=IMAGENET_MEAN, std=IMAGENET_STD)
 
 
 def _timm_backbone(path: Path, cfg: Config | None, tag: str | None, files: ConfigFiles) -> Backbone | None:

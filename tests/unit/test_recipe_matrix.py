@@ -21,7 +21,16 @@ import pytest
 import torch
 
 from pipeline.eval.features import embedding
-from tests.unit.recipe_runs import ROOT, SHRINK, SOURCES, Source, foreign_file, labelled_set, tiny_run
+from tests.unit.recipe_runs import (
+    FOREIGN,
+    ROOT,
+    SHRINK,
+    SOURCES,
+    Source,
+    foreign_file,
+    labelled_set,
+    tiny_run,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::DeprecationWarning",
                                         "ignore::UserWarning")
@@ -267,3 +276,43 @@ def test_embed_on_two_ranks_under_deepspeeds_launcher_writes_what_one_rank_write
     assert len(one) == 48 and list(one.key) == list(two.key)
     for column in ("cls", "mean_patch"):
         torch.testing.assert_close(torch.tensor(list(one[column])), torch.tensor(list(two[column])), atol=1e-5, rtol=0)
+
+
+def test_a_release_file_is_read_with_its_authors_normalisation_unless_told(sources, data, tmp_path, capsys):
+    """A file of another layout without a config.yaml beside it: ImageNet's mean and std (what Meta's and timm's
+    DINO files were trained with), not our runs' 0.5; --mean/--std replace it; a run, or a config.yaml beside
+    the file, keeps its own data.*."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from pipeline.data.multicrop import IMAGENET_MEAN, IMAGENET_STD
+    from pipeline.run.backbone import load_backbone
+
+    for layout in FOREIGN:
+        got = load_backbone(sources(f"file-{layout}").path)
+        if got.config is None:  # Meta's DINOv2 and DINOv3 files, timm's DINOv3: they say their whole architecture
+            assert (got.data.mean, got.data.std) == (IMAGENET_MEAN, IMAGENET_STD), layout
+        else:
+            assert got.data == got.config.data, layout
+    run = load_backbone(sources("run-supervised").path)
+    assert run.data == run.config.data and run.data.mean != IMAGENET_MEAN
+
+    src = str(sources("file-meta_dinov2").path)
+
+    def cls(*flags: str) -> torch.Tensor:
+        out = tmp_path / f"emb{len(list(tmp_path.glob('emb*')))}"
+        code = launcher("embed").main(["--from", src, "--data", str(data), "--out", str(out), "--workers", "0",
+                                       "--splits", "val", *flags])
+        assert code == 0, capsys.readouterr().err
+        rows = pq.read_table(sorted(out.rglob("*.parquet"))).to_pandas().sort_values("key")
+        return torch.tensor(list(rows.cls))
+
+    imagenet = [*map(str, IMAGENET_MEAN)], [*map(str, IMAGENET_STD)]
+    default = cls()
+    assert torch.equal(default, cls("--mean", *imagenet[0], "--std", *imagenet[1]))
+    assert not torch.allclose(default, cls("--mean", "0.5", "0.5", "0.5", "--std", "0.5", "0.5", "0.5"))
+    # The timm export of a release file tells timm's transforms the same normalisation.
+    assert launcher("export_weights").main([src, "--format", "timm", "--out", str(tmp_path / "timm")]) == 0
+    config = json.loads((tmp_path / "timm" / "config.json").read_text())["pretrained_cfg"]
+    assert (tuple(config["mean"]), tuple(config["std"])) == (IMAGENET_MEAN, IMAGENET_STD)
