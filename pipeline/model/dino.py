@@ -103,14 +103,26 @@ class DINOv2Model(nn.Module):
         crops, (2B, depth, 5) and (nB, depth, 5). Returns the heads' outputs of the global and local class
         tokens, of the masked patches (in `masks`' row-major order; with `mask_indices`, `masked_rows`'
         fixed-size gather instead), the global class tokens before the head (KoLeo's input) and the global
-        patch tokens after the final norm (Gram anchoring's)."""
+        patch tokens after the final norm (Gram anchoring's); and `cls`, the DINO head's outputs of the global
+        then the local class tokens as one tensor ("global" and "local" are its rows)."""
         g_aug, l_aug = rope_aug if rope_aug is not None else (None, None)
         g = self._tokens(global_crops, masks, g_aug)
-        out = {"global_cls": g.cls_token, "global": self.dino_head(g.cls_token), "global_patch": g.patch_tokens}
+        rows = [g.cls_token]
         if local_crops is not None:
-            out["local"] = self.dino_head(self._tokens(local_crops, None, l_aug).cls_token)
-        if masks is not None:
-            out["masked"] = self.patch_head(gather_rows(g.patch_tokens, masks, mask_indices))
+            rows.append(self._tokens(local_crops, None, l_aug).cls_token)
+        masked = gather_rows(g.patch_tokens, masks, mask_indices) if masks is not None else None
+        shared = masked is not None and self.ibot_head is None  # the masked patches go through the DINO head too
+        # One call of the DINO head over every crop's class tokens (and the masked patches when it is the patch
+        # head too), as Meta's SSLMetaArch concatenates them: one larger matmul per layer, and the prototypes'
+        # weight normalisation computed once, not once per kind of crop (issue 58; docs/performance.md).
+        heads = self.dino_head(torch.cat(rows + [masked] if shared else rows))
+        n_global, n_cls = g.cls_token.shape[0], sum(r.shape[0] for r in rows)
+        out = {"global_cls": g.cls_token, "cls": heads[:n_cls], "global": heads[:n_global],
+               "global_patch": g.patch_tokens}
+        if local_crops is not None:
+            out["local"] = heads[n_global:n_cls]
+        if masked is not None:
+            out["masked"] = heads[n_cls:] if shared else self.ibot_head(masked)
         return out
 
     def _tokens(self, images: torch.Tensor, masks: torch.Tensor | None, rope_aug: torch.Tensor | None) -> Any:
@@ -127,10 +139,14 @@ class DINOv2Model(nn.Module):
         patches of the unmasked crops (the rows `mask_indices` gathers, as the student's)."""
         t = self.backbone.forward_tokens(global_crops)
         first, second = t.cls_token.chunk(2)
-        cls_out = self.dino_head(torch.cat([second, first]))
         if masks is None:
-            return cls_out, None
-        return cls_out, self.patch_head(gather_rows(t.patch_tokens, masks, mask_indices))
+            return self.dino_head(torch.cat([second, first])), None
+        masked = gather_rows(t.patch_tokens, masks, mask_indices)
+        if self.ibot_head is not None:
+            return self.dino_head(torch.cat([second, first])), self.ibot_head(masked)
+        # One head call over the class tokens and the masked patches, as the student's (forward).
+        heads = self.dino_head(torch.cat([second, first, masked]))
+        return heads[:t.cls_token.shape[0]], heads[t.cls_token.shape[0]:]
 
 
 class DINOv3Model(DINOv2Model):

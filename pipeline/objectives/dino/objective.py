@@ -252,15 +252,14 @@ class DINOv2(Objective):
         d, n_local = self.d, views.n_local
         terms = 2 + 2 * n_local  # (student crop, teacher crop) pairs: global-global (not the same crop) and local
         losses: dict[str, torch.Tensor] = {}
+        # Every crop's class tokens in one pass (the head's outputs come as one tensor), not a call per crop.
+        global_loss, local_loss = self.dino_loss.crops_losses(out["cls"], t_dino)
         if n_local:
-            losses["dino_local_crops_loss"] = d.dino_loss_weight * self.dino_loss(
-                out["local"].float().chunk(n_local), list(t_dino)) / terms
-        # The two global crops are scored in one call against the swapped targets: x2 for the two pairs.
-        losses["dino_global_crops_loss"] = d.dino_loss_weight * self.dino_loss(
-            [out["global"].float()], [t_dino.flatten(0, 1)]) * 2 / terms
-        if d.koleo_loss_weight > 0:  # not between the two crops of one image: each crop's batch apart
-            losses["koleo_loss"] = d.koleo_loss_weight * sum(self.koleo_loss(c.float())
-                                                             for c in out["global_cls"].chunk(2))
+            losses["dino_local_crops_loss"] = d.dino_loss_weight * local_loss / terms
+        losses["dino_global_crops_loss"] = d.dino_loss_weight * global_loss / terms
+        if d.koleo_loss_weight > 0:  # not between the two crops of one image: each crop's batch apart, batched
+            losses["koleo_loss"] = d.koleo_loss_weight * self.koleo_loss(
+                out["global_cls"].float().view(2, views.batch, -1)).sum()
         if views.masks is not None:
             valid = views.mask_valid
             if d.centering == "centering":

@@ -42,6 +42,23 @@ class DINOLoss(nn.Module):
                 total_loss -= torch.sum(t * lsm, dim=-1).mean()
         return total_loss
 
+    def crops_losses(self, student_output: torch.Tensor, teacher_probs: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+        """What `forward` computes from lists of crops, for every crop of a step in one pass (Meta's DINOv3
+        `DINOLoss` takes its crops stacked too): `student_output` (S B, K) the student's head outputs of S crops,
+        crop-major, the 2 global crops first; `teacher_probs` (2, B, K) the targets of the global crops, already
+        swapped (row 0 is the target of the student's crop 0). Returns (global, local): each global crop against
+        its target, summed over the 2 pairs; every local crop against both targets, summed over the 2 (S - 2)
+        pairs; a pair's cross-entropy a mean over the batch, as in `forward`."""
+        batch = teacher_probs.shape[1]
+        # One log-softmax over every crop's rows, where `forward` runs one per student crop.
+        lsm = F.log_softmax(student_output.float() / self.student_temp, dim=-1).view(-1, *teacher_probs.shape[1:])
+        global_loss = -(lsm[:2] * teacher_probs).sum() / batch
+        # The cross-entropy is bilinear: the sum over all (local crop, target) pairs is the product of the
+        # local crops' summed log-probabilities with the summed targets: one product, not 2 (S - 2).
+        local_loss = -(lsm[2:].sum(0) * teacher_probs.sum(0)).sum() / batch
+        return global_loss, local_loss
+
     @torch.no_grad()
     def update_center(self, teacher_output: torch.Tensor) -> None:
         batch_center = all_reduce_sum(teacher_output.sum(dim=0, keepdim=True))
