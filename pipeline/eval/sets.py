@@ -6,12 +6,14 @@ batches, each sample once: collective and exact on any number of ranks).
     sets = EvalSets.build(cfg.eval, cfg.data, env, img_size, batch)   # the loaders, once (bad input stops here)
     with objective.features(engine) as embed:                           # the run's features (the objective's)
         metrics = sets.evaluate(embed, device)                          # eval/<name>/knn_top1, ...
+    metrics, line = sets.judge(objective.judged_features(engine), device)  # each model's; eval/<model>/<name>/...
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,11 +78,26 @@ class EvalSets:
     def __bool__(self) -> bool:
         return bool(self.sets)
 
+    def judge(self, models: dict[str, AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]]],
+              device: torch.device) -> tuple[dict[str, float], str]:
+        """Collective: `evaluate` of each model's features (name -> an `Objective.features` context; '' the run's
+        own, eval/<set>/..., another name eval/<model>/<set>/...), every model's metrics and one line of all."""
+        metrics, lines = {}, []
+        for model, features in models.items():
+            with features as embed:
+                found = self.evaluate(embed, device, model)
+            metrics.update(found)
+            lines.append(self.line(found, model))
+        return metrics, " | ".join(lines)
+
     @torch.no_grad()
-    def evaluate(self, embed: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> dict[str, float]:
+    def evaluate(self, embed: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
+                 model: str = "") -> dict[str, float]:
         """Collective: each set's k-NN on `embed`'s features (features.embedding rows of a batch of images on
-        `device`). eval/<name>/knn_top1 and knn_top5 (k=20), knn_top1_k<k> and knn_top5_k<k> for each k."""
+        `device`). eval/<name>/knn_top1 and knn_top5 (k=20), knn_top1_k<k> and knn_top5_k<k> for each k; with
+        `model`, eval/<model>/<name>/... (one of several models judged: a distillation's students, its teacher)."""
         metrics: dict[str, float] = {}
+        at = f"{model}/" if model else ""
         for s in self.sets:
             val = extract(s.val, embed, device, torch.float32)
             memory = extract(s.memory, embed, device, torch.float32)
@@ -88,11 +105,13 @@ class EvalSets:
             (vf, vl), (mf, ml) = val.tensors(), memory.tensors()
             found = knn_accuracy(class_tokens(vf), vl, class_tokens(mf), ml, KNN_KS)
             for k, (top1, top5) in found.items():
-                metrics[f"eval/{s.name}/knn_top1_k{k}"] = top1
-                metrics[f"eval/{s.name}/knn_top5_k{k}"] = top5
-            metrics[f"eval/{s.name}/knn_top1"], metrics[f"eval/{s.name}/knn_top5"] = found[HEADLINE_K]
+                metrics[f"eval/{at}{s.name}/knn_top1_k{k}"] = top1
+                metrics[f"eval/{at}{s.name}/knn_top5_k{k}"] = top5
+            metrics[f"eval/{at}{s.name}/knn_top1"], metrics[f"eval/{at}{s.name}/knn_top5"] = found[HEADLINE_K]
         return metrics
 
-    def line(self, metrics: dict[str, float]) -> str:
-        """What the evaluation prints of the sets: each set's k-NN top-1."""
-        return " | ".join(f"{s.name} k-NN top-1 {100 * metrics[f'eval/{s.name}/knn_top1']:.2f}%" for s in self.sets)
+    def line(self, metrics: dict[str, float], model: str = "") -> str:
+        """What the evaluation prints of the sets: each set's k-NN top-1 (of `model`, as `evaluate` named it)."""
+        at = f"{model}/" if model else ""
+        return " | ".join(f"{at}{s.name} k-NN top-1 {100 * metrics[f'eval/{at}{s.name}/knn_top1']:.2f}%"
+                          for s in self.sets)

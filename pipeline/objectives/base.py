@@ -13,6 +13,7 @@ The trainer (pipeline/run/trainer.py) names no objective. It asks the objective,
         ... every micro batch: loss = objective.loss(engine, images, targets, extras)
         objective.after_step(engine, step + 1)        # a teacher's EMA, the centres
     ... at eval steps:      result = objective.evaluate(engine, dtype, run_dir, step)
+                            objective.judged_features(engine)    # what eval.sets judges (reference_features: at step 0)
     objective.state_dict() / load_state_dict()        # its own state, saved with every checkpoint
     ... at the end:         objective.exported_weights(engine)   # what model.safetensors holds
                             objective.extra_exports(engine)      # files beside it (a distillation's students)
@@ -41,6 +42,9 @@ from pipeline.dist import DistEnv
 from pipeline.eval.features import embedding
 from pipeline.model.vit import architecture
 from pipeline.train.checkpoint import consolidate, full_fp32_state_dict
+
+#: What `Objective.features` gives: within, a function of a batch of images -> embedding rows.
+FeaturesContext = AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]]
 
 
 @dataclass
@@ -163,6 +167,22 @@ class Objective:
             yield lambda images: embedding(engine(images.to(dtype), **self.features_kwargs), model)
         finally:
             model.train(was)
+
+    def judged_features(self, engine: Any) -> dict[str, FeaturesContext]:
+        """What eval.sets judges at each evaluation: name -> a `features` context. By default the run's own
+        features under '' (logged as eval/<set>/...); an objective with several products names each (a
+        distillation's students: eval/<student>/<set>/...)."""
+        return {"": self.features(engine)}
+
+    def reference_features(self, engine: Any) -> dict[str, FeaturesContext]:  # noqa: ARG002 - the interface
+        """Models that training does not change, judged by eval.sets once, at step 0 (eval/<name>/<set>/...), the
+        figures the run's read against: name -> a `features` context (a distillation's teacher). None by default."""
+        return {}
+
+    def model_flops(self, model_kwargs: dict[str, Any]) -> dict[str, float]:  # noqa: ARG002 - the interface
+        """The forward FLOPs per image of each model the run judges, by name (a distillation's students and its
+        teacher), logged at each start as perf/<name>/flops_per_image. None by default (the run's own is MFU's)."""
+        return {}
 
     def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:
         """Collective. The fp32 weights the run exports (model.safetensors, what fine-tuning starts from):

@@ -162,17 +162,23 @@ class Trainer:
         With train.ema_decay the model EMA's too, its metrics beside the model's (eval/top1_ema)."""
         result = (self.objective.evaluate(self.engine, self.dtype, self.run_dir if self.env.is_main else None, step)
                   if self.own_eval else EvalResult({}, f"eval step {step}"))
-        if self.eval_sets:  # the objective says which features (Objective.features); collective
-            with self.objective.features(self.engine) as embed:
-                judged = self.eval_sets.evaluate(embed, self.engine.device)
+        if self.eval_sets:  # the objective says which features (Objective.judged_features); collective
+            judged, line = self.eval_sets.judge(self.objective.judged_features(self.engine), self.engine.device)
             if self.cfg.adapt.init and self.env.is_main:  # --init: each figure against the source's (step 0)
                 judged = versus_init(judged, self.run_dir, step, self.cfg.adapt.warn_drop)
-            result = EvalResult({**result.metrics, **judged}, f"{result.line} | {self.eval_sets.line(judged)}",
-                                result.artifacts)
+            result = EvalResult({**result.metrics, **judged}, f"{result.line} | {line}", result.artifacts)
         if self.ema is None or not self.own_eval:  # (the EMA is judged by the objective's evaluation only)
             return result
         ema = self.ema.evaluate(self.objective, step)
         return EvalResult({**result.metrics, **ema.metrics}, f"{result.line}\n{ema.line}", result.artifacts)
+
+    def log_references(self, log: ProgressLog) -> None:
+        """eval.sets on what the objective judges once at step 0 (a distillation's teacher), collective."""
+        if self.eval_sets and (references := self.objective.reference_features(self.engine)):
+            self.watchdog.beat("eval", 0)
+            judged, line = self.eval_sets.judge(references, self.engine.device)
+            self.tracker.log_metrics(judged, 0)
+            log.line(f"eval step 0 | {line}")
 
     def log_evaluation(self, step: int, log: ProgressLog) -> None:
         """`evaluate` at `step` (collective), its metrics and files to MLflow, its line to the log."""
@@ -188,8 +194,9 @@ class Trainer:
     def fit(self) -> int:
         """From the restored step to train.steps; the exit code."""
         env = self.env
-        if env.is_main:  # world size, restarts and lost steps, before this start logs anything
-            self.tracker.log_metrics(start_metrics(self.run_dir, self.step, env.world_size), self.step)
+        if env.is_main:  # world size, restarts and lost steps, before this start logs anything; each model's cost
+            costs = {f"perf/{k}/flops_per_image": v for k, v in self.objective.model_flops(self.model_kwargs).items()}
+            self.tracker.log_metrics({**start_metrics(self.run_dir, self.step, env.world_size), **costs}, self.step)
         preemption = Preemption(every=PREEMPTION_CHECK_EVERY)
         if preemption.should_stop():  # first safe point: a signal arrived during setup or the checkpoint load
             say(f"preempted during setup: nothing new to save (step {self.step}); exiting with "
@@ -276,6 +283,8 @@ class Trainer:
         saved_at = time.monotonic()  # train.ckpt_every_s counts from here and from each save
         if self.step == 0 and self.cfg.adapt.init and self.eval_sets:
             self.log_evaluation(0, log)  # --init: the source judged before it moves (docs/adapt.md)
+        if self.step == 0:
+            self.log_references(log)  # a distillation's teacher: the figures the run's read against
 
         while self.step < tc.steps:  # one optimizer step per iteration
             try:

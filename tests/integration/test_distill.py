@@ -30,7 +30,8 @@ def base(data, run_dir, teacher, *extra):
     # No clipping: the global norm is summed over ZeRO partitions in a layout-dependent order (test_dino.py).
     return [*TINY, "model.objective=distill", f"distill.teacher={teacher}", "distill.knn_train_samples=64",
             "deepspeed.bf16=false", "train.grad_clip=0.0", f"data.path={data}", f"run.dir={run_dir}",
-            "deepspeed.zero_stage=1", "train.steps=8", "train.ckpt_every=4", "train.eval_every=0", STUDENTS, *extra]
+            "deepspeed.zero_stage=1", "train.steps=8", "train.ckpt_every=4", "train.eval_every=0", STUDENTS,
+            f"eval.sets.syn={data}", "eval.memory_samples=64", *extra]  # each student judged, the teacher at step 0
 
 
 # Two ViT students on one teacher forward (one engine): TINY's and a narrower one.
@@ -43,9 +44,15 @@ def test_distill_preempted_on_2_ranks_resumes_on_1_at_zero3_and_ends_where_the_u
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "preempted"
     ref = run("pretrain.py", CONFIG, base(shards, ref_dir, teacher), ranks=2)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    # eval.sets: the teacher at step 0, each student at the end, under its name (the ZeRO-3 run: the teacher gathered)
+    teacher_line = next(x for x in ref.stdout.splitlines() if "eval step 0 | teacher/syn k-NN top-1" in x)
+    teacher_line = teacher_line.split("| ")[-1]  # "teacher/syn k-NN top-1 NN.NN%"
+    assert "tiny/syn k-NN top-1" in ref.stdout and "narrow/syn k-NN top-1" in ref.stdout, ref.stdout[-3000:]
     zero3 = "deepspeed.zero_stage=3"
     code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, teacher, zero3), when="step 4/8")
     assert code == 75, out[-3000:]
+    first = [x for x in out.splitlines() if "eval step 0 | teacher/syn" in x]
+    assert first and first[0].split("| ")[-1] == teacher_line, (first, teacher_line)  # ZeRO-3's gathered teacher
     resumed = run("pretrain.py", CONFIG, base(shards, run_dir, teacher, zero3), ranks=1)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout

@@ -252,3 +252,41 @@ def test_two_students_on_one_teacher_forward_end_where_each_alone_ends(data, tea
     torch.testing.assert_close(both.exported_weights(engine)["cls_token"], model.students["vit"].backbone.cls_token)
     with pytest.raises(ConfigError, match="train.grad_clip"):
         load_config(DEMO, [*SHRINK, f"data.path={data}", f"distill.students=[{vit}, {cnn}]", "train.grad_clip=1"])
+
+
+def test_eval_sets_judge_every_student_and_the_teacher_and_each_ones_flops_are_said(data, teachers):
+    """eval.sets on two students (eval/<student>/<set>/...) and, at step 0, on the teacher (eval/teacher/<set>/...):
+    each name judges its own model's features, the teacher's the file's own; the FLOPs per image of each."""
+    from pipeline.dist import DistEnv
+    from pipeline.eval.features import embedding
+    from pipeline.eval.sets import EvalSets
+    from pipeline.model.timm_backbone import timm_flops
+    from pipeline.model.variants import model_flops
+
+    path, reference, side = teachers["meta_dinov2"]
+    vit, cnn = "{name: vit, model: {embed_dim: 16, num_heads: 1}}", CNN.removeprefix("distill.students=[")[:-1]
+    obj, model, kwargs = objective(data, path, side, f"distill.students=[{vit}, {cnn}]", "train.grad_clip=0",
+                                   f"eval.sets.lab={data}")
+    engine, cpu = _Engine(model), torch.device("cpu")
+    engine.device = cpu
+    sets = EvalSets.build(obj.cfg.eval, obj.cfg.data, DistEnv(0, 0, 1, "127.0.0.1", 0, "test"), (side, side), 8)
+    judged, line = sets.judge(obj.judged_features(engine), cpu)
+    assert {k for k in judged if k.endswith("knn_top1")} == {"eval/vit/lab/knn_top1", "eval/cnn/lab/knn_top1"}
+    assert "vit/lab k-NN top-1" in line and "cnn/lab k-NN top-1" in line
+    first, _ = sets.judge(obj.reference_features(engine), cpu)
+    assert first == sets.evaluate(reference, cpu, "teacher")  # the teacher file's own model, judged alike
+    assert "eval/teacher/lab/knn_top1" in first
+    images = torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(3))
+    model.eval()
+    for name, features in obj.judged_features(engine).items():  # each student's own backbone
+        with features as embed, torch.no_grad():
+            backbone = model.students[name].backbone
+            torch.testing.assert_close(embed(images), embedding(backbone.forward_features(images), backbone))
+    with obj.reference_features(engine)["teacher"] as embed, torch.no_grad():
+        torch.testing.assert_close(embed(images), reference(images), atol=1e-5, rtol=1e-5)
+    flops = obj.model_flops(kwargs)
+    students = kwargs["students"]
+    assert flops == {"vit": model_flops({k: v for k, v in students["vit"].items() if k != "teacher_dim"}),
+                     "cnn": timm_flops("test_resnet", {"output_stride": 8}, (side, side)),
+                     "teacher": model_flops(obj.teacher.flops_kwargs)}
+    assert 0 < flops["vit"] < flops["teacher"]

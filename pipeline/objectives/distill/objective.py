@@ -29,7 +29,7 @@ from pipeline.model.variants import model_flops, model_kwargs_from_config, pair
 from pipeline.model.vit import architecture
 from pipeline.model.weights import WeightsError
 from pipeline.objectives.backbone import Backbone, load_backbone
-from pipeline.objectives.base import EvalResult, Objective, TrainView
+from pipeline.objectives.base import EvalResult, FeaturesContext, Objective, TrainView
 from pipeline.objectives.dinov3.gram_teacher import resize_patches
 from pipeline.objectives.distill.loss import FeatureLoss
 from pipeline.objectives.distill.student import (
@@ -130,6 +130,8 @@ class Distill(Objective):
         self.found = None  # its weights are in the teacher now
         say(f"distill: teacher {self.teacher.source} (width {self.teacher.dim}, patch {self.teacher.patch}, "
             f"sha256 {self.teacher.digest[:12]})")
+        flops = ", ".join(f"{name} {v / 1e9:.3g}" for name, v in self.model_flops(model_kwargs).items())
+        say(f"distill: forward GFLOPs per image: {flops}")
 
     @classmethod
     def exported_architecture(cls, model_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -179,7 +181,7 @@ class Distill(Objective):
     # -- evaluation
     @contextmanager
     def features(self, engine: Any, student: str | None = None) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
-        """A student backbone's (what it exports; the first's by default: what eval.sets judges), eval mode."""
+        """A student backbone's (what it exports; the first's by default), eval mode."""
         model = engine.module if hasattr(engine, "module") else engine
         dtype, was = next(model.parameters()).dtype, model.training
         several = isinstance(model, DistillStudents)
@@ -190,6 +192,33 @@ class Distill(Objective):
             yield lambda images: embedding(engine(images.to(dtype), features=True, **extra), backbone)
         finally:
             model.train(was)
+
+    def judged_features(self, engine: Any) -> dict[str, FeaturesContext]:
+        """eval.sets judges every student: one as the run's own (eval/<set>/...), two or more each under its name
+        (eval/<student>/<set>/...)."""
+        if len(self.names) == 1:
+            return {"": self.features(engine)}
+        return {name: self.features(engine, name) for name in self.names}
+
+    def reference_features(self, engine: Any) -> dict[str, FeaturesContext]:
+        """The teacher, judged by eval.sets at step 0 (eval/teacher/<set>/...): the figure each student reads
+        against."""
+        return {"teacher": self.teacher_features(engine.device)}
+
+    @contextmanager
+    def teacher_features(self, device: torch.device) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+        """The teacher's embedding rows (class token, mean patch token after its final norm), float32 as it runs on
+        a CPU; gathered once for the whole pass under ZeRO-3 (collective)."""
+        self.teacher.to(device)  # (at step 0 no step has moved it yet)
+        module = self.teacher.module
+        with ds_compat.gathered(module):
+            yield lambda images: embedding(module.forward_features(images.float()), module)
+
+    def model_flops(self, model_kwargs: dict[str, Any]) -> dict[str, float]:
+        """Each student's backbone forward per image (what it costs deployed: no projection) and the teacher's."""
+        students = model_kwargs.get("students") or {self.names[0]: model_kwargs}
+        return {**{name: backbone_flops(backbone_kwargs(k)) for name, k in students.items()},
+                "teacher": model_flops(self.teacher.flops_kwargs)}
 
     @torch.no_grad()
     def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:  # noqa: ARG002 - the interface
@@ -264,13 +293,20 @@ class Distill(Objective):
                                f"{self.teacher.digest[:12]}): give that teacher, or start a new run.dir")
 
 
+def backbone_flops(student: dict[str, Any]) -> float:
+    """A student backbone's forward FLOPs per image (multiply-adds x 2): a timm model's by torch's FLOP counter
+    on the meta device, a ViT's from its arguments."""
+    if "timm_model" in student:
+        return timm_flops(student["timm_model"], student["timm_kwargs"], pair(student["img_size"]))
+    return model_flops(student)
+
+
 def student_flops(student: dict[str, Any], teacher_dim: int) -> float:
     """A student's forward FLOPs per image and its two projections' (multiply-adds x 2)."""
     h, w = pair(student["img_size"])
-    if "timm_model" in student:  # a timm model: counted by torch's FLOP counter on the meta device
+    if "timm_model" in student:
         width, grid = feature_grid(student["timm_model"], student["timm_kwargs"], (h, w))
-        tokens, own = 1 + grid[0] * grid[1], timm_flops(student["timm_model"], student["timm_kwargs"], (h, w))
+        tokens = 1 + grid[0] * grid[1]
     else:
-        width, own = student["embed_dim"], model_flops(student)
-        tokens = 1 + (h // student["patch_size"]) * (w // student["patch_size"])
-    return own + 2 * 2 * tokens * width * teacher_dim  # two Linears
+        width, tokens = student["embed_dim"], 1 + (h // student["patch_size"]) * (w // student["patch_size"])
+    return backbone_flops(student) + 2 * 2 * tokens * width * teacher_dim  # two Linears
