@@ -48,6 +48,9 @@ ABOUT = {
     "syncs": "device-to-host reads per non-log training step of each recipe at ZeRO-1 and ZeRO-3, through the "
              "real trainer (tiny model, bf16, one process), reads of host-side tensors by design apart "
              "(`benchmarks/syncs.py`, docs/performance.md: Host reads).",
+    "distill": "a distillation step (the objective's loss: the frozen teacher's forward, each student's, the "
+               "feature loss) with one ViT student and with two on one teacher forward, against two runs of one: "
+               "step times and the FLOP ratio `flops_per_image` predicts (`benchmarks/distill.py`).",
     "gpu": "training MFU of ViT-B/16 and L/16 on one GPU, end to end from JPEG shards, bf16 and nvjpeg "
            "checks (`benchmarks/gpu.py`).",
 }

@@ -12,6 +12,7 @@
     python launch/bench.py dino            # a DINOv2 step against a supervised one on the same backbone
     python launch/bench.py syncs           # host reads per training step, per recipe and ZeRO stage
     python launch/bench.py dino-ops        # aten ops per DINOv2/DINOv3 micro step, per-crop and fused
+    python launch/bench.py distill         # distillation: 1 and 2 students on one teacher forward vs 2 runs of one
     python launch/bench.py all             # every benchmark (gpu only where there is a GPU), then render
     python launch/bench.py render          # docs/benchmarks.md from results/benchmarks.csv
     python launch/bench.py merge FILE.csv  # the rows of a copy from another machine, then render
@@ -74,6 +75,8 @@ BENCHES: dict[str, Bench] = {
                    "per recipe at ZeRO-1 and ZeRO-3 (host-side reads by design apart)."),
     "dino-ops": Bench("dino_ops", "bench_dino_ops", "add_dino_ops_args", "aten ops dispatched per DINOv2/DINOv3 "
                       "micro step, per-crop (before issue 58) and fused."),
+    "distill": Bench("distill", "bench_distill", "add_distill_args", "A distillation step with 1 and with 2 "
+                     "students on one teacher forward, against 2 runs of one."),
 }
 
 

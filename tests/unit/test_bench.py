@@ -418,3 +418,19 @@ def test_offline_wheels_cover_what_deepspeed_and_webdataset_need_beyond_a_torch_
             if "extra ==" not in req:
                 todo.append(norm(re.match(r"[A-Za-z0-9._-]+", req).group(0)))
     assert needed - carried == set(), f"needed on the GPU machine, neither carried nor taken as there: {needed - carried}"
+
+
+@pytest.mark.slow  # two distillation objectives built and stepped: 7 s at load 13
+def test_distill_bench_times_one_and_two_students_on_one_teacher_forward():
+    """`launch/bench.py distill` at its CPU sizes, batch 2: both steps timed, the teacher run once per step with
+    one student and with two, and two students predicted cheaper than two runs of one by the teacher's forward."""
+    bench = _launch_bench()
+    args = bench.build_parser().parse_args(["distill", "--distill-batch", "2", "--distill-steps", "1",
+                                            "--distill-windows", "1"])
+    f = bench.run_bench("distill", args)
+    for name in ("one", "two"):
+        _positive(f[name], "step_ms", "cpu_step_ms", "gflops_per_image")
+    assert f["one"]["teacher_forwards"] == f["two"]["teacher_forwards"] == 2  # warm-up + 1 timed step each
+    assert f["two_runs_of_one_ms"] == pytest.approx(2 * f["one"]["step_ms"], abs=0.1)
+    one, two = f["one"]["gflops_per_image"], f["two"]["gflops_per_image"]
+    assert one < two < 2 * one and f["flop_ratio"] == pytest.approx(two / (2 * one), abs=2e-3)
