@@ -179,6 +179,12 @@ class Objective:
         figures the run's read against: name -> a `features` context (a distillation's teacher). None by default."""
         return {}
 
+    def model_names(self) -> dict[str, str]:
+        """What each trained model is (its variant, or a timm model's name), by the name it is judged under
+        (`judged_features`): the start line says them, model.safetensors' metadata (`variant`) the first's. By
+        default the run's model.variant, under ''."""
+        return {"": self.cfg.model.variant}
+
     def model_flops(self, model_kwargs: dict[str, Any]) -> dict[str, float]:  # noqa: ARG002 - the interface
         """The forward FLOPs per image of each model the run judges, by name (a distillation's students and its
         teacher), logged at each start as perf/<name>/flops_per_image. None by default (the run's own is MFU's)."""

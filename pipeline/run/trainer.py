@@ -267,7 +267,8 @@ class Trainer:
         """From `step` to train.steps: the steps, evaluations, checkpoints, the preemption check, the export."""
         env, tc, loader = self.env, self.cfg.train, self.train_loader
         meter = ThroughputMeter(self.flops_per_image, env.world_size, device_peak_flops(tc.peak_flops))
-        say(f"{self.cfg.run.kind}: {self.cfg.model.variant} {self.model_kwargs['img_size']} | world size "
+        models = ", ".join(f"{m} ({k})" if k else m for k, m in self.objective.model_names().items())
+        say(f"{self.cfg.run.kind}: {models} {self.model_kwargs['img_size']} | world size "
             f"{env.world_size} | global batch {loader.global_batch} ({loader.accum} x {tc.micro_batch_size} x "
             f"{env.world_size}) | ZeRO-{self.cfg.deepspeed.zero_stage} | steps {self.step}->{tc.steps} | run dir "
             f"{self.cfg.run.dir}")
@@ -387,7 +388,7 @@ class Trainer:
         self.watchdog.beat("export", self.step)
         cfg, run_dir = self.cfg, self.run_dir
         # What the weights are: model.safetensors says its architecture (the exported model's ARCH_KEYS).
-        metadata = {"variant": cfg.model.variant, "step": str(self.step),
+        metadata = {"variant": next(iter(self.objective.model_names().values())), "step": str(self.step),
                     **{k: str(v) for k, v in self.objective.exported_architecture(self.model_kwargs).items()}}
         if self.ema is not None:  # the EMA is the run's product; the checkpoints keep the raw weights
             say(f"export: model.safetensors holds the model EMA (train.ema_decay={cfg.train.ema_decay}); the "

@@ -182,7 +182,8 @@ def test_a_timm_cnn_student_learns_the_teachers_features_and_exports_in_timms_na
     assert all(torch.equal(before[k], after[k]) for k in before)  # frozen: bit for bit
     # The export: timm's names, loadable by timm.create_model; read back as a backbone by the commands.
     [(rel, (state, metadata))] = obj.extra_exports(engine).items()
-    assert rel == "students/cnn/model.safetensors"
+    assert rel == "students/cnn/model.safetensors" and metadata["variant"] == "test_resnet"  # timm's name
+    assert obj.model_names() == {"cnn": "test_resnet"}  # the start line's and model.safetensors' variant
     out = tmp_path / "run" / rel
     out.parent.mkdir(parents=True)
     save_weights(state, out, metadata=metadata)
@@ -273,6 +274,7 @@ def test_eval_sets_judge_every_student_and_the_teacher_and_each_ones_flops_are_s
     judged, line = sets.judge(obj.judged_features(engine), cpu)
     assert {k for k in judged if k.endswith("knn_top1")} == {"eval/vit/lab/knn_top1", "eval/cnn/lab/knn_top1"}
     assert "vit/lab k-NN top-1" in line and "cnn/lab k-NN top-1" in line
+    assert obj.model_names() == {"vit": obj.cfg.model.variant, "cnn": "test_resnet"}  # what the start line says
     first, _ = sets.judge(obj.reference_features(engine), cpu)
     assert first == sets.evaluate(reference, cpu, "teacher")  # the teacher file's own model, judged alike
     assert "eval/teacher/lab/knn_top1" in first

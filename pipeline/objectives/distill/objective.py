@@ -72,6 +72,7 @@ class Distill(Objective):
         {"students": {name: arguments}} (DistillStudents'). `self.grids`: each student's token grid."""
         entries = self.d.students or [None]
         self.grids: dict[str, tuple[int, int]] = {}
+        self.variants: dict[str, str] = {}  # each student's model.variant, or its timm model's name
         students = {(e.name if e else "student"): self.student(i, e) for i, e in enumerate(entries)}
         self.names = list(students)
         dim = self.read_teacher().model.embed_dim
@@ -90,7 +91,7 @@ class Distill(Objective):
         name = entry.name if entry else "student"
         if entry is not None and entry.timm:
             kwargs = self.timm_student(i, entry.timm, entry.kwargs)
-            self.grids[name] = self._timm_grid
+            self.grids[name], self.variants[name] = self._timm_grid, entry.timm
             return kwargs
         try:
             model = dataclasses.replace(self.cfg.model, **(entry.model if entry else {}))
@@ -98,6 +99,7 @@ class Distill(Objective):
             raise ConfigError(f"distill.students[{i}].model: {e} (model.* keys expected)") from None
         kwargs = model_kwargs_from_config(model, 0)
         kwargs["num_classes"] = 0  # the student is a backbone: its head is fitted by whoever uses it
+        self.variants[name] = model.variant
         self.grids[name] = tuple(s // kwargs["patch_size"] for s in pair(kwargs["img_size"]))
         return kwargs
 
@@ -193,6 +195,10 @@ class Distill(Objective):
         finally:
             model.train(was)
 
+    def model_names(self) -> dict[str, str]:
+        """Each student's model (a timm model's name, a ViT's variant, its entry's `model.variant` included)."""
+        return self.variants
+
     def judged_features(self, engine: Any) -> dict[str, FeaturesContext]:
         """eval.sets judges every student: one as the run's own (eval/<set>/...), two or more each under its name
         (eval/<student>/<set>/...)."""
@@ -272,8 +278,8 @@ class Distill(Objective):
             return {}
         state, several = full_fp32_state_dict(engine), len(self.names) > 1
         return {f"students/{name}/model.safetensors": (
-            exported(state, name if several else None),
-            {k: str(v) for k, v in self.exported_architecture(self.student_kwargs[name]).items()})
+            exported(state, name if several else None), {"variant": self.variants[name], **{
+                k: str(v) for k, v in self.exported_architecture(self.student_kwargs[name]).items()}})
             for name in self.names}
 
     checkpoint_weights = "the (first) student's backbone (DeepSpeed's, consolidated to fp32)"
