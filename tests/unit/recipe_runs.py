@@ -19,6 +19,7 @@ from torch import nn
 
 from pipeline.config import ConfigFiles, DataConfig, save_config
 from pipeline.data import dataset_info_of
+from pipeline.data.pixels import resolve_pixels
 from pipeline.eval.features import embedding
 from pipeline.model.weights import save_weights
 from pipeline.objectives import RECIPES, ObjectivesConfig, build_objective, load_config
@@ -35,6 +36,7 @@ class Source:
     img_size: int  # the size it was trained at (the exports are checked there)
     timm_class: str  # the class timm builds its export as
     finetune: list[str]  # what `launch/finetune.py` needs beside --from (a --config for a bare file)
+    in_chans: int = 3  # the images' channels (a run on an array set: its set's, issue 62)
 
 
 def demo_config(recipe: str) -> Path:
@@ -69,7 +71,9 @@ def tiny_run(recipe: str, run_dir: Path, data: Path) -> Source:
     metadata), from the objective's own models, random."""
     needs = recipe_needs(recipe, run_dir.with_name(run_dir.name + "-needs"))
     cfg = load_config(demo_config(recipe), [*SHRINK, f"data.path={data}", f"run.dir={run_dir}", *needs])
-    objective = build_objective(cfg, dataset_info_of(cfg.data))
+    info = dataset_info_of(cfg.data)
+    cfg = resolve_pixels(cfg, info)  # as the trainer does: model.in_chans and data.mean/std of the set's pixels
+    objective = build_objective(cfg, info)
     kwargs = objective.model_kwargs()
     torch.manual_seed(0)
     model = objective.build_all(kwargs)
@@ -87,7 +91,8 @@ def tiny_run(recipe: str, run_dir: Path, data: Path) -> Source:
             return features(images)
 
     rope = "rope_temperature" in kwargs
-    return Source(run_dir, reference, cfg.model.img_size, "Eva" if rope else "VisionTransformer", [])
+    return Source(run_dir, reference, cfg.model.img_size, "Eva" if rope else "VisionTransformer", [],
+                  cfg.model.in_chans or 3)
 
 
 class _Engine(nn.Module):

@@ -153,3 +153,21 @@ def test_a_real_dicom_file_goes_through_make_shards_a_run_and_embed(tmp_path):
     assert len(table) == info["splits"]["val"]["num_samples"]
     for vector in table["cls"]:
         np.testing.assert_allclose(np.asarray(vector), want.numpy(), atol=AGREE, rtol=0)
+
+
+@pytest.mark.slow  # three runs made and read by five commands each, in this process: 25 s at load 8
+@pytest.mark.parametrize("recipe", ["mae", "dinov2", "dinov3"])
+def test_a_c_channel_ssl_runs_backbone_goes_through_every_downstream_command(recipe, tmp_path, capsys, monkeypatch):
+    """An MAE run's encoder, a DINOv2 and a DINOv3 run's teacher, of a run on 4-channel uint16 shards (as its
+    trainer leaves the run directory, tests/unit/recipe_runs.py, random weights): launch/evaluate.py, embed.py, both
+    exports (timm's features and ONNX Runtime's equal to the objective's own of 4-channel images) and the fine-tune's
+    read of --from, as test_recipe_matrix.py runs them on RGB runs."""
+    from tests.unit.recipe_runs import tiny_run
+    from tests.unit.test_recipe_matrix import COMMANDS
+
+    shards = array_set(tmp_path, 4, "uint16", n=48)
+    src = tiny_run(recipe, tmp_path / "run", shards)
+    assert src.in_chans == 4 and "in_chans: 4" in (src.path / "config.yaml").read_text()
+    for name, command in COMMANDS.items():
+        (tmp_path / name).mkdir()
+        command(src, shards, tmp_path / name, capsys, monkeypatch)

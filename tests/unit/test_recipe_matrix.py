@@ -66,7 +66,7 @@ def sources(tmp_path_factory, data):
 
 def images(src: Source, size: int | None = None, batch: int = 2) -> torch.Tensor:
     side = size or src.img_size
-    return torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(side))
+    return torch.randn(batch, src.in_chans, side, side, generator=torch.Generator().manual_seed(side))
 
 
 def evaluate(src: Source, data: Path, tmp_path: Path, capsys, monkeypatch) -> None:
