@@ -180,6 +180,30 @@ def measure(recipes: list[str], local_crops: int, log: Any = print) -> dict[str,
     return {"recipes": out, "local_crops": local_crops, "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def compiled_vs_eager(recipe: str) -> dict[str, Any]:
+    """The whole micro step through torch.compile (default mode), as train.compile would run it were the teacher's
+    forward and the loss terms compiled beside the student: graphs, graph breaks, compile time, and the loss and
+    gradients against eager (fp32, the same state)."""
+    from torch._dynamo.utils import counters
+
+    objective, engine, crops = tiny_step(recipe)
+    loss, grads = micro_step(objective, engine, crops)
+    counters.clear()
+    t0 = time.perf_counter()
+    objective.teacher.teacher_forward = torch.compile(objective.teacher.teacher_forward)
+    objective.loss_terms = torch.compile(objective.loss_terms)
+    engine.module = torch.compile(engine.module)
+    micro_step(objective, engine, crops)  # compiles
+    seconds = time.perf_counter() - t0
+    c_loss, c_grads = micro_step(objective, engine, crops)
+    c_grads = {k.removeprefix("_orig_mod."): v for k, v in c_grads.items()}
+    worst = max(grads, key=lambda k: ((grads[k] - c_grads[k]).abs().max() / grads[k].abs().max()).item())
+    return {"compile_s": round(seconds, 1), "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()), "loss_rel_diff": abs((c_loss / loss - 1).item()),
+            "grad_rel_diff": ((grads[worst] - c_grads[worst]).abs().max() / grads[worst].abs().max()).item(),
+            "grad_worst": worst}
+
+
 def bench_dino_ops(args: argparse.Namespace) -> dict[str, Any]:
     """aten ops dispatched per DINOv2/DINOv3 micro step (loss + backward), before and after issue 58's fusion."""
     torch.set_num_threads(1)
@@ -189,9 +213,15 @@ def bench_dino_ops(args: argparse.Namespace) -> dict[str, Any]:
                                  "ops removed, most first"],
                 [[r, f["before"], f["after"], f["before_not_views"], f["after_not_views"],
                   ", ".join(f"{k} -{v}" for k, v in f["fewer"].items())] for r, f in figures["recipes"].items()])
+    if args.ops_compiled:
+        figures["compiled"] = {r: compiled_vs_eager(r) for r in figures["recipes"]}
+        for r, f in figures["compiled"].items():
+            print(f"{r} compiled whole: {f}")
     return figures
 
 
 def add_dino_ops_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops-recipes", default="dinov2,dinov3", help="which recipes (default dinov2,dinov3)")
     p.add_argument("--ops-local-crops", type=int, default=8, help="local crops per image (default 8, Meta's)")
+    p.add_argument("--ops-compiled", action="store_true", help="then the whole micro step through torch.compile "
+                   "against eager: graphs, breaks, compile time, loss and gradient differences (minutes on a CPU)")
