@@ -53,6 +53,9 @@ def add_dino_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dino-windows", type=int, default=3)
     p.add_argument("--dino-profile", action="store_true",
                    help="then profile 3 DINOv2 steps: top kernels, idle fraction, host syncs per step")
+    p.add_argument("--dino-tiny", action="store_true",
+                   help="a 2-block, 64-wide backbone at 56 + 28 px (dinov3: 64 + 32), heads of 64 hidden and 256 "
+                        "prototypes: the bench's code on the CPU in seconds (SMOKE=1 bash launch/gpu_bench.sh)")
     p.add_argument("--dino-threads", type=int, default=None,
                    help="torch CPU threads (default on CPU: 1, see docs/performance.md; a GPU run leaves torch's)")
 
@@ -121,10 +124,20 @@ RECIPE_DEFAULTS = {"dinov2": {"res": 224, "local_res": 98, "prototypes": 65536},
                    "dinov3": {"res": 256, "local_res": 112, "prototypes": 262144}}
 
 
+TINY = {"dinov2": {"res": 56, "local_res": 28, "prototypes": 256}, "dinov3": {"res": 64, "local_res": 32, "prototypes": 256}}
+
+
+def tiny_overrides(recipe: str) -> list[str]:
+    """--dino-tiny: the backbone and heads made small (the sizes of TINY come through the flags' defaults)."""
+    s = "dinov3" if recipe == "dinov3" else "dino"
+    return ["model.embed_dim=64", "model.depth=2", "model.num_heads=2", f"{s}.head_hidden_dim=64",
+            f"{s}.head_bottleneck_dim=32", f"{s}.ibot_head_bottleneck_dim=32"]
+
+
 def recipe_config(variant: str, res: int, local_crops: int, local_res: int, prototypes: int,
-                  recipe: str = "dinov2") -> Any:
+                  recipe: str = "dinov2", extra: list[str] = ()) -> Any:
     """The recipe's config at this backbone (dinov2_vitb14.yaml's or dinov3_vitl16.yaml's values; no freeze, so
-    that every timed step is a full one; lr and schedules do not change the cost)."""
+    that every timed step is a full one; lr and schedules do not change the cost); `extra` overrides last."""
     if recipe == "dinov3":
         return load_config(None, [
             "model.objective=dinov3", f"model.variant={variant}", f"model.img_size={res}", "model.drop_path_rate=0.0",
@@ -133,12 +146,12 @@ def recipe_config(variant: str, res: int, local_crops: int, local_res: int, prot
             f"dinov3.ibot_head_n_prototypes={min(prototypes, 98304)}", "dinov3.ibot_head_bottleneck_dim=384",
             "dinov3.freeze_last_layer_steps=0", "dinov3.patch_embed_lr_mult=0.2", "train.steps=1000",
             "train.lr=4e-4", "train.layer_decay=0.98", "train.weight_decay=0.04", "train.betas=[0.9, 0.99]",
-            "train.grad_clip=0.0"])
+            "train.grad_clip=0.0", *extra])
     return load_config(None, [
         "model.objective=dinov2", f"model.variant={variant}", f"model.img_size={res}", "model.drop_path_rate=0.0",
         f"dino.local_crops_number={local_crops}", f"dino.local_crops_size={local_res}", f"dino.head_n_prototypes={prototypes}",
         "dino.freeze_last_layer_steps=0", "train.steps=1000", "train.lr=4e-3", "train.layer_decay=0.9",
-        "train.weight_decay=0.04", "train.betas=[0.9, 0.999]", "train.grad_clip=0.0"])
+        "train.weight_decay=0.04", "train.betas=[0.9, 0.999]", "train.grad_clip=0.0", *extra])
 
 
 def bench_dino(args: Any) -> dict[str, Any]:
@@ -146,7 +159,8 @@ def bench_dino(args: Any) -> dict[str, Any]:
     device = bench_device()
     gpu = device.type == "cuda"
     recipe = getattr(args, "dino_recipe", "dinov2")
-    defaults = RECIPE_DEFAULTS[recipe]
+    tiny = getattr(args, "dino_tiny", False)
+    defaults = (TINY if tiny else RECIPE_DEFAULTS)[recipe]
     prefix = "dinov3_" if recipe == "dinov3" else ""
     variant = args.dino_variant or (f"{prefix}vit_b{16 if prefix else 14}" if gpu else f"{prefix}vit_s{16 if prefix else 14}")
     variant = variant.replace("dinov3_vit_", "dinov3_vit")
@@ -157,7 +171,8 @@ def bench_dino(args: Any) -> dict[str, Any]:
         # On a small shared CPU box OpenMP threads waiting for each other at every op make each step
         # several times slower (docs/performance.md): one thread unless told.
         torch.set_num_threads(args.dino_threads or 1)
-    cfg = recipe_config(variant, res, args.dino_local_crops, local_res, prototypes, recipe)
+    cfg = recipe_config(variant, res, args.dino_local_crops, local_res, prototypes, recipe,
+                        tiny_overrides(recipe) if tiny else [])
     torch.manual_seed(0)
     objective = OBJECTIVES[recipe](cfg, SimpleNamespace(num_classes=0))
     kwargs = objective.model_kwargs()

@@ -93,6 +93,8 @@ def run_bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-csv", action="store_true", help=f"do not append to {RESULTS_CSV.relative_to(ROOT)}")
+    p.add_argument("--csv", type=Path, default=RESULTS_CSV, help="append the row to this file instead (SMOKE=1 "
+                   "bash launch/gpu_bench.sh: the CPU smoke's rows go to its DEST, not to the repository's CSV)")
     sub = p.add_subparsers(dest="bench", required=True)
     for name, bench in BENCHES.items():
         _function(name, bench.add_args)(sub.add_parser(name, help=bench.help))
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         row = figures.pop("bench", name)  # a variant files its rows under its own name (scale --mix: scale-mix)
         if not args.no_csv:
-            append_result(row, figures)
+            append_result(row, figures, args.csv)
     if args.bench == "all" and not args.no_csv:
         render_page()
     return status

@@ -38,6 +38,9 @@ python3 -c 'import sys, torch, timm, deepspeed, webdataset; print("python", sys.
   || { echo "gpu_bench.sh: the imports failed: nothing would run"; exit 2; }
 
 declare -a SUMMARY=()
+# The smoke's rows (CPU figures of tiny models) go to DEST alone; a GPU run's to results/benchmarks.csv, copied.
+declare -a CSV=()
+[ -n "$SMOKE" ] && CSV=(--csv "$DEST/benchmarks.csv")
 # part NAME ESTIMATE_S CAP_S ARGS...: `launch/bench.py ARGS` if ESTIMATE_S still fits, stopped after CAP_S
 # or at the budget.
 part() {
@@ -55,19 +58,21 @@ part() {
   t0=$(date +%s)
   limit=$(left)
   [ "$cap" -gt 0 ] && [ "$cap" -lt "$limit" ] && limit=$cap
-  timeout --signal=INT --kill-after=10 "$limit" python3 launch/bench.py "$@"
+  timeout --signal=INT --kill-after=10 "$limit" python3 launch/bench.py "${CSV[@]}" "$@"
   rc=$?
-  cp results/benchmarks.csv "$DEST/benchmarks.csv"
+  [ -n "$SMOKE" ] || cp results/benchmarks.csv "$DEST/benchmarks.csv"
   SUMMARY+=("$name: exit $rc after $(($(date +%s) - t0)) s")
 }
 
 if [ -n "$SMOKE" ]; then
-  part b16-training 0 0 gpu --smoke --parts training
-  part dino-step 0 0 dino --dino-windows 1 --dino-profile
-  part dinov3-step 0 0 dino --dino-recipe dinov3 --dino-windows 1 --dino-prototypes 4096 --dino-profile
+  # Every part's code at CPU-cheap sizes (tests/integration/test_gpu_bench_smoke.py runs this): tiny models,
+  # the eager arms only (compiling each arm on a CPU costs 20-60 s; tests/unit/test_compile.py covers compiling).
+  part b16-training 0 0 gpu --smoke --parts training --arms "plain eager,zero1 eager" --budget-s 3600
+  part dino-step 0 0 dino --dino-tiny --dino-windows 1 --dino-profile
+  part dinov3-step 0 0 dino --dino-recipe dinov3 --dino-tiny --dino-windows 1 --dino-profile
   part correctness 0 0 gpu --smoke --parts correctness
   part b16-e2e 0 0 gpu --smoke --parts e2e
-  part mae-step 0 0 mae --mae-windows 1
+  part mae-step 0 0 mae --mae-variant vit_ti16 --mae-res 32 --mae-windows 1
 else
   # (1) B/16@224: every arm, the largest micro batch, the profiles. Arms stop starting at --budget-s,
   # leaving the profile and the parts after it their time.
