@@ -27,12 +27,25 @@ class StudentConfig:
 
 @dataclass
 class DistillConfig:
-    """Feature distillation (docs/distill.md): a frozen teacher read from any source, the student (model.*) trained
-    to give the teacher's class token and patch tokens through a learned projection, both on the same augmented
-    view of each image ("consistent" teaching, Beyer et al. 2022, arXiv 2106.05237)."""
+    """Distillation (docs/distill.md): a frozen teacher read from any source, the student (model.*) trained to give
+    the teacher's class token and patch tokens through a learned projection, both on the same augmented view of
+    each image ("consistent" teaching, Beyer et al. 2022, arXiv 2106.05237); or, from a DINOv2/DINOv3 run of ours
+    (`targets`), its DINO and iBOT heads' outputs through heads of its own (DINOv3's distillation)."""
 
     teacher: str | None = None
     """The teacher: anything `launch/finetune.py --from` reads (a run directory of ours, its export, Meta's DINOv2/DINOv3/MAE files, timm's files). Read at every start, never checkpointed; its digest is kept in the objective's state and a resume against another teacher is refused."""
+    targets: Literal["auto", "heads", "features"] = "auto"
+    """What the student learns: 'heads', the teacher's DINO and iBOT head outputs through heads of its own (DINOv3's distillation: a DINOv2/DINOv3 run directory of ours with a checkpoint, whose teacher heads it holds); 'features', the teacher's class and patch tokens through a learned projection (any teacher); 'auto': heads where the teacher has them, else features."""
+    dino_weight: float = 1.0
+    """targets heads: weight of the DINO terms (the student's global and local class tokens against the teacher's global ones)."""
+    ibot_weight: float = 1.0
+    """targets heads: weight of the iBOT term (the student's patch head at iBOT's mask positions against the teacher's)."""
+    koleo_weight: float = 0.1
+    """targets heads: weight of KoLeo on the student's global class tokens (DINOv3's distillation: 0.1)."""
+    teacher_temp: float = 0.07
+    """targets heads: the temperature of the teacher's Sinkhorn-Knopp assignments (DINOv3's distillation: 0.07)."""
+    global_ignore_diagonal: bool = True
+    """targets heads: a student global crop is not scored against the teacher's output of the same crop (DINOv3's distilled config)."""
     loss: Literal["cosine", "smooth_l1"] = "cosine"
     """Per token: 1 - cosine similarity (scale-free: a teacher's feature norms, which differ by model and carry high-norm outlier tokens, set no scale; the default), or smooth-L1 on the features (keeps their magnitude)."""
     cls_weight: float = 1.0
@@ -60,6 +73,10 @@ def distill_checks(cfg: Config) -> list[Check]:
         ("distill.patch_weight", d.patch_weight >= 0 and d.cls_weight + d.patch_weight > 0,
          ">= 0, and distill.cls_weight + distill.patch_weight > 0"),
         ("distill.knn_k", d.knn_k >= 0, ">= 0"),
+        ("distill.dino_weight", min(d.dino_weight, d.ibot_weight, d.koleo_weight) >= 0
+         and d.dino_weight + d.ibot_weight > 0, ">= 0, as distill.ibot_weight and distill.koleo_weight, and "
+         "distill.dino_weight + distill.ibot_weight > 0"),
+        ("distill.teacher_temp", d.teacher_temp > 0, "> 0"),
         ("distill.students", not students_problem(d.students), students_problem(d.students)),
         ("train.grad_clip", len(d.students) < 2 or cfg.train.grad_clip == 0,
          "0 with two or more distill.students (DeepSpeed clips the norm over every parameter: one student's "

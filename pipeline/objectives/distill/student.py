@@ -10,7 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.model.dino import gather_rows
+from pipeline.model.dino_head import DINOHead, DINOv3Head
 from pipeline.model.dinov3 import backbone_class
+from pipeline.model.layers import init_param, trunc_normal
 from pipeline.model.timm_backbone import TimmBackbone
 
 PREFIX = "backbone."
@@ -24,20 +27,38 @@ class DistillStudent(nn.Module):
     Linear is a 1x1 convolution: it maps each cell to the teacher's width, and the teacher's patch grid is
     resized to the map (objective.py), so the projection is what aligns the two."""
 
-    def __init__(self, teacher_dim: int, **backbone_kwargs: Any) -> None:
+    def __init__(self, teacher_dim: int, heads: dict[str, Any] | None = None, **backbone_kwargs: Any) -> None:
         super().__init__()
         self.backbone = student_class(backbone_kwargs)(**backbone_kwargs)
         width = self.backbone.embed_dim
-        self.cls_proj = nn.Linear(width, teacher_dim)
-        self.patch_proj = nn.Linear(width, teacher_dim)
+        # distill.targets features: the projections; heads (`heads`, heads.py's head_arguments): a DINO and an
+        # iBOT head sized as the teacher's, the projections unused (Identity: no parameters, no state).
+        self.cls_proj = nn.Linear(width, teacher_dim) if heads is None else nn.Identity()
+        self.patch_proj = nn.Linear(width, teacher_dim) if heads is None else nn.Identity()
+        self.dino_head = self.ibot_head = nn.Identity()
+        if heads is not None:
+            self.dino_head = dino_head(heads, width, heads["head_n_prototypes"], heads["head_bottleneck_dim"])
+            self.ibot_head = dino_head(heads, width, heads["ibot_head_n_prototypes"], heads["ibot_head_bottleneck_dim"])
+        self.heads = heads is not None
 
-    def forward(self, images: torch.Tensor, features: bool = False) -> Any:
+    def forward(self, images: torch.Tensor, features: bool = False, local_crops: torch.Tensor | None = None,
+                mask_indices: torch.Tensor | None = None) -> Any:
         """(projected class token (B, Dt), projected patch tokens (B, N, Dt)); with `features`, the backbone's
-        tokens after its final norm (what eval.sets judges)."""
+        tokens after its final norm (what eval.sets judges). With heads, `images` the global crops (2B, ...):
+        {global_cls: their class tokens (KoLeo's), global: the DINO head's outputs, local: those of
+        `local_crops` (when given), masked: the iBOT head's on the patches `mask_indices` gathers (when given)},
+        the crops unmasked as in Meta's distillation (the positions are iBOT's masks)."""
         if features:
             return self.backbone.forward_features(images)
         tokens = self.backbone.forward_tokens(images)
-        return self.cls_proj(tokens.cls_token), self.patch_proj(tokens.patch_tokens)
+        if not self.heads:
+            return self.cls_proj(tokens.cls_token), self.patch_proj(tokens.patch_tokens)
+        out = {"global_cls": tokens.cls_token, "global": self.dino_head(tokens.cls_token)}
+        if local_crops is not None:
+            out["local"] = self.dino_head(self.backbone.forward_tokens(local_crops).cls_token)
+        if mask_indices is not None:
+            out["masked"] = self.ibot_head(gather_rows(tokens.patch_tokens, None, mask_indices))
+        return out
 
     def no_weight_decay(self) -> set[str]:
         own = getattr(self.backbone, "no_weight_decay", set)()  # a timm model: its 1-D parameters (optim.py)
@@ -73,12 +94,13 @@ class DistillStudents(nn.Module):
             built[name] = DistillStudent(teacher_dim, **kwargs)
         self.students = nn.ModuleDict(built)
 
-    def forward(self, images: torch.Tensor, features: bool = False, student: str | None = None) -> Any:
-        """{name: (projected class token, projected patch tokens)}; with `features`, the tokens of `student`'s
-        backbone (the first's by default: what eval.sets judges)."""
+    def forward(self, images: torch.Tensor, features: bool = False, student: str | None = None, **heads: Any) -> Any:
+        """{name: (projected class token, projected patch tokens)} (or with heads, `heads` the further crops:
+        {name: its heads' outputs}); with `features`, the tokens of `student`'s backbone (the first's by
+        default: what eval.sets judges)."""
         if features:
             return self.students[student or next(iter(self.students))](images, features=True)
-        return {name: s(images) for name, s in self.students.items()}
+        return {name: s(images, **heads) for name, s in self.students.items()}
 
     def no_weight_decay(self) -> set[str]:
         return {f"students.{n}.{k}" for n, s in self.students.items() for k in s.no_weight_decay()}
@@ -89,7 +111,22 @@ class DistillStudents(nn.Module):
 
 
 def backbone_kwargs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in model_kwargs.items() if k != "teacher_dim"}
+    return {k: v for k, v in model_kwargs.items() if k not in ("teacher_dim", "heads")}
+
+
+def dino_head(heads: dict[str, Any], width: int, prototypes: int, bottleneck: int) -> DINOHead:
+    """A head of the teacher's class (DINOv3's plain prototypes, or DINOv2's weight-normalised ones) and sizes,
+    from the student's width; its Linears drawn again through init_param as DINOv2Model's (under
+    deepspeed.zero.Init they were partitioned when built, and a draw on an empty shard draws nothing)."""
+    h = (DINOv3Head if heads["kind"] == "dinov3" else DINOHead)(
+        width, prototypes, hidden_dim=heads["head_hidden_dim"], bottleneck_dim=bottleneck, nlayers=heads["head_nlayers"])
+    mlp = list(h.mlp.modules()) if isinstance(h.mlp, nn.Sequential) else [h.mlp]
+    for m in mlp + ([h.last_layer] if isinstance(h.last_layer, nn.Linear) else []):
+        if isinstance(m, nn.Linear):
+            init_param(m.weight, trunc_normal(0.02))
+            if m.bias is not None:
+                init_param(m.bias, nn.init.zeros_)
+    return h
 
 
 def student_class(model_kwargs: dict[str, Any]) -> type[nn.Module]:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pipeline import zero3
+from pipeline.model.dino import gather_rows
 from pipeline.model.layers import init_param
 from pipeline.model.weights import WeightsError
 from pipeline.objectives.backbone import Backbone
@@ -36,22 +37,26 @@ def digest(state: dict[str, torch.Tensor]) -> str:
 
 
 class Teacher:
-    """The teacher backbone (`module`), what it was read from and its digest."""
+    """The teacher (`module`): a backbone, or a DINOv2/DINOv3 model whole (heads.py: `heads` True, its backbone
+    `backbone`, its DINO and iBOT heads frozen with it); what it was read from and its digest (heads included)."""
 
     def __init__(self, found: Backbone, source: str, img_size: tuple[int, int],
                  init: Callable[[], AbstractContextManager[Any]]) -> None:
         state = found.model.state_dict()
         cls, kwargs = type(found.model), dict(found.kwargs)
+        self.heads = hasattr(found.model, "dino_head")
+        backbone = found.model.backbone if self.heads else found.model
         # A teacher trained at another size sees the student's images: its position table resized at forward time.
         if "dynamic_img_size" in inspect.signature(cls.__init__).parameters:
             kwargs["dynamic_img_size"] = True
-        self.patch = found.model.patch_embed.patch_size[0]
+        self.patch = backbone.patch_embed.patch_size[0]
         if img_size[0] % self.patch or img_size[1] % self.patch:
             raise WeightsError(f"distill.teacher={source}: its patch {self.patch} does not divide model.img_size="
                                f"{list(img_size)} (the teacher sees the student's images): use a multiple of "
                                f"{self.patch}")
-        self.source, self.digest, self.dim = str(found.source), digest(state), found.model.embed_dim
+        self.source, self.digest, self.dim = str(found.source), digest(state), backbone.embed_dim
         self.flops_kwargs = {**kwargs, "img_size": tuple(img_size)}
+        self.kwargs = kwargs  # the constructor's (heads.py sizes the student's heads from them)
         with init():
             self.module = cls(**kwargs)
         with torch.no_grad():
@@ -62,6 +67,7 @@ class Teacher:
                     buf.copy_(state[name])
         self.module.requires_grad_(False)
         self.module.eval()
+        self.backbone = self.module.backbone if self.heads else self.module
 
     def to(self, device: torch.device) -> None:
         """The teacher onto `device`; a ZeRO-3 partitioned one is there already (its slices live on the device:
@@ -78,8 +84,25 @@ class Teacher:
         grid = (images.shape[-2] // self.patch, images.shape[-1] // self.patch)
         with ds_compat.gathered(self.module), torch.autocast(images.device.type, dtype=autocast_dtype or dtype,
                                                              enabled=autocast_dtype is not None):
-            out = self.module.forward_tokens(images.to(dtype))
+            out = self.backbone.forward_tokens(images.to(dtype))
         return out.cls_token.float(), out.patch_tokens.float(), grid
+
+    @torch.no_grad()
+    def head_outputs(self, global_crops: torch.Tensor, mask_indices: torch.Tensor | None,
+                     autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A teacher with heads: its DINO head on each global crop's class token (2B, K), in the crops' order
+        (not swapped: the loss pairs the crops), and its iBOT head (its DINO head when not separate) on the
+        patch tokens `mask_indices` gathers (M, K), of the unmasked crops as Meta's distillation; float32.
+        Collective under ZeRO-3."""
+        dtype = next(self.module.parameters()).dtype
+        with ds_compat.gathered(self.module), torch.autocast(global_crops.device.type, dtype=autocast_dtype or dtype,
+                                                             enabled=autocast_dtype is not None):
+            t = self.backbone.forward_tokens(global_crops.to(dtype))
+            cls_out = self.module.dino_head(t.cls_token)
+            if mask_indices is None:
+                return cls_out.float(), None
+            masked = self.module.patch_head(gather_rows(t.patch_tokens, None, mask_indices))
+        return cls_out.float(), masked.float()
 
     def tokens(self, images: torch.Tensor, student_grid: tuple[int, int], resize: str,
                autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
