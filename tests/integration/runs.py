@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import io
 import json
 import math
 import os
@@ -123,6 +124,67 @@ def run(entry: str, config: str, overrides: list[str], ranks: int = 2, extra: li
         raise AssertionError(f"{' '.join(argv[:6])} ... still running after {timeout:.0f}s:\n"
                              f"{out[-4000:]}\n{err[-4000:]}") from None
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def forget_world_group() -> None:
+    """DeepSpeed keeps its clone of the world group (deepspeed.utils.groups) past the run's
+    destroy_process_group: cleared, as a fresh process has it, or the next engine in this process uses the
+    dead one ("Group ... is not registered")."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        groups._WORLD_GROUP = None
+
+
+def run_here(entry: str, config: str, overrides: list[str], extra: list[str] = (),
+             extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """A 1-rank run of launch/pretrain.py or launch/finetune.py in this process: the command's function
+    (`commands.pretrain` / `finetune`), which is all the script runs after installing the signal handlers
+    (the commands install them again). It saves the interpreter's start and the imports of torch, DeepSpeed
+    and the pipeline, 5 to 8 s a run on the 2-core machine, where the test is about the run and not about
+    the process (a signal, a kill, a wrapper, the launcher: those keep `run`). As `run` gives it: cwd the
+    repository, one torch thread (OMP_NUM_THREADS=1 in `env`), no launcher variables; what the run exports
+    (RANK, MASTER_PORT... for DeepSpeed), its threads count and the cwd are put back afterwards, and what a
+    process lets go of when it ends (its run directory's lock, DeepSpeed's world group) is let go of."""
+    from pipeline import commands
+    from pipeline.train import lock
+
+    held = set(lock._held)  # what this process held before the run (a test of its own may hold one)
+    command_of = {"pretrain.py": commands.pretrain, "finetune.py": commands.finetune}[entry]
+    argv = ["--config", config, *extra, *overrides]
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             *(extra_env or {}))
+    saved_env = {k: os.environ.get(k) for k in names}
+    saved = os.getcwd(), torch.get_num_threads(), sys.argv
+    for k in names[:6]:
+        os.environ.pop(k, None)
+    os.environ.update(extra_env or {})
+    out, err = io.StringIO(), io.StringIO()
+    forget_world_group()  # another test's engine in this process may have left its dead one
+    try:
+        os.chdir(ROOT)
+        torch.set_num_threads(1)
+        sys.argv = [str(ROOT / "launch" / entry)]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = int(command_of(argv))
+            except SystemExit as e:  # argparse and the commands' usage errors, as the script would exit
+                code = e.code if isinstance(e.code, int) else 1 if e.code else 0
+    finally:
+        forget_world_group()
+        # The run directory's lock is held for the life of the process that took it (pipeline/train/lock.py):
+        # released as the run's own process would at its exit, so that a later job (a process) may take it.
+        for key in set(lock._held) - held:
+            os.close(lock._held.pop(key))
+            lock._created.pop(key, None)
+        os.chdir(saved[0])
+        torch.set_num_threads(saved[1])
+        sys.argv = saved[2]
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def run_and_signal(entry: str, config: str, overrides: list[str], when: str, sig: int = signal.SIGUSR1,

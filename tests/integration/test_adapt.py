@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.train import checkpoint as ckpt
-from tests.integration.runs import TINY, metrics, run, run_and_signal, weights
+from tests.integration.runs import TINY, metrics, run, run_and_signal, run_here, weights
 from tests.integration.test_dino import DINO, assert_close
 from tests.unit.recipe_runs import foreign_file
 
@@ -61,7 +61,7 @@ def test_an_init_run_preempted_in_its_freeze_on_2_ranks_resumes_on_1_and_ends_wh
     early = ckpt.consolidate(run_dir, stopped)
     file = {f"backbone.{k}": v for k, v in load_file(str(source)).items() if not k.startswith("head.")}
     assert file.keys() <= early.keys() and all(torch.equal(early[k], v) for k, v in file.items())
-    resumed = run("pretrain.py", CONFIG, base(shards, source, run_dir, zero), ranks=1)
+    resumed = run_here("pretrain.py", CONFIG, base(shards, source, run_dir, zero))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout
     assert f"{stopped}): it wins; adapt.anchor's frozen source is read again from {source}" in resumed.stdout

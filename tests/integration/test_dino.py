@@ -24,6 +24,7 @@ from tests.integration.runs import (
     metrics,
     run,
     run_and_signal,
+    run_here,
     weights,
 )
 
@@ -74,9 +75,9 @@ def test_dino_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted
     # Stopped before its export, it fine-tunes (a supervised ViT, class-token head) at twice the resolution
     # from its newest checkpoint's teacher backbone, not from DeepSpeed's module (the student).
     ft_dir = tmp_path / "finetune"
-    ft = run("finetune.py", "configs/finetune/demo.yaml",
-             [*TINY, f"data.path={shards}", f"run.dir={ft_dir}", "train.steps=2", "train.eval_every=0"],
-             ranks=1, extra=["--from", str(run_dir), "--res", "32"])
+    ft = run_here("finetune.py", "configs/finetune/demo.yaml",
+                  [*TINY, f"data.path={shards}", f"run.dir={ft_dir}", "train.steps=2", "train.eval_every=0"],
+                  extra=["--from", str(run_dir), "--res", "32"])
     assert ft.returncode == 0, ft.stdout[-3000:] + ft.stderr[-3000:]
     stopped_at = ckpt.newest_complete_tag(run_dir)  # the preemption's own checkpoint (step 4 or 5)
     assert f"the teacher's backbone of its newest complete checkpoint, {stopped_at}" in ft.stdout
@@ -84,7 +85,7 @@ def test_dino_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted
     assert tuned["pos_embed"].shape == (1, 65, 32) and "head.weight" in tuned  # 8x8 grid + class token
 
     # Loader workers in the resumed run, none in the reference: the same crops.
-    resumed = run("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32, WORKERS), ranks=1)
+    resumed = run_here("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32, WORKERS))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout
     # The exported teacher (an EMA over every step, its centres and schedules resumed) and the student.

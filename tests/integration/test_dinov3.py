@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.train import checkpoint as ckpt
-from tests.integration.runs import TINY, WORKERS, metrics, run, run_and_signal, weights
+from tests.integration.runs import TINY, WORKERS, metrics, run, run_and_signal, run_here, weights
 from tests.integration.test_dino import assert_close, assert_equal
 
 pytestmark = pytest.mark.dist
@@ -59,7 +59,7 @@ def test_dinov3_with_gram_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_u
     code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, 9, stage), when="step 4/9")
     assert code == 75, out[-3000:]
     # At ZeRO-1 loader workers in the resumed run, none in the reference: the same crops.
-    resumed = run("pretrain.py", CONFIG, base(shards, run_dir, 9, stage, *([WORKERS] if zero == 1 else [])), ranks=1)
+    resumed = run_here("pretrain.py", CONFIG, base(shards, run_dir, 9, stage, *([WORKERS] if zero == 1 else [])))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout
     assert "gram: the Gram teacher is the EMA teacher of step 8" in resumed.stdout
@@ -84,7 +84,7 @@ def test_a_later_stage_starts_from_the_finished_runs_student_teachers_and_centre
                  "dinov3.momentum_teacher=1.0", "train.lr=0",
                  "dinov3.resolutions=[{global_crops_size: 24, local_crops_size: 8, gram_crops_size: 32, weight: 1}, "
                  "{global_crops_size: 32, local_crops_size: 12, weight: 1}]")
-    out = run("pretrain.py", CONFIG, stage, ranks=1, extra=["--from", str(ref_dir)])
+    out = run_here("pretrain.py", CONFIG, stage, extra=["--from", str(ref_dir)])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (f"dinov3.continue_from: {ref_dir}, checkpoint step_0000009: its student, teacher, centres, Gram "
             f"teacher are this run's start") in out.stdout

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.train import checkpoint as ckpt
-from tests.integration.runs import TINY, run, run_and_signal, weights
+from tests.integration.runs import TINY, run, run_and_signal, run_here, weights
 from tests.integration.test_dino import assert_close
 from tests.unit.test_layouts import DINOV2, random_tensors, sizes
 
@@ -53,7 +53,7 @@ def test_distill_preempted_on_2_ranks_resumes_on_1_at_zero3_and_ends_where_the_u
     assert code == 75, out[-3000:]
     first = [x for x in out.splitlines() if "eval step 0 | teacher/syn" in x]
     assert first and first[0].split("| ")[-1] == teacher_line, (first, teacher_line)  # ZeRO-3's gathered teacher
-    resumed = run("pretrain.py", CONFIG, base(shards, run_dir, teacher, zero3), ranks=1)
+    resumed = run_here("pretrain.py", CONFIG, base(shards, run_dir, teacher, zero3))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout
     assert_close(weights(ref_dir), weights(run_dir))  # the exported student backbone
@@ -66,7 +66,7 @@ def test_distill_preempted_on_2_ranks_resumes_on_1_at_zero3_and_ends_where_the_u
     # Continued against another teacher: refused in one line before a step, exit 1.
     other = teacher.with_name("other.pth")
     torch.save({k: v + 1 for k, v in torch.load(teacher).items()}, other)
-    refused = run("pretrain.py", CONFIG, base(shards, run_dir, other, zero3, "train.steps=12"), ranks=1)
+    refused = run_here("pretrain.py", CONFIG, base(shards, run_dir, other, zero3, "train.steps=12"))
     assert refused.returncode == 1, refused.stdout[-3000:] + refused.stderr[-3000:]
     line = [x for x in (refused.stdout + refused.stderr).splitlines() if x.startswith("error:")]
     assert len(line) == 1 and "distilled from another teacher" in line[0], line

@@ -23,7 +23,15 @@ from tests.integration.mix_runs import (
     sample_keys,
     sources,
 )
-from tests.integration.runs import assert_same_weights, leaked_shm_buffers, metrics, run, shm_buffers, weights
+from tests.integration.runs import (
+    assert_same_weights,
+    leaked_shm_buffers,
+    metrics,
+    run,
+    run_here,
+    shm_buffers,
+    weights,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -61,7 +69,7 @@ def test_two_ranks_and_workers_train_the_weights_of_one_and_resume_on_one_rank_e
         assert last(rows, "data/synth/share") == 38 / 128 and last(rows, "data/synth/epochs_completed") == 0
     # Preempted on 2 ranks after step 4 (its checkpoint) and resumed on 1 rank: the uninterrupted weights.
     cut_at(two, 4)
-    resumed = run("pretrain.py", CONFIG, overrides(two, sources(digits, synth)), ranks=1)
+    resumed = run_here("pretrain.py", CONFIG, overrides(two, sources(digits, synth)))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "at step 4" in resumed.stdout
     assert_same_weights(weights(two), ref)
@@ -74,7 +82,7 @@ def test_a_changed_weight_is_refused_in_one_line_and_continues_with_the_opt_in(t
     shutil.copytree(ref_dir, run_dir)
     cut_at(run_dir, 4)
     changed = sources(digits, synth, (0.5, 0.5))
-    refused = run("pretrain.py", CONFIG, overrides(run_dir, changed), ranks=1)
+    refused = run_here("pretrain.py", CONFIG, overrides(run_dir, changed))
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert refused.returncode != 0 and errors == [
         "error: cannot continue the data stream at step 4: the mix changed since the checkpoint ('digits' weight "

@@ -11,7 +11,16 @@ from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
 from pipeline.train import checkpoint as ckpt
-from tests.integration.runs import TINY, WORKERS, assert_same_weights, metrics, run, run_and_signal, weights
+from tests.integration.runs import (
+    TINY,
+    WORKERS,
+    assert_same_weights,
+    metrics,
+    run,
+    run_and_signal,
+    run_here,
+    weights,
+)
 
 CONFIG = "configs/pretrain/demo.yaml"
 EMA = ["train.ema_decay=0.9", "train.ema_warmup=true", "train.ema_warmup_gamma=2.0"]
@@ -58,7 +67,7 @@ def test_zero3_ema_resumes_bit_exact_on_2_ranks_and_on_1_within_fp32_rounding(sh
     assert final["eval/samples_ema"] == final["eval/samples"]
 
     # On 1 rank: the EMA's full tensors load into the re-partitioned shadow; it ends within fp32 rounding.
-    single = run("pretrain.py", CONFIG, base(shards, one_rank, 3, 12, *fp32), ranks=1)
+    single = run_here("pretrain.py", CONFIG, base(shards, one_rank, 3, 12, *fp32))
     assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in single.stdout
     assert "holds no model EMA" not in single.stdout
@@ -87,7 +96,7 @@ def test_mae_ema_at_zero3_in_bf16_is_timms_of_the_weights_after_each_step(shards
     run_dir = tmp_path / "mae"
     mae = ["model.objective=mae", "mae.decoder_embed_dim=16", "mae.decoder_depth=1", "mae.decoder_num_heads=2",
            "mae.knn_train_samples=64", "mae.recon_images=2", "train.ckpt_every=1", "train.keep_last=10"]
-    out = run("pretrain.py", "configs/pretrain/mae_demo.yaml", base(shards, run_dir, 3, 5, *mae), ranks=1)
+    out = run_here("pretrain.py", "configs/pretrain/mae_demo.yaml", base(shards, run_dir, 3, 5, *mae))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     final = final_eval(run_dir)
     assert {"eval/recon_loss", "eval/recon_loss_ema", "eval/knn_top1", "eval/knn_top1_ema"} <= final.keys()

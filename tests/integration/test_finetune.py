@@ -14,6 +14,7 @@ from tests.integration.runs import (
     env,
     metrics,
     run,
+    run_here,
     weights,
 )
 
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.dist
 
 def test_finetune_from_an_unexported_run_at_twice_the_resolution_with_zero3(tmp_path, shards):
     pre_dir, ft_dir = tmp_path / "pre", tmp_path / "ft"
-    pre = run("pretrain.py", "configs/pretrain/demo.yaml",
-              [*TINY, f"data.path={shards}", f"run.dir={pre_dir}", "train.steps=4", "train.ckpt_every=2"], ranks=1)
+    pre = run_here("pretrain.py", "configs/pretrain/demo.yaml",
+                   [*TINY, f"data.path={shards}", f"run.dir={pre_dir}", "train.steps=4", "train.ckpt_every=2"])
     assert pre.returncode == 0, pre.stderr[-3000:]
     # launch/export_weights.py consolidates the checkpoint to the very weights the trainer exported.
     exported = weights(pre_dir)
@@ -46,5 +47,5 @@ def test_finetune_from_an_unexported_run_at_twice_the_resolution_with_zero3(tmp_
 
 
 def test_bad_res_is_a_clear_error(tmp_path):
-    out = run("finetune.py", "configs/finetune/demo.yaml", [], ranks=1, extra=["--from", str(tmp_path), "--res", "big"])
+    out = run_here("finetune.py", "configs/finetune/demo.yaml", [], extra=["--from", str(tmp_path), "--res", "big"])
     assert out.returncode == 2 and "--res 'big': expected a size like 384 or 384x512" in out.stderr

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeline.model.vit import build_vit
-from tests.integration.runs import TINY, metrics, run, weights
+from tests.integration.runs import TINY, metrics, run_here, weights
 from tests.unit.test_weights import meta_dinov2_file
 
 pytestmark = pytest.mark.slow
@@ -23,8 +23,8 @@ def test_finetune_and_probe_a_meta_dinov2_file(tmp_path, shards):
     meta = meta_dinov2_file(source, tmp_path / "dinov2_vits14_reg4_pretrain.pth")
     common = [*DATA_AND_TRAIN, f"data.path={shards}", "train.steps=2", "train.eval_every=0", "deepspeed.bf16=false"]
     ft_dir = tmp_path / "ft"
-    ft = run("finetune.py", "configs/finetune/demo.yaml", [*common, f"run.dir={ft_dir}"], ranks=1,
-             extra=["--from", str(tmp_path / "dinov2_vits14_reg4_pretrain.pth"), "--res", "42"])
+    ft = run_here("finetune.py", "configs/finetune/demo.yaml", [*common, f"run.dir={ft_dir}"],
+                  extra=["--from", str(tmp_path / "dinov2_vits14_reg4_pretrain.pth"), "--res", "42"])
     assert ft.returncode == 0, ft.stdout[-3000:] + ft.stderr[-3000:]
     assert "Meta's DINOv2 backbone, patch 14, width 64, depth 2, 1 heads, mlp MLP, LayerScale on, 4 registers, " \
            "trained at 28 px" in ft.stdout
@@ -35,8 +35,8 @@ def test_finetune_and_probe_a_meta_dinov2_file(tmp_path, shards):
     assert any("train/loss" in m["metrics"] for m in metrics(ft_dir))
 
     probe_dir = tmp_path / "probe"
-    probe = run("finetune.py", "configs/finetune/demo.yaml", [*common, f"run.dir={probe_dir}"], ranks=1,
-                extra=["--from", str(tmp_path / "dinov2_vits14_reg4_pretrain.pth"), "--res", "28", "--probe"])
+    probe = run_here("finetune.py", "configs/finetune/demo.yaml", [*common, f"run.dir={probe_dir}"],
+                     extra=["--from", str(tmp_path / "dinov2_vits14_reg4_pretrain.pth"), "--res", "28", "--probe"])
     assert probe.returncode == 0, probe.stdout[-3000:] + probe.stderr[-3000:]
     assert "linear probe:" in probe.stdout
     probed = weights(probe_dir)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from pipeline.model.dinov3 import DINOv3ViT
 from pipeline.model.variants import variant_kwargs
 from pipeline.model.weights import save_weights
-from tests.integration.runs import PYTHON, ROOT, TINY, env, metrics, run, weights
+from tests.integration.runs import PYTHON, ROOT, TINY, env, metrics, run_here, weights
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +27,9 @@ def test_finetune_a_timm_dinov3_file_and_export_it_back_to_timm(tmp_path, shards
                                num_classes=0)
     save_weights(source.state_dict(), tmp_path / "dinov3.safetensors")
     ft_dir = tmp_path / "ft"
-    ft = run("finetune.py", "configs/finetune/demo.yaml",
-             [*DATA_AND_TRAIN, f"data.path={shards}", f"run.dir={ft_dir}", "train.steps=2", "train.eval_every=0",
-              "deepspeed.bf16=false", "deepspeed.zero_stage=3"], ranks=1, extra=["--from", str(tmp_path / "dinov3.safetensors"), "--res", "32"])
+    ft = run_here("finetune.py", "configs/finetune/demo.yaml",
+                  [*DATA_AND_TRAIN, f"data.path={shards}", f"run.dir={ft_dir}", "train.steps=2", "train.eval_every=0",
+                   "deepspeed.bf16=false", "deepspeed.zero_stage=3"], extra=["--from", str(tmp_path / "dinov3.safetensors"), "--res", "32"])
     assert ft.returncode == 0, ft.stdout[-3000:] + ft.stderr[-3000:]
     assert "timm's DINOv3 ViT, patch 16, width 64, depth 2, 1 heads, mlp MLP, LayerScale on, 4 registers" in ft.stdout
     assert "RoPE: no position table to resize, the 2x2 grid's positions are computed as it runs" in ft.stdout

@@ -27,6 +27,7 @@ from tests.integration.runs import (
     metrics,
     run,
     run_and_signal,
+    run_here,
     weights,
 )
 
@@ -57,7 +58,7 @@ def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_
     assert code == 75, out[-3000:]
     assert not (run_dir / "model.safetensors").exists()
     # Loader workers in the resumed run, none in the reference: the same batches.
-    resumed = run("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32, WORKERS), ranks=1)
+    resumed = run_here("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32, WORKERS))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout
     # Same masks (from each sample's global position), same samples, same updates: the same weights.
@@ -73,19 +74,19 @@ def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_
 
     # Its encoder fine-tunes (as a supervised ViT, the decoder left out) at twice the resolution.
     ft_dir = tmp_path / "finetune"
-    ft = run("finetune.py", "configs/finetune/demo.yaml",
-             [*TINY, f"data.path={shards}", f"run.dir={ft_dir}", "train.steps=2", "train.eval_every=0"],
-             ranks=1, extra=["--from", str(run_dir), "--res", "32"])
+    ft = run_here("finetune.py", "configs/finetune/demo.yaml",
+                  [*TINY, f"data.path={shards}", f"run.dir={ft_dir}", "train.steps=2", "train.eval_every=0"],
+                  extra=["--from", str(run_dir), "--res", "32"])
     assert ft.returncode == 0, ft.stdout[-3000:] + ft.stderr[-3000:]
     assert "ours (an MAE run's MaskedAutoencoderViT)" in ft.stdout and "left out: the decoder" in ft.stdout
     assert weights(ft_dir)["pos_embed"].shape == (1, 65, 32)  # 8x8 grid + class token
 
     # And a linear probe trains only its head on the frozen encoder.
     probe_dir = tmp_path / "probe"
-    probe = run("finetune.py", "configs/finetune/demo.yaml",
-                [*TINY, f"data.path={shards}", f"run.dir={probe_dir}", "train.steps=2", "train.eval_every=0",
-                 "deepspeed.bf16=false"],  # frozen weights stay as loaded (bf16 would round them)
-                ranks=1, extra=["--from", str(run_dir), "--res", "16", "--probe"])
+    probe = run_here("finetune.py", "configs/finetune/demo.yaml",
+                     [*TINY, f"data.path={shards}", f"run.dir={probe_dir}", "train.steps=2", "train.eval_every=0",
+                      "deepspeed.bf16=false"],  # frozen weights stay as loaded (bf16 would round them)
+                     extra=["--from", str(run_dir), "--res", "16", "--probe"])
     assert probe.returncode == 0, probe.stdout[-3000:] + probe.stderr[-3000:]
     assert "linear probe:" in probe.stdout
     probed = weights(probe_dir)
@@ -195,8 +196,8 @@ def test_mae_at_zero3_with_gradient_checkpointing_trains_on_label_free_shards(la
 
 
 def test_supervised_run_on_label_free_shards_stops_with_one_line(label_free, tmp_path):
-    out = run("pretrain.py", "configs/pretrain/demo.yaml",
-              [*TINY, f"data.path={label_free}", f"run.dir={tmp_path / 'sup'}", "train.steps=2"], ranks=1)
+    out = run_here("pretrain.py", "configs/pretrain/demo.yaml",
+                   [*TINY, f"data.path={label_free}", f"run.dir={tmp_path / 'sup'}", "train.steps=2"])
     assert out.returncode == 1
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no labels" in errors[0] and "model.objective=mae" in errors[0], out.stderr[-2000:]

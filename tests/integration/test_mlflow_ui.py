@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.tracking import recorded_run_id
-from tests.integration.runs import PYTHON, ROOT, free_port, make_synthetic_shards, run
+from tests.integration.runs import PYTHON, ROOT, free_port, make_synthetic_shards, run_here
 from tests.ui.screenshot import find_chromium, shoot
 
 pytestmark = pytest.mark.dist
@@ -73,20 +73,20 @@ def demo(tmp_path_factory) -> Iterator[dict]:
     common = ["tracking.timeout_s=60", f"data.path={data}", "data.num_workers=0"]  # what MLflow shows, not the loader
     pre_dir, ft_dir = tmp / "demo-pretrain", tmp / "demo-finetune"  # the run directory names the run
 
-    pre = run("pretrain.py", "configs/pretrain/demo.yaml",
-              [*common, f"run.dir={pre_dir}", f"train.steps={PRE_STEPS}", f"train.eval_every={PRE_STEPS // 5}",
-               f"train.warmup_steps={PRE_STEPS // 5}", f"train.ckpt_every={PRE_STEPS}",
-               f"train.log_every={max(2, PRE_STEPS // 30)}"], ranks=1, extra_env=mlflow_env)
+    pre = run_here("pretrain.py", "configs/pretrain/demo.yaml",
+                   [*common, f"run.dir={pre_dir}", f"train.steps={PRE_STEPS}", f"train.eval_every={PRE_STEPS // 5}",
+                    f"train.warmup_steps={PRE_STEPS // 5}", f"train.ckpt_every={PRE_STEPS}",
+                    f"train.log_every={max(2, PRE_STEPS // 30)}"], extra_env=mlflow_env)
     assert pre.returncode == 0, pre.stdout[-3000:] + pre.stderr[-3000:]
 
     port, log = free_port(), tmp / "mlflow_server.log"
     proc = _start_server(db, tmp, port, log)
     try:
-        ft = run("finetune.py", "configs/finetune/demo.yaml",
-                 [*common, f"run.dir={ft_dir}", f"train.steps={FT_STEPS}", f"train.eval_every={FT_STEPS // 5}",
-                  f"train.warmup_steps={FT_STEPS // 5}", f"train.ckpt_every={FT_STEPS}",
-                  f"train.log_every={max(2, FT_STEPS // 30)}"], ranks=1, extra=["--from", str(pre_dir), "--res", "64"],
-                 extra_env=mlflow_env)
+        ft = run_here("finetune.py", "configs/finetune/demo.yaml",
+                      [*common, f"run.dir={ft_dir}", f"train.steps={FT_STEPS}", f"train.eval_every={FT_STEPS // 5}",
+                       f"train.warmup_steps={FT_STEPS // 5}", f"train.ckpt_every={FT_STEPS}",
+                       f"train.log_every={max(2, FT_STEPS // 30)}"], extra=["--from", str(pre_dir), "--res", "64"],
+                      extra_env=mlflow_env)
         assert ft.returncode == 0, ft.stdout[-3000:] + ft.stderr[-3000:]
         base = f"http://127.0.0.1:{port}"
         _wait_until_up(proc, base, log)

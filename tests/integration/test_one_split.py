@@ -6,7 +6,7 @@ from PIL import Image
 
 from pipeline.data.shards import folder_source, write_dataset
 from pipeline.data.sources import synthetic_image
-from tests.integration.runs import TINY, metrics, run
+from tests.integration.runs import TINY, metrics, run_here
 from tests.integration.test_dinov3 import DINOV3
 from tests.integration.test_mae import MAE
 
@@ -29,9 +29,9 @@ def train_only(tmp_path_factory):
                                             ("configs/pretrain/dinov3_demo.yaml", DINOV3)], ids=["mae", "dinov3"])
 def test_a_train_only_pile_is_judged_by_eval_sets_alone(config, recipe, train_only, shards, tmp_path):
     run_dir = tmp_path / "run"
-    out = run("pretrain.py", config, [*TINY, *recipe, f"data.path={train_only}", f"eval.sets.synth={shards}",
-                                      f"run.dir={run_dir}", "train.steps=2", "train.eval_every=0",
-                                      "deepspeed.bf16=false"], ranks=1)
+    out = run_here("pretrain.py", config, [*TINY, *recipe, f"data.path={train_only}", f"eval.sets.synth={shards}",
+                                           f"run.dir={run_dir}", "train.steps=2", "train.eval_every=0",
+                                           "deepspeed.bf16=false"])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (f"eval: {train_only} has no split 'val' (it has: train): the objective's own evaluation is skipped, "
             f"eval.sets (synth) judge the run") in out.stdout

@@ -8,7 +8,7 @@ import yaml
 
 from pipeline.config import save_config
 from pipeline.objectives import load_config
-from tests.integration.runs import DEEPSPEED, ROOT, TINY, env, run
+from tests.integration.runs import DEEPSPEED, ROOT, TINY, env, run_here
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/demo.yaml"
@@ -24,8 +24,7 @@ def one_line_error(out) -> str:
 
 def test_an_unknown_variant_is_one_line_before_distributed_init(shards, tmp_path):
     run_dir = tmp_path / "run"
-    out = run("pretrain.py", CONFIG, [*TINY, f"data.path={shards}", f"run.dir={run_dir}", "model.variant=vit_x99"],
-              ranks=1, timeout=300)
+    out = run_here("pretrain.py", CONFIG, [*TINY, f"data.path={shards}", f"run.dir={run_dir}", "model.variant=vit_x99"])
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     line = one_line_error(out)
     assert "model.variant='vit_x99'" in line and "vit_b16" in line and "vit_h14" in line, line
@@ -37,8 +36,8 @@ def test_from_a_text_file_says_what_the_file_is(shards, tmp_path, name):
     fake = tmp_path / name
     fake.write_text("model weights are on the shared drive\n")
     run_dir = tmp_path / "run"
-    out = run("finetune.py", FT_CONFIG, [*TINY, f"data.path={shards}", f"run.dir={run_dir}"], ranks=1,
-              extra=["--from", str(fake), "--res", "16"], timeout=300)
+    out = run_here("finetune.py", FT_CONFIG, [*TINY, f"data.path={shards}", f"run.dir={run_dir}"],
+                   extra=["--from", str(fake), "--res", "16"])
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]  # a source that cannot be used, as every launcher
     line = one_line_error(out)
     assert f"--from '{fake}' is not a weights file: it is a text file" in line, line
@@ -51,8 +50,8 @@ def test_an_architecture_override_the_source_decides_is_refused(shards, tmp_path
     source.mkdir()
     save_config(load_config(ROOT / CONFIG, [*TINY, f"data.path={shards}"]), source / "config.yaml")
     (source / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")  # never read: refused first
-    out = run("finetune.py", FT_CONFIG, [*TINY, f"data.path={shards}", f"run.dir={tmp_path / 'ft'}",
-                                         "model.embed_dim=96"], ranks=1, extra=["--from", str(source)], timeout=300)
+    out = run_here("finetune.py", FT_CONFIG, [*TINY, f"data.path={shards}", f"run.dir={tmp_path / 'ft'}",
+                                              "model.embed_dim=96"], extra=["--from", str(source)])
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     line = one_line_error(out)
     assert "model.embed_dim=96 on the command line" in line and "model.embed_dim=32" in line, line

@@ -13,6 +13,7 @@ from tests.integration.runs import (
     metrics,
     run,
     run_and_signal,
+    run_here,
     supervised,
     weights,
 )
@@ -85,7 +86,7 @@ def test_killed_while_saving_keeps_latest_on_the_previous_checkpoint(shards, tmp
     assert (run_dir / "checkpoints" / "step_0000008").exists()  # the half-written one is there...
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000004"  # ...but not used
 
-    resumed = run("pretrain.py", CONFIG, overrides, ranks=1)
+    resumed = run_here("pretrain.py", CONFIG, overrides)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "at step 4" in resumed.stdout
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000012"
@@ -93,19 +94,19 @@ def test_killed_while_saving_keeps_latest_on_the_previous_checkpoint(shards, tmp
 
 def test_non_finite_losses_stop_the_run_without_saving(shards, tmp_path):
     run_dir = tmp_path / "run"
-    first = run("pretrain.py", CONFIG, [*base(shards, run_dir, 1, steps=4), "train.ckpt_every=0"], ranks=1)
+    first = run_here("pretrain.py", CONFIG, [*base(shards, run_dir, 1, steps=4), "train.ckpt_every=0"])
     assert first.returncode == 0, first.stderr[-3000:]
     # Resume with inputs that become infinite (std 1e-38): every loss is NaN from here on.
     poisoned = [*base(shards, run_dir, 1, steps=8), "data.std=[1e-38, 1e-38, 1e-38]", "train.max_nonfinite_steps=3"]
     # train.check_finite: each micro batch read before backward, skipped and replaced; 3 in a row stop it.
-    second = run("pretrain.py", CONFIG, [*poisoned, "train.check_finite=true"], ranks=1)
+    second = run_here("pretrain.py", CONFIG, [*poisoned, "train.check_finite=true"])
     assert second.returncode == 3, second.stdout[-2000:] + second.stderr[-2000:]
     assert "3 non-finite losses in a row at step 4" in second.stderr
     assert "Last good checkpoint: step_0000004" in second.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_0000004"]
     # The default reads nothing per step: the steps are taken with zero gradients, counted on the device and
     # read at the log steps (TINY: every 2): 4 in a row by step 8 stop it there, before its checkpoint.
-    third = run("pretrain.py", CONFIG, poisoned, ranks=1)
+    third = run_here("pretrain.py", CONFIG, poisoned)
     assert third.returncode == 3, third.stdout[-2000:] + third.stderr[-2000:]
     assert "4 optimizer steps in a row with a non-finite gradient norm by step 8" in third.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_0000004"]
@@ -113,8 +114,8 @@ def test_non_finite_losses_stop_the_run_without_saving(shards, tmp_path):
 
 def test_checkpoint_of_another_model_is_refused(shards, tmp_path):
     run_dir = tmp_path / "run"
-    assert run("pretrain.py", CONFIG, base(shards, run_dir, 1, steps=2), ranks=1).returncode == 0
-    other = run("pretrain.py", CONFIG, [*base(shards, run_dir, 1, steps=4), "model.embed_dim=48"], ranks=1)
+    assert run_here("pretrain.py", CONFIG, base(shards, run_dir, 1, steps=2)).returncode == 0
+    other = run_here("pretrain.py", CONFIG, [*base(shards, run_dir, 1, steps=4), "model.embed_dim=48"])
     assert other.returncode == 1
     assert "different model" in other.stderr and "embed_dim: 32 (checkpoint) vs 48 (config)" in other.stderr
 
@@ -188,7 +189,7 @@ def preempted_zero1(shards, tmp_path_factory):
 def resumed_diff(ref, run_dir, overrides, converted, ranks=2):
     """Resume run_dir with `overrides`; check it converted (`converted` says from what to what); return the
     largest weight difference to the uninterrupted run `ref`."""
-    out = run("pretrain.py", CONFIG, overrides, ranks=ranks)
+    out = run("pretrain.py", CONFIG, overrides, ranks=ranks) if ranks > 1 else run_here("pretrain.py", CONFIG, overrides)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"layout changed ({converted}): converted" in out.stdout
     return max_diff(ref, weights(run_dir))
@@ -228,18 +229,18 @@ def test_resume_on_1_rank_converts_and_matches(shards, tmp_path, preempted_zero1
 
 def test_resume_errors_are_one_line_and_overrides_are_applied(shards, tmp_path):
     run_dir = tmp_path / "run"
-    first = run("pretrain.py", CONFIG, base(shards, run_dir, 1, steps=2), ranks=1)
+    first = run_here("pretrain.py", CONFIG, base(shards, run_dir, 1, steps=2))
     assert first.returncode == 0, first.stderr[-3000:]
 
     def refused(*overrides, expect):
-        out = run("pretrain.py", CONFIG, [*base(shards, run_dir, 1, steps=4), *overrides], ranks=1)
+        out = run_here("pretrain.py", CONFIG, [*base(shards, run_dir, 1, steps=4), *overrides])
         assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
         assert "Traceback" not in out.stderr and str(run_dir) in out.stderr and expect in out.stderr, out.stderr
 
     refused("deepspeed.zero_stage=0", expect="resume with deepspeed.zero_stage=1")
     refused("train.layer_decay=0.7", expect="Resume with train.layer_decay=null")
 
-    changed = run("pretrain.py", CONFIG, [*base(shards, run_dir, 1, steps=4), "train.lr=1e-3"], ranks=1)
+    changed = run_here("pretrain.py", CONFIG, [*base(shards, run_dir, 1, steps=4), "train.lr=1e-3"])
     assert changed.returncode == 0, changed.stdout[-3000:] + changed.stderr[-3000:]
     assert "overrides applied to the resumed optimizer and schedule: train.lr 0.003 -> 0.001" in changed.stdout
     assert "train.steps 2 -> 4" in changed.stdout

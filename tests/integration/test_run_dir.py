@@ -1,5 +1,7 @@
 """The run directory as an operator meets it: a lost `latest`, a truncated checkpoint, two jobs on one
-directory, a full disk. Real processes on the tiny model, 1 rank, a checkpoint every 5 steps."""
+directory, a full disk. The tiny model, 1 rank, a checkpoint every 5 steps; the runs in this process
+(runs.run_here) but for the jobs that must be processes of their own (the lock's holder, killed; a fine-tune
+signalled and requeued from another working directory)."""
 
 import json
 import os
@@ -11,7 +13,7 @@ import time
 import pytest
 
 from pipeline.train.checkpoint import check_tag, newest_complete_tag
-from tests.integration.runs import ROOT, TINY, command, env, run
+from tests.integration.runs import ROOT, TINY, command, env, run_here
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/demo.yaml"
@@ -37,7 +39,7 @@ def one_line_error(out) -> str:
 def trained(shards, tmp_path_factory):
     """A finished 20-step run: complete tags step_0000010, step_0000015 and step_0000020 (keep_last=3)."""
     run_dir = tmp_path_factory.mktemp("trained") / "run"
-    out = run("pretrain.py", CONFIG, [*base(shards, run_dir, 20), "train.keep_last=3"], ranks=1)
+    out = run_here("pretrain.py", CONFIG, [*base(shards, run_dir, 20), "train.keep_last=3"])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert tags(run_dir) == ["step_0000010", "step_0000015", "step_0000020"]
     for tag in tags(run_dir):
@@ -50,7 +52,7 @@ def test_lost_latest_resumes_from_the_newest_complete_tag_and_deletes_nothing_ne
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
     (run_dir / "checkpoints" / "latest").unlink()  # a sync that skips small files, a hand cleanup
-    out = run("pretrain.py", CONFIG, base(shards, run_dir, 22), ranks=1)
+    out = run_here("pretrain.py", CONFIG, base(shards, run_dir, 22))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'step_0000020'} at step 20" in out.stdout
     assert tags(run_dir) == ["step_0000020", "step_0000022"]  # keep_last=2: 10 and 15 pruned, nothing newer
@@ -69,7 +71,7 @@ def test_truncated_and_unloadable_tags_are_skipped_by_name_and_an_older_one_resu
     data = bytearray(states.read_bytes())
     data[-512:] = bytes(512)  # same size, zip directory garbled: only loading can tell
     states.write_bytes(bytes(data))
-    out = run("pretrain.py", CONFIG, base(shards, run_dir, 20), ranks=1)
+    out = run_here("pretrain.py", CONFIG, base(shards, run_dir, 20))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"resume: skipping {newest}: " in out.stdout and "complete.json recorded" in out.stdout, out.stdout
     assert f"resume: DeepSpeed could not load {second}" in out.stdout, out.stdout[-3000:]
@@ -85,7 +87,7 @@ def test_a_fresh_start_among_checkpoints_it_cannot_use_is_refused(shards, traine
     shutil.copytree(trained, run_dir)
     for tag in tags(run_dir):
         (run_dir / "checkpoints" / tag / "complete.json").unlink()
-    out = run("pretrain.py", CONFIG, base(shards, run_dir, 20), ranks=1)
+    out = run_here("pretrain.py", CONFIG, base(shards, run_dir, 20))
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     line = one_line_error(out)
     assert "holds checkpoints but none is complete" in line and "step_0000020: no complete.json" in line
@@ -114,7 +116,7 @@ def test_a_tag_whose_pickles_carry_code_is_refused_on_resume_and_the_code_never_
     record = json.loads((newest / "complete.json").read_text())
     record["files"]["mp_rank_00_model_states.pt"] = (newest / "mp_rank_00_model_states.pt").stat().st_size
     (newest / "complete.json").write_text(json.dumps(record))
-    out = run("pretrain.py", CONFIG, base(shards, run_dir, 22), ranks=1)
+    out = run_here("pretrain.py", CONFIG, base(shards, run_dir, 22))
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     line = one_line_error(out)
     assert f"{newest} is not resumed: " in line and "could run code from the file" in line, line
@@ -132,7 +134,7 @@ def test_a_second_job_on_the_same_run_dir_stops_and_a_dead_holder_does_not_block
         for line in first.stdout:  # training has started: the first job holds the lock
             if "step 2/400" in line:
                 break
-        second = run("pretrain.py", CONFIG, overrides, ranks=1, timeout=300)
+        second = run_here("pretrain.py", CONFIG, overrides)
         assert second.returncode == 2, second.stdout[-3000:] + second.stderr[-3000:]
         line = one_line_error(second)
         assert f"{run_dir} is being written by another job" in line and f"pid {first.pid}" in line, line
@@ -144,7 +146,7 @@ def test_a_second_job_on_the_same_run_dir_stops_and_a_dead_holder_does_not_block
         first.send_signal(signal.SIGKILL)  # dies holding the lock, as on an OOM kill
         first.wait()
     step = int(newest_complete_tag(run_dir).split("_")[1])  # 5, or later if it ran on while the second job started
-    third = run("pretrain.py", CONFIG, base(shards, run_dir, step + 2), ranks=1)  # the requeue
+    third = run_here("pretrain.py", CONFIG, base(shards, run_dir, step + 2))  # the requeue
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     assert f"at step {step}\n" in third.stdout
 
@@ -165,7 +167,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_stays
     try:
         run_dir = disk / "run"
         t0 = time.monotonic()
-        out = run("pretrain.py", CONFIG, base(shards, run_dir, 20), ranks=1)
+        out = run_here("pretrain.py", CONFIG, base(shards, run_dir, 20))
         assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
         line = one_line_error(out)
         assert "no space left" in line and str(run_dir / "checkpoints") in line and "MiB" in line, line

@@ -7,7 +7,7 @@ trains a few fp32 steps on one rank and must end where plain ZeRO-1 with torch's
 
 import pytest
 
-from tests.integration.runs import TINY, run, weights
+from tests.integration.runs import TINY, run_here, weights
 
 pytestmark = pytest.mark.dist
 CONFIG = "configs/pretrain/demo.yaml"
@@ -21,7 +21,7 @@ def few_steps(shards, run_dir, *extra):
 @pytest.fixture(scope="module")
 def reference(shards, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("zero1")
-    out = run("pretrain.py", CONFIG, few_steps(shards, run_dir, "deepspeed.zero_stage=1"), ranks=1)
+    out = run_here("pretrain.py", CONFIG, few_steps(shards, run_dir, "deepspeed.zero_stage=1"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return weights(run_dir)
 
@@ -29,7 +29,7 @@ def reference(shards, tmp_path_factory):
 @pytest.mark.parametrize("stage, params", [(1, False), (2, False), (3, False), (3, True)])
 def test_offload_trains_like_zero1(shards, reference, tmp_path, stage, params):
     extra = [f"deepspeed.zero_stage={stage}", "deepspeed.offload_optimizer=true", f"deepspeed.offload_params={params}"]
-    out = run("pretrain.py", CONFIG, few_steps(shards, tmp_path, *extra), ranks=1, timeout=1500)
+    out = run_here("pretrain.py", CONFIG, few_steps(shards, tmp_path, *extra))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got = weights(tmp_path)
     diff = max((got[k] - reference[k]).abs().max().item() for k in reference)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.integration.runs import TINY, run
+from tests.integration.runs import TINY, run_here
 from tests.unit.test_pixels_read import array_set
 from tests.unit.test_recipe_matrix import launcher
 
@@ -39,10 +39,10 @@ def test_a_four_channel_fine_tune_is_judged_embedded_and_exported_alike(tmp_path
     torch.save(theirs.state_dict(), tmp_path / "rgb_timm.pth")
     run_dir = tmp_path / "ft"
     arch = ["model.variant=vit_ti16", "model.patch_size=4", "model.embed_dim=32", "model.depth=2", "model.num_heads=2"]
-    out = run("finetune.py", "configs/finetune/demo.yaml",
-              [*TINY, *arch, f"data.path={shards}", "data.mean=null", "data.std=null", f"run.dir={run_dir}",
-               "train.steps=2", "train.eval_every=0", "train.ckpt_every=2", "deepspeed.bf16=false"],
-              ranks=1, extra=["--from", str(tmp_path / "rgb_timm.pth"), "--res", "16"])
+    out = run_here("finetune.py", "configs/finetune/demo.yaml",
+                   [*TINY, *arch, f"data.path={shards}", "data.mean=null", "data.std=null", f"run.dir={run_dir}",
+                    "train.steps=2", "train.eval_every=0", "train.ckpt_every=2", "deepspeed.bf16=false"],
+                   extra=["--from", str(tmp_path / "rgb_timm.pth"), "--res", "16"])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "patch projection RGB -> 4 channels (timm's adapt_input_conv)" in out.stdout + out.stderr
 
@@ -136,10 +136,10 @@ def test_a_real_dicom_file_goes_through_make_shards_a_run_and_embed(tmp_path):
     info = json.loads((shards / "dataset.json").read_text())
     assert (info["channels"], info["dtype"], info["image_format"]) == (1, "float32", "npy")
     run_dir = tmp_path / "run"
-    out = run("pretrain.py", "configs/pretrain/demo.yaml",
-              [*TINY, f"data.path={shards}", "data.mean=null", "data.std=null", f"run.dir={run_dir}",
-               "train.global_batch_size=4", "train.micro_batch_size=2", "train.steps=2", "train.eval_every=2",
-               "deepspeed.bf16=false"], ranks=1)
+    out = run_here("pretrain.py", "configs/pretrain/demo.yaml",
+                   [*TINY, f"data.path={shards}", "data.mean=null", "data.std=null", f"run.dir={run_dir}",
+                    "train.global_batch_size=4", "train.micro_batch_size=2", "train.steps=2", "train.eval_every=2",
+                    "deepspeed.bf16=false"])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert launcher("embed").main(["--from", str(run_dir), "--data", str(shards), "--out", str(tmp_path / "emb"),
                                    "--workers", "0", "--splits", "val"]) == 0

@@ -16,7 +16,7 @@ from pipeline.config import DataConfig
 from pipeline.data import DataError, build_eval_loader, build_train_loader
 from pipeline.data.pixels import encode_array
 from pipeline.data.shards import ShardWriter, folder_source, write_dataset
-from tests.integration.runs import TINY, metrics, run
+from tests.integration.runs import TINY, metrics, run, run_here
 
 QUIET = dict(progress=False, log=lambda s: None)
 NORMALISED = dict(mean=None, std=None, num_workers=0)
@@ -192,9 +192,9 @@ def test_a_run_trains_on_c_channel_shards(tmp_path, channels, dtype, config, rec
     layout) in tests/integration/test_pixels_resume.py: supervised, MAE and DINOv3 on 1 channel, DINOv2 on 4."""
     shards = array_set(tmp_path, channels, dtype)
     run_dir = tmp_path / "run"
-    out = run("pretrain.py", config,
-              [*TINY, *recipe, f"data.path={shards}", "data.mean=null", "data.std=null", f"run.dir={run_dir}",
-               "train.steps=4", "train.eval_every=4", "deepspeed.bf16=false"], ranks=1)
+    out = run_here("pretrain.py", config,
+                   [*TINY, *recipe, f"data.path={shards}", "data.mean=null", "data.std=null", f"run.dir={run_dir}",
+                    "train.steps=4", "train.eval_every=4", "deepspeed.bf16=false"])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     saved = (run_dir / "config.yaml").read_text()
     assert f"in_chans: {channels}" in saved
