@@ -23,6 +23,8 @@ class StudentConfig:
     """timm's own keyword arguments for `timm` (e.g. output_stride: 8, for a finer feature map)."""
     model: dict[str, Any] = field(default_factory=dict)
     """A ViT student's `model.*` keys that differ from model.* (e.g. {variant: vit_s16, embed_dim: 384}); empty: model.* as written."""
+    lr_scale: float = 1.0
+    """This student's learning rate: the run's schedule (train.lr, warmup, decay) times lr_scale, its own parameter groups (two or more students; one takes train.lr). A resumed run takes the config's."""
 
 
 @dataclass
@@ -55,7 +57,7 @@ class DistillConfig:
     resize_method: Literal["bicubic", "bilinear"] = "bicubic"
     """How the teacher's patch grid is resized to the student's when they differ (a /14 teacher, a /16 student)."""
     students: list[StudentConfig] = field(default_factory=list)
-    """Empty: one student, the ViT `model.*` describes, exported as model.safetensors. Otherwise each entry a student (`{name: cnn, timm: resnet10t, kwargs: {output_stride: 8}}`, `{name: vit_s, model: {embed_dim: 384}}`), all on one teacher forward per micro batch, each exported as students/<name>/model.safetensors (the first also as model.safetensors); `model.img_size` is every student's input size. Two or more need train.grad_clip 0 (DeepSpeed clips the norm over all of them)."""
+    """Empty: one student, the ViT `model.*` describes, exported as model.safetensors. Otherwise each entry a student (`{name: cnn, timm: resnet10t, kwargs: {output_stride: 8}}`, `{name: vit_s, model: {embed_dim: 384}}`), all on one teacher forward per micro batch, each exported as students/<name>/model.safetensors (the first also as model.safetensors); `model.img_size` is every student's input size. With two or more, train.grad_clip clips the norm over all of them (DeepSpeed's one engine): each student then ends as alone only while no clip triggers."""
     knn_k: int = 20
     """Evaluation: neighbours voting in the student's k-NN top-1 (0 disables it; only where the validation split has labels). At the first evaluation the teacher's is given too."""
     knn_train_samples: int = 10000
@@ -78,9 +80,6 @@ def distill_checks(cfg: Config) -> list[Check]:
          "distill.dino_weight + distill.ibot_weight > 0"),
         ("distill.teacher_temp", d.teacher_temp > 0, "> 0"),
         ("distill.students", not students_problem(d.students), students_problem(d.students)),
-        ("train.grad_clip", len(d.students) < 2 or cfg.train.grad_clip == 0,
-         "0 with two or more distill.students (DeepSpeed clips the norm over every parameter: one student's "
-         "gradients would scale another's)"),
         ("deepspeed.zero_stage", cfg.deepspeed.zero_stage < 3 or not any(s.timm for s in d.students),
          "below 3 with a timm student (timm initialises its weights in place, which a ZeRO-3 partitioned "
          "parameter does not take)"),
@@ -98,6 +97,9 @@ def students_problem(students: list[StudentConfig]) -> str:
             return f"a list whose entry {i} ('{s.name}') has kwargs only with a `timm` model"
         if s.model and s.timm is not None:
             return f"a list whose entry {i} ('{s.name}') has model keys only without a `timm` model"
+        if not s.lr_scale > 0 or (len(students) == 1 and s.lr_scale != 1):
+            return (f"a list whose entry {i} ('{s.name}') has an lr_scale > 0" +
+                    (", and 1 for a single student (its lr is train.lr)" if len(students) == 1 else ""))
     if len({s.name for s in students}) != len(students):
         return f"a list of unique names (got {[s.name for s in students]})"
     return ""

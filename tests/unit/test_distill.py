@@ -47,12 +47,13 @@ def objective(data: Path, teacher: Path, side: int, *extra: str):
     return obj, obj.build_all(kwargs), kwargs
 
 
-def distil_steps(obj, model, batches: list[torch.Tensor], **adamw) -> tuple[list[float], _Engine]:
+def distil_steps(obj, model, batches: list[torch.Tensor], opt=None, **adamw) -> tuple[list[float], _Engine]:
     """One AdamW step per batch (the objective's before_step, its loss, backward), as the trainer steps it;
-    the losses and the engine stand-in (what extra_exports and exported_weights take)."""
+    the losses and the engine stand-in (what extra_exports and exported_weights take). `opt`: by default
+    AdamW(**adamw) over every parameter."""
     engine = _Engine(model)
     engine.device = torch.device("cpu")
-    opt = torch.optim.AdamW(model.parameters(), **adamw)
+    opt = opt or torch.optim.AdamW(model.parameters(), **adamw)
     losses = []
     for step, images in enumerate(batches):
         obj.before_step(engine, step)
@@ -226,23 +227,30 @@ def test_a_student_timm_cannot_build_or_align_is_one_line(data, teachers):
 
 def test_two_students_on_one_teacher_forward_end_where_each_alone_ends(data, teachers, monkeypatch):
     """A ViT and a timm CNN distilled together: one teacher forward per micro batch, each student's weights after
-    5 AdamW steps those of the same student distilled alone from the same seed (1e-6, fp32)."""
+    5 AdamW steps (the trainer's parameter groups) those of the same student distilled alone from the same seed
+    (1e-6, fp32); the ViT's lr_scale 0.5 is the lr of its run alone at half train.lr."""
+    from pipeline.train.optim import build_optimizer, param_groups
+
     path, _, side = teachers["meta_dinov2"]
     vit, cnn = "{name: vit, model: {embed_dim: 16, num_heads: 1}}", CNN.removeprefix("distill.students=[")[:-1]
     images = [torch.randn(4, 3, side, side, generator=torch.Generator().manual_seed(s)) for s in range(4)]
 
-    def distil(students: str):
-        obj, model, _ = objective(data, path, side, f"distill.students=[{students}]", "train.grad_clip=0")
-        _, engine = distil_steps(obj, model, images + images[:1], lr=1e-3, weight_decay=0.05)  # 5 steps
+    def distil(students: str, lr: float = 1e-3):
+        obj, model, _ = objective(data, path, side, f"distill.students=[{students}]", f"train.lr={lr}",
+                                  "train.weight_decay=0.05")
+        opt = build_optimizer(param_groups(model, obj.cfg.train, 0), obj.cfg.train)
+        _, engine = distil_steps(obj, model, images + images[:1], opt)  # 5 steps
         return obj, model, engine
 
-    both, model, engine = distil(f"{vit}, {cnn}")
+    both, model, engine = distil(f"{vit[:-1]}, lr_scale: 0.5}}, {cnn}")
+    vit_lrs = {g["lr"] for g in param_groups(model, both.cfg.train, 0) if g.get("role") == "student_vit"}
+    assert vit_lrs == {5e-4}  # the role's groups at half train.lr
     assert both.teacher_forwards == 5  # once per micro batch, for both students
     assert set(both.train_metrics()) == {"vit/cls_loss", "vit/patch_loss", "cnn/cls_loss", "cnn/patch_loss"}
     exports = both.extra_exports(engine)
     assert set(exports) == {"students/vit/model.safetensors", "students/cnn/model.safetensors"}
-    for name, students in (("vit", vit), ("cnn", cnn)):
-        alone, alone_model, alone_engine = distil(students)
+    for name, students, lr in (("vit", vit, 5e-4), ("cnn", cnn, 1e-3)):
+        alone, alone_model, alone_engine = distil(students, lr)
         mine = model.students[name].state_dict()
         theirs = alone_model.state_dict()
         assert mine.keys() == theirs.keys()
@@ -251,8 +259,14 @@ def test_two_students_on_one_teacher_forward_end_where_each_alone_ends(data, tea
         state, _ = exports[f"students/{name}/model.safetensors"]
         assert state.keys() == alone.exported_weights(alone_engine).keys()
     torch.testing.assert_close(both.exported_weights(engine)["cls_token"], model.students["vit"].backbone.cls_token)
-    with pytest.raises(ConfigError, match="train.grad_clip"):
-        load_config(DEMO, [*SHRINK, f"data.path={data}", f"distill.students=[{vit}, {cnn}]", "train.grad_clip=1"])
+    # Clipping two or more: over all students' norm (DeepSpeed's one engine), no longer refused.
+    assert load_config(DEMO, [*SHRINK, f"data.path={data}", f"distill.students=[{vit}, {cnn}]",
+                              "train.grad_clip=1"]).train.grad_clip == 1
+    for students, end in ((f"{vit[:-1]}, lr_scale: 0}}, {cnn}", ", got"),  # <= 0; a single student's not 1
+                          (f"{vit[:-1]}, lr_scale: 2}}", ", and 1 for a single student")):
+        with pytest.raises(ConfigError, match=r"'distill.students' must be a list whose entry 0 \('vit'\) has an "
+                                              rf"lr_scale > 0{end}"):
+            load_config(DEMO, [*SHRINK, f"data.path={data}", f"distill.students=[{students}]"])
 
 
 def test_eval_sets_judge_every_student_and_the_teacher_and_each_ones_flops_are_said(data, teachers):

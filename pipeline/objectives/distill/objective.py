@@ -114,7 +114,8 @@ class Distill(Objective):
             return {**kwargs, "teacher_dim": dim}
         self.model_class = DistillStudents
         self.student_kwargs = {name: {**kw, "teacher_dim": dim} for name, kw in students.items()}
-        return {"teacher_dim": dim, "students": students, "img_size": pair(self.cfg.model.img_size)}
+        return {"teacher_dim": dim, "students": students, "img_size": pair(self.cfg.model.img_size),
+                "lr_scales": {e.name: e.lr_scale for e in entries}}
 
     def student(self, i: int, entry: Any) -> dict[str, Any]:
         """A student's constructor arguments (a ViT's from model.* and its entry's `model`, or a timm model's),

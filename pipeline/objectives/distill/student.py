@@ -5,6 +5,7 @@ model's in timm's."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -78,12 +79,13 @@ class DistillStudents(nn.Module):
     the only one (the state restored before each), and its parameters appear in no other student's loss, so its
     gradients, and its AdamW steps, are those of the same student distilled alone."""
 
-    ARCH_KEYS = ("students",)
+    ARCH_KEYS = ("students",)  # (not lr_scales: an optimizer setting, which a resumed run takes from its config)
 
     def __init__(self, teacher_dim: int, students: dict[str, dict[str, Any]],
-                 img_size: tuple[int, int] | None = None) -> None:
+                 img_size: tuple[int, int] | None = None, lr_scales: dict[str, float] | None = None) -> None:
         super().__init__()
         self.img_size = img_size  # every student's input size (the trainer's loaders read it from the arguments)
+        self.lr_scales = {name: (lr_scales or {}).get(name, 1.0) for name in students}
         cpu = torch.get_rng_state()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         built = {}
@@ -104,6 +106,14 @@ class DistillStudents(nn.Module):
 
     def no_weight_decay(self) -> set[str]:
         return {f"students.{n}.{k}" for n, s in self.students.items() for k in s.no_weight_decay()}
+
+    def param_roles(self) -> dict[str, str]:
+        """Each student's parameters a role, so groups of their own (pipeline/train/optim.py), whatever its scale."""
+        return {f"student_{name}": rf"^students\.{re.escape(name)}\." for name in self.students}
+
+    def lr_multipliers(self) -> dict[str, float]:
+        """Each student's `lr_scale` on the run's schedule (distill.students[i].lr_scale)."""
+        return {f"student_{name}": scale for name, scale in self.lr_scales.items()}
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         for s in self.students.values():
