@@ -136,13 +136,13 @@ def forget_world_group() -> None:
 
 
 def run_here(entry: str, config: str, overrides: list[str], extra: list[str] = (),
-             extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+             extra_env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """A 1-rank run of launch/pretrain.py or launch/finetune.py in this process: the command's function
     (`commands.pretrain` / `finetune`), which is all the script runs after installing the signal handlers
     (the commands install them again). It saves the interpreter's start and the imports of torch, DeepSpeed
     and the pipeline, 5 to 8 s a run on the 2-core machine, where the test is about the run and not about
     the process (a signal, a kill, a wrapper, the launcher: those keep `run`). As `run` gives it: cwd the
-    repository, one torch thread (OMP_NUM_THREADS=1 in `env`), no launcher variables; what the run exports
+    repository (or `cwd`), one torch thread (OMP_NUM_THREADS=1 in `env`), no launcher variables; what the run exports
     (RANK, MASTER_PORT... for DeepSpeed), its threads count and the cwd are put back afterwards, and what a
     process lets go of when it ends (its run directory's lock, DeepSpeed's world group) is let go of."""
     from pipeline import commands
@@ -161,7 +161,7 @@ def run_here(entry: str, config: str, overrides: list[str], extra: list[str] = (
     out, err = io.StringIO(), io.StringIO()
     forget_world_group()  # another test's engine in this process may have left its dead one
     try:
-        os.chdir(ROOT)
+        os.chdir(cwd)
         torch.set_num_threads(1)
         sys.argv = [str(ROOT / "launch" / entry)]
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

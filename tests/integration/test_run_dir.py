@@ -1,7 +1,7 @@
 """The run directory as an operator meets it: a lost `latest`, a truncated checkpoint, two jobs on one
 directory, a full disk. The tiny model, 1 rank, a checkpoint every 5 steps; the runs in this process
 (runs.run_here) but for the jobs that must be processes of their own (the lock's holder, killed; a fine-tune
-signalled and requeued from another working directory)."""
+signalled before its requeue)."""
 
 import json
 import os
@@ -183,8 +183,7 @@ def test_a_requeued_finetune_keeps_the_source_recorded_at_its_first_start(shards
     run in runs/; a requeue after a newer (other architecture) run finished must keep the first one."""
     runs = tmp_path / "runs"  # the launcher looks for runs/ in the working directory
     older = runs / "pre-a"
-    pre = subprocess.run([*command("pretrain.py", str(ROOT / CONFIG), base(shards, older, 2), 1)], cwd=tmp_path,
-                         env=env(), capture_output=True, text=True, timeout=600)
+    pre = run_here("pretrain.py", str(ROOT / CONFIG), base(shards, older, 2), cwd=tmp_path)
     assert pre.returncode == 0, pre.stdout[-3000:] + pre.stderr[-3000:]
     ft_dir = runs / "vit-finetune-1234"  # RUN_DIR as slurm/finetune.sh passes it
     ft = [*TINY, f"data.path={shards}", f"run.dir={ft_dir}", "train.steps=400", "train.ckpt_every=0",
@@ -206,9 +205,8 @@ def test_a_requeued_finetune_keeps_the_source_recorded_at_its_first_start(shards
     os.utime(newer / "model.safetensors", (time.time() + 60, time.time() + 60))
 
     shutil.rmtree(older)  # and the source itself moved away: the requeue needs only its own checkpoint
-    again = subprocess.run(command("finetune.py", str(ROOT / "configs/finetune/demo.yaml"), [*ft, "train.steps=6"], 1,
-                                   ["--res", "16"]), cwd=tmp_path, env=env(), capture_output=True, text=True,
-                           timeout=600)
+    again = run_here("finetune.py", str(ROOT / "configs/finetune/demo.yaml"), [*ft, "train.steps=6"], ["--res", "16"],
+                     cwd=tmp_path)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"--from {older.resolve()}: recorded in {ft_dir}/config.yaml" in again.stdout, again.stdout[-3000:]
     assert "resumed from" in again.stdout and "pre-b" not in again.stdout
