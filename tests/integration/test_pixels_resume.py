@@ -10,7 +10,7 @@ import math
 import pytest
 
 from pipeline.train import checkpoint as ckpt
-from tests.integration.runs import TINY, WORKERS, metrics, run, run_and_signal, weights
+from tests.integration.runs import TINY, WORKERS, metrics, run_and_signal, run_here, weights
 from tests.integration.test_dino import DINO, assert_close
 from tests.integration.test_dinov3 import gram_teacher
 from tests.unit.test_pixels_read import DINOV3, MAE, array_set
@@ -53,7 +53,7 @@ def test_a_recipe_on_c_channels_preempted_on_2_ranks_resumes_on_1_and_ends_where
     config, recipe, channels, resume_extra = RECIPES[name]
     shards = sets(channels)
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "preempted"
-    ref = run("pretrain.py", config, base(shards, ref_dir, recipe), ranks=1)
+    ref = run_here("pretrain.py", config, base(shards, ref_dir, recipe))
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     # It trained on the set's channels: the model's, every loss finite.
     assert f"in_chans: {channels}" in (ref_dir / "config.yaml").read_text()
@@ -64,7 +64,7 @@ def test_a_recipe_on_c_channels_preempted_on_2_ranks_resumes_on_1_and_ends_where
     code, out = run_and_signal("pretrain.py", config, base(shards, run_dir, recipe), when=f"step 2/{STEPS}")
     assert code == 75, out[-3000:]
     assert ckpt.newest_complete_tag(run_dir) is not None and not (run_dir / "model.safetensors").exists()
-    resumed = run("pretrain.py", config, base(shards, run_dir, recipe, *resume_extra), ranks=1)
+    resumed = run_here("pretrain.py", config, base(shards, run_dir, recipe, *resume_extra))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout
     # The export (a DINO run's teacher, MAE's encoder and decoder), the whole model (the student and its heads) and
