@@ -1,8 +1,8 @@
 """Feature distillation end to end on CPU (gloo): a teacher in Meta's DINOv2 layout (patch 8: its 2x2 grid resized
-to the students' 4x4) distilled into two ViT students on one teacher forward (TINY's and a narrower one),
-preempted on 2 ranks and resumed on 1 at ZeRO-3 (the student
-and the teacher partitioned; gradient checkpointing on: TINY's), ends where the uninterrupted 2-rank ZeRO-1 run
-ends: the exported student and the whole trained model (its projections too) within 1e-6. The checkpoints
+to the students' 4x4) distilled into two ViT students on one teacher forward (TINY's and a narrower one at half
+the lr: distill.students[1].lr_scale), preempted on 2 ranks and resumed on 1, at ZeRO-1 and at ZeRO-3 (the
+student and the teacher partitioned; gradient checkpointing on in both: TINY's), ends where the uninterrupted
+2-rank ZeRO-1 run ends: each student's export and the whole trained model (its projections too) within 1e-6. The checkpoints
 hold the teacher's digest and none of its weights; continuing the run against another teacher is refused in one
 line."""
 
@@ -35,11 +35,11 @@ def base(data, run_dir, teacher, *extra):
 
 
 # Two ViT students on one teacher forward (one engine): TINY's and a narrower one.
-STUDENTS = "distill.students=[{name: tiny}, {name: narrow, model: {embed_dim: 16, num_heads: 1}}]"
+STUDENTS = "distill.students=[{name: tiny}, {name: narrow, model: {embed_dim: 16, num_heads: 1}, lr_scale: 0.5}]"
 
 
 @pytest.mark.slow
-def test_distill_preempted_on_2_ranks_resumes_on_1_at_zero3_and_ends_where_the_uninterrupted_run_ends(
+def test_distill_preempted_on_2_ranks_resumes_on_1_at_zero1_and_zero3_and_ends_where_the_uninterrupted_run_ends(
         shards, teacher, tmp_path):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "preempted"
     ref = run("pretrain.py", CONFIG, base(shards, ref_dir, teacher), ranks=2)
@@ -48,6 +48,16 @@ def test_distill_preempted_on_2_ranks_resumes_on_1_at_zero3_and_ends_where_the_u
     teacher_line = next(x for x in ref.stdout.splitlines() if "eval step 0 | teacher/syn k-NN top-1" in x)
     teacher_line = teacher_line.split("| ")[-1]  # "teacher/syn k-NN top-1 NN.NN%"
     assert "tiny/syn k-NN top-1" in ref.stdout and "narrow/syn k-NN top-1" in ref.stdout, ref.stdout[-3000:]
+    # ZeRO-1: preempted on 2 ranks, resumed on 1; every student within 1e-6 of the uninterrupted run.
+    zero1_dir = tmp_path / "zero1"
+    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, zero1_dir, teacher), when="step 4/8")
+    assert code == 75, out[-3000:]
+    resumed = run_here("pretrain.py", CONFIG, base(shards, zero1_dir, teacher))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "layout changed (world size 2 -> 1)" in resumed.stdout
+    assert_close(ckpt.consolidate(ref_dir), ckpt.consolidate(zero1_dir))  # every student, projections too
+    for name in ("tiny", "narrow"):
+        assert_close(weights(ref_dir / "students" / name), weights(zero1_dir / "students" / name))
     zero3 = "deepspeed.zero_stage=3"
     code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, teacher, zero3), when="step 4/8")
     assert code == 75, out[-3000:]
