@@ -21,6 +21,20 @@ HEAD_KEYS = ("head_n_prototypes", "head_hidden_dim", "head_bottleneck_dim", "hea
              "ibot_head_n_prototypes", "ibot_head_bottleneck_dim")
 
 
+
+def redraw_head(h: nn.Module) -> nn.Module:
+    """`h` (a DINOHead or DINOv3Head) with its Linears drawn again through init_param: the head's own
+    trunc-normal init ran on partitions under deepspeed.zero.Init (its Linears were partitioned when built, and
+    a draw on an empty shard draws nothing); redone on the gathered tensors (a no-op difference otherwise),
+    DINOv3's plain prototypes included."""
+    mlp = list(h.mlp.modules()) if isinstance(h.mlp, nn.Sequential) else [h.mlp]
+    for m in mlp + ([h.last_layer] if isinstance(h.last_layer, nn.Linear) else []):
+        if isinstance(m, nn.Linear):
+            init_param(m.weight, trunc_normal(0.02))
+            if m.bias is not None:
+                init_param(m.bias, nn.init.zeros_)
+    return h
+
 class DINOv2Model(nn.Module):
     """The student (and, another instance, the teacher) of DINOv2: a `VisionTransformer` backbone (with
     `mask_token`, no classifier) and the DINO head, plus an iBOT head when it is separate (Meta's
@@ -45,18 +59,8 @@ class DINOv2Model(nn.Module):
         dim = self.backbone.embed_dim
 
         def head(out_dim: int, bottleneck_dim: int) -> DINOHead:
-            h = self.head_class(dim, out_dim, hidden_dim=head_hidden_dim, bottleneck_dim=bottleneck_dim,
-                                nlayers=head_nlayers)
-            # DINOHead's own trunc-normal init ran on partitions under deepspeed.zero.Init (its Linears were
-            # partitioned when built): redo it on the gathered tensors (a no-op difference otherwise), DINOv3's
-            # plain prototypes included.
-            mlp = list(h.mlp.modules()) if isinstance(h.mlp, nn.Sequential) else [h.mlp]
-            for m in mlp + ([h.last_layer] if isinstance(h.last_layer, nn.Linear) else []):
-                if isinstance(m, nn.Linear):
-                    init_param(m.weight, trunc_normal(0.02))
-                    if m.bias is not None:
-                        init_param(m.bias, nn.init.zeros_)
-            return h
+            return redraw_head(self.head_class(dim, out_dim, hidden_dim=head_hidden_dim,
+                                               bottleneck_dim=bottleneck_dim, nlayers=head_nlayers))
 
         self.dino_head = head(head_n_prototypes, head_bottleneck_dim)
         self.ibot_head = head(ibot_head_n_prototypes, ibot_head_bottleneck_dim) if ibot_separate_head else None

@@ -11,10 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.model.dino import gather_rows
+from pipeline.model.dino import gather_rows, redraw_head
 from pipeline.model.dino_head import DINOHead, DINOv3Head
 from pipeline.model.dinov3 import backbone_class
-from pipeline.model.layers import init_param, trunc_normal
 from pipeline.model.timm_backbone import TimmBackbone
 
 PREFIX = "backbone."
@@ -126,17 +125,10 @@ def backbone_kwargs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def dino_head(heads: dict[str, Any], width: int, prototypes: int, bottleneck: int) -> DINOHead:
     """A head of the teacher's class (DINOv3's plain prototypes, or DINOv2's weight-normalised ones) and sizes,
-    from the student's width; its Linears drawn again through init_param as DINOv2Model's (under
+    from the student's width; its Linears drawn again as DINOv2Model's (`redraw_head`: under
     deepspeed.zero.Init they were partitioned when built, and a draw on an empty shard draws nothing)."""
-    h = (DINOv3Head if heads["kind"] == "dinov3" else DINOHead)(
-        width, prototypes, hidden_dim=heads["head_hidden_dim"], bottleneck_dim=bottleneck, nlayers=heads["head_nlayers"])
-    mlp = list(h.mlp.modules()) if isinstance(h.mlp, nn.Sequential) else [h.mlp]
-    for m in mlp + ([h.last_layer] if isinstance(h.last_layer, nn.Linear) else []):
-        if isinstance(m, nn.Linear):
-            init_param(m.weight, trunc_normal(0.02))
-            if m.bias is not None:
-                init_param(m.bias, nn.init.zeros_)
-    return h
+    return redraw_head((DINOv3Head if heads["kind"] == "dinov3" else DINOHead)(
+        width, prototypes, hidden_dim=heads["head_hidden_dim"], bottleneck_dim=bottleneck, nlayers=heads["head_nlayers"]))
 
 
 def student_class(model_kwargs: dict[str, Any]) -> type[nn.Module]:
