@@ -367,7 +367,7 @@ def outage(seconds: float | None):
 
 
 @pytest.mark.parametrize("down_s, budget_s, where", [(10, 120, "eval.sets"), (None, 15, "eval.sets"),
-                                                     (None, 15, "data.path")], ids=["back", "gone", "gone-data.path"])
+                                                     (None, 30, "data.path")], ids=["back", "gone", "gone-data.path"])
 def test_an_eval_set_in_a_bucket_down_longer_than_dist_timeout_s_is_waited_on_not_a_hang(
         s3: SeaweedS3, bucket_shards: str, shards: Path, tmp_path: Path, down_s: float | None,
         budget_s: float, where: str) -> None:
@@ -380,7 +380,7 @@ def test_an_eval_set_in_a_bucket_down_longer_than_dist_timeout_s_is_waited_on_no
     within a minute of its last step and the bucket holds its last tag and its weights (before: 403s retried
     for data.retry_time_s, then exit 1).
     gone-data.path: the training shards (data.path) in the bucket, down for good: the same line and code, from
-    the fetch-ahead process or a loader worker. (data.path's "back": the two-node test below.)"""
+    the fetch-ahead process or a loader worker (dist.timeout_s=20, data.retry_time_s=30: see the args). (data.path's "back": the two-node test below.)"""
     from tests.integration.runs import TINY, run
 
     run_dir = tmp_path / "run"
@@ -389,8 +389,10 @@ def test_an_eval_set_in_a_bucket_down_longer_than_dist_timeout_s_is_waited_on_no
     args = [*TINY, *data, f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}",
             "train.steps=2", "train.eval_every=2", "train.ckpt_every=0",
             "data.retry_backoff_s=1", "data.retry_attempts=20", f"data.retry_time_s={budget_s}",
-            # data.path: the first batch also waits on the loader's fork server (test_hangs.py's LIMIT_S)
-            f"dist.timeout_s={5 if where == 'eval.sets' else 10}"]
+            # data.path: the outage begins at the first shard GET, after the loader's fork server and worker have
+            # started, which took over 10 s in a CI run under load (the watchdog then fired before any retry): 20 s,
+            # within data.retry_time_s=30, so that the retries are under way when the watchdog looks
+            f"dist.timeout_s={5 if where == 'eval.sets' else 20}"]
     if down_s is not None:
         args += [f"run.remote=s3://{BUCKET}/mirrored", "train.ckpt_every=1", "train.keep_last=1", "train.steps=3"]
     with FaultServer(upstream=s3.url, plan=outage(down_s)) as proxy:
