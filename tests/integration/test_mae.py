@@ -44,7 +44,7 @@ def base(data, run_dir, zero, steps=12, *extra):
 
 def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_run_ends(shards, label_free,
                                                                                          noisy_labels, tmp_path,
-                                                                                         capsys):
+                                                                                         capsys, monkeypatch):
     # Pretrained on shards without labels, judged at every evaluation on a labelled set (eval.sets).
     fp32 = ["deepspeed.bf16=false", f"eval.sets.synth={noisy_labels}", "train.eval_every=4"]
     ref_dir = tmp_path / "ref"
@@ -54,7 +54,8 @@ def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
 
     run_dir = tmp_path / "preempted"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32), when="step 4/12")
+    code, out = run_and_signal("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32), when="step 4/12",
+                                    launcher="torchrun")  # the run is the subject, not the launcher
     assert code == 75, out[-3000:]
     assert not (run_dir / "model.safetensors").exists()
     # Loader workers in the resumed run, none in the reference: the same batches.
@@ -96,10 +97,10 @@ def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_
     # The probe's BatchNorm statistics are exported with it (2 steps of momentum 0.1 moved them off 0).
     assert int(probed["head.0.num_batches_tracked"]) > 0 and probed["head.0.running_mean"].abs().sum() > 0
 
-    judge_and_embed(ref_dir, shards, tmp_path, store, capsys)
+    judge_and_embed(ref_dir, shards, tmp_path, store, capsys, monkeypatch)
 
 
-def judge_and_embed(run_dir, shards, tmp_path, store, capsys):
+def judge_and_embed(run_dir, shards, tmp_path, store, capsys, monkeypatch):
     """launch/evaluate.py over every checkpoint (a table, MLflow runs nested under the run's), then
     launch/embed.py on 2 ranks equal to the backbone's forward, each sample once, and a 1-rank embed killed
     after its first part and started again equal to it. About 40 s of the test's time on a quiet machine."""
@@ -109,11 +110,22 @@ def judge_and_embed(run_dir, shards, tmp_path, store, capsys):
     from pipeline.run.embed import ShardImages, read_embeddings
     from pipeline.tracking.sync import recorded_run_id
 
-    judged = subprocess.run([PYTHON, "launch/evaluate.py", "--from", str(run_dir), "--all-steps", "--data",
-                             str(shards), "--protocol", "knn,linear", "--name", "synth"], cwd=ROOT,
-                            env={**env(), **store}, capture_output=True, text=True, timeout=600)
-    assert judged.returncode == 0, judged.stdout[-3000:] + judged.stderr[-3000:]
-    table = judged.stdout[judged.stdout.index("checkpoint  protocol"):]
+    # launch/evaluate.py's and embed.py's mains in this process where one process of one rank is not the subject:
+    # the same code as the commands, without an interpreter's start and the imports (5-8 s each on 2 cores).
+    sys.path.insert(0, str(ROOT / "launch"))
+    try:
+        from embed import main as embed_main
+        from evaluate import main as evaluate_main
+    finally:
+        sys.path.pop(0)
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.setenv("MLFLOW_TRACKING_URI", store["MLFLOW_TRACKING_URI"])
+        code = evaluate_main(["--from", str(run_dir), "--all-steps", "--data", str(shards), "--protocol", "knn,linear",
+                              "--name", "synth"])
+    judged = capsys.readouterr()
+    assert code == 0, judged.out[-3000:] + judged.err[-3000:]
+    table = judged.out[judged.out.index("checkpoint  protocol"):]
     for step in (4, 8, 12):
         assert re.search(rf"step {step} +k-NN k=20 ", table) and re.search(rf"step {step} +linear \(lr ", table), table
     parent = recorded_run_id(run_dir, store["MLFLOW_TRACKING_URI"])
@@ -163,18 +175,12 @@ def judge_and_embed(run_dir, shards, tmp_path, store, capsys):
     proc.wait()
     written = len(list(out1.glob("*/part-*.parquet")))
     assert 0 < written < len(list(out2.glob("*/part-*.parquet")))
-    again = subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    capsys.readouterr()
+    assert embed_main(argv[2:]) == 0, capsys.readouterr()  # started again (in this process: the kill was the process's)
     assert read_embeddings(out1).equals(table2)
     # An output folder holding something else is refused with one line.
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
-    # (launch/embed.py's main in this process: the same code as the command, without an interpreter's start)
-    sys.path.insert(0, str(ROOT / "launch"))
-    try:
-        from embed import main as embed_main
-    finally:
-        sys.path.pop(0)
     capsys.readouterr()
     assert embed_main([*argv[2:-4], "--out", str(tmp_path / "busy")]) == 1
     err = capsys.readouterr().err
