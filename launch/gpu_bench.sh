@@ -26,7 +26,7 @@ exec > >(tee -a "$LOG") 2>&1
 
 left() { echo $((BUDGET_S - ($(date +%s) - START))); }
 
-if compgen -G ".whl/*.whl" >/dev/null; then
+if [ -z "$SMOKE" ] && compgen -G ".whl/*.whl" >/dev/null; then  # the lease's wheels: not for the CPU smoke
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "gpu_bench.sh: installing .whl/*.whl failed"; exit 2; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
