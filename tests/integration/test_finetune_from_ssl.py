@@ -14,7 +14,7 @@ from pipeline.model.variants import model_kwargs_from_config
 from pipeline.model.weights import save_weights
 from pipeline.objectives import load_config
 from pipeline.train import checkpoint as ckpt
-from tests.integration.runs import PYTHON, ROOT, env, metrics
+from tests.integration.runs import PYTHON, ROOT, env, metrics, run_here
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,8 @@ def test_a_dinov3_fine_tune_saves_before_its_final_evaluation_and_judges_the_run
     assert "its eval.sets (synth; eval.sets={} leaves them out)" in out
     assert "warning: train.warmup_steps=500 >= train.steps=3" in out
 
-    again = finetune(source, [f"run.dir={ft_dir}"])  # the restart: the recorded source and config
+    # The restart: the recorded source and config (in this process: the failure above was the wrapper's process).
+    again = run_here("finetune.py", None, [f"run.dir={ft_dir}"], extra=["--from", str(source), "--res", "32"])
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     judged = [m for m in metrics(ft_dir) if "eval/synth/knn_top1" in m["metrics"]]
     assert [m["step"] for m in judged] == [3] and "eval/top1" in judged[0]["metrics"]

@@ -125,9 +125,10 @@ def test_zero3_init_builds_the_same_model_as_stage0(shards, tmp_path):
     still produce the seed's weights. lr=0 for one step: the exported weights are the initial ones."""
     one_step = ["train.steps=1", "train.warmup_steps=0", "train.lr=0.0", "train.log_every=1", "train.eval_every=0"]
     results = {}
-    for zero in (0, 3):
+    for zero in (0, 3):  # ZeRO-3 partitioned over 2 ranks; the seed's weights at ZeRO-0 on 1 (in this process)
         run_dir = tmp_path / f"zero{zero}"
-        out = run("pretrain.py", CONFIG, [*base(shards, run_dir, zero), *one_step])
+        overrides = [*base(shards, run_dir, zero), *one_step]
+        out = run("pretrain.py", CONFIG, overrides) if zero else run_here("pretrain.py", CONFIG, overrides)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         first_loss = next(m["metrics"]["train/loss"] for m in metrics(run_dir) if "train/loss" in m["metrics"])
         results[zero] = weights(run_dir), first_loss
@@ -181,7 +182,8 @@ def preempted_zero1(shards, tmp_path_factory):
     ref = run("pretrain.py", CONFIG, fp32(shards, ref_dir, 1))
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     run_dir = tmp_path_factory.mktemp("preempted")
-    code, out = run_and_signal("pretrain.py", CONFIG, fp32(shards, run_dir, 1), when="step 4/12")
+    code, out = run_and_signal("pretrain.py", CONFIG, fp32(shards, run_dir, 1), when="step 4/12",
+                                    launcher="torchrun")  # the run is the subject, not the launcher
     assert code == 75, out[-3000:]
     return weights(ref_dir), run_dir
 
