@@ -131,7 +131,11 @@ class Trainer:
         self.eval_sets = EvalSets.build(cfg.eval, cfg.data, env, img_size,
                                         cfg.train.eval_batch_size or cfg.train.micro_batch_size)
         self.eval_loaders += self.eval_sets.loaders
-        self.tracker = start_tracking(cfg, self.run_dir, env.is_main, env.world_size, tags=tags)
+        # What is trained, as the start line says it: a distillation's students (a timm name, a ViT's variant)
+        # rather than the run's model.variant, which none of them may be (MLflow's model_variant tag).
+        self.models = ", ".join(f"{m} ({k})" if k else m for k, m in self.objective.model_names().items())
+        self.tracker = start_tracking(cfg, self.run_dir, env.is_main, env.world_size,
+                                      tags={"model_variant": self.models, **tags})
         self.dtype = torch.bfloat16 if cfg.deepspeed.bf16 else torch.float32
         self.flops_per_image = self.objective.flops_per_image(kwargs)
         self.client_state = training_client_state(self.train_loader, self.objective, env, self.ema)
@@ -267,8 +271,7 @@ class Trainer:
         """From `step` to train.steps: the steps, evaluations, checkpoints, the preemption check, the export."""
         env, tc, loader = self.env, self.cfg.train, self.train_loader
         meter = ThroughputMeter(self.flops_per_image, env.world_size, device_peak_flops(tc.peak_flops))
-        models = ", ".join(f"{m} ({k})" if k else m for k, m in self.objective.model_names().items())
-        say(f"{self.cfg.run.kind}: {models} {self.model_kwargs['img_size']} | world size "
+        say(f"{self.cfg.run.kind}: {self.models} {self.model_kwargs['img_size']} | world size "
             f"{env.world_size} | global batch {loader.global_batch} ({loader.accum} x {tc.micro_batch_size} x "
             f"{env.world_size}) | ZeRO-{self.cfg.deepspeed.zero_stage} | steps {self.step}->{tc.steps} | run dir "
             f"{self.cfg.run.dir}")

@@ -311,6 +311,9 @@ def test_a_head_distillation_trains_exports_and_resumes_under_deepspeed(data, di
         assert torch.equal(v, whole[f"backbone.{k}"]), k
     logged = (run_dir / "metrics.jsonl").read_text()
     assert "train/ibot_loss" in logged and "train/koleo_loss" in logged
+    # MLflow's model_variant tag names what is trained, as the start line does: the student, not model.variant alone
+    tags = json.loads((run_dir / "tracking.json").read_text())["tags"]
+    assert tags["model_variant"] == "vit_ti16 (student)" and "pretrain: vit_ti16 (student)" in done.stdout, tags
     # The run as it was stopped after step 2 (a copy without its step 3), resumed: where the uninterrupted one ended.
     stopped = tmp_path / "stopped"
     shutil.copytree(run_dir, stopped, ignore=shutil.ignore_patterns("lock", ckpt.tag_for(3), "model.safetensors"))
