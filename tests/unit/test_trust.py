@@ -276,6 +276,11 @@ def _steps(stdout: str) -> list[str]:
             if line.split(" ")[0] in ("write", "load", "consolidate", "rename", "universal")]
 
 
+def _tail(fh) -> str:
+    fh.seek(0)
+    return fh.read()[-3000:]
+
+
 def _free_port() -> int:
     from pipeline.dist import free_port
 
@@ -288,16 +293,28 @@ def test_deepspeed_files_carrying_code_are_never_unpickled(tmp_path: Path) -> No
     through ds_compat: DeepSpeed's own files load with weights_only=True; one carrying code is refused."""
     run, marker = tmp_path / "run", tmp_path / "MARKER"
     tag = run / "checkpoints" / "step_0000001"
-    script = [sys.executable, str(ROOT / "tests/unit/fixtures/ds_tag.py"), str(run), "1", str(_free_port())]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    ok = subprocess.run([*script, "write,load,consolidate"], capture_output=True, text=True, timeout=300, env=env)
-    assert _steps(ok.stdout) == ["write ok", "load ok", "consolidate ok"], ok.stdout + ok.stderr[-3000:]
-
-    for pt in tag.glob("*.pt"):
-        _evil(pt, marker)
-    script[-1] = str(_free_port())
-    bad = subprocess.run([*script, "load,consolidate,universal"], capture_output=True, text=True, timeout=300,
-                         env=env)
+    # One process (not one before and one after the files are swapped: a start of torch and DeepSpeed more): it
+    # writes and reads the tag back, pauses while this test puts the pickles carrying code in its place, then
+    # reads it again with a fresh engine.
+    script = [sys.executable, str(ROOT / "tests/unit/fixtures/ds_tag.py"), str(run), "1", str(_free_port()),
+              "write,load,consolidate,pause,load,consolidate,universal"]
+    with open(tmp_path / "ds_tag.err", "w+") as err:
+        proc = subprocess.Popen(script, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            before = []
+            for line in proc.stdout:  # up to the pause: the tag as DeepSpeed wrote it
+                before.append(line)
+                if line.strip() == "pause":
+                    break
+            assert _steps("".join(before)) == ["write ok", "load ok", "consolidate ok"], "".join(before) + _tail(err)
+            for pt in tag.glob("*.pt"):
+                _evil(pt, marker)
+            out, _ = proc.communicate("go\n", timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        bad = subprocess.CompletedProcess(script, proc.returncode, out, _tail(err))
     lines = _steps(bad.stdout)
     assert [line.split(" ")[:2] for line in lines] == [["load", "refused:"], ["consolidate", "refused:"],
                                                        ["universal", "refused:"]], bad.stdout + bad.stderr[-3000:]
