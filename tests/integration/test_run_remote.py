@@ -518,9 +518,10 @@ def test_an_upload_killed_halfway_never_looks_complete_and_restore_takes_the_pre
     assert mirror.restore(remote, tmp_path / "fresh") == "step_0000100"
 
 
-# Long enough for several of the uploader's attempts (waits 1, 2, 4, 8 s from data.retry_backoff_s=1), each
-# refused: the run must outlive the store's absence, not one blip that botocore's own retries absorb.
-OUTAGE_S = 15
+# Long enough for several of the uploader's attempts (waits 0.5-1, 1-2, 2-4 s from data.retry_backoff_s=1,
+# jittered), each refused: the run must outlive the store's absence, not one blip that botocore's own retries
+# absorb. (15 s until the suite's time was cut: the later attempts only waited longer.)
+OUTAGE_S = 10
 
 
 @contextlib.contextmanager
@@ -586,7 +587,7 @@ def test_a_stopped_run_whose_run_dir_is_lost_resumes_from_the_bucket_through_an_
                                                                                         tmp_path: Path) -> None:
     """Stopped with SIGUSR1, its run directory deleted, started again: restored from the bucket, the
     uninterrupted run's weights (the session's `supervised_reference`). The store is stopped (connections
-    refused) for OUTAGE_S (15 s) once the resumed run's first tag is saved: the uploads retry through it, the
+    refused) for OUTAGE_S (10 s) once the resumed run's first tag is saved: the uploads retry through it, the
     run exits 0 with no traceback on either rank, and the bucket ends holding exactly the run directory
     (before: exit 1 with the first upload error)."""
     import shutil
