@@ -21,7 +21,6 @@ HEAD_KEYS = ("head_n_prototypes", "head_hidden_dim", "head_bottleneck_dim", "hea
              "ibot_head_n_prototypes", "ibot_head_bottleneck_dim")
 
 
-
 def redraw_head(h: nn.Module) -> nn.Module:
     """`h` (a DINOHead or DINOv3Head) with its Linears drawn again through init_param: the head's own
     trunc-normal init ran on partitions under deepspeed.zero.Init (its Linears were partitioned when built, and
@@ -34,6 +33,7 @@ def redraw_head(h: nn.Module) -> nn.Module:
             if m.bias is not None:
                 init_param(m.bias, nn.init.zeros_)
     return h
+
 
 class DINOv2Model(nn.Module):
     """The student (and, another instance, the teacher) of DINOv2: a `VisionTransformer` backbone (with

@@ -65,7 +65,7 @@ def command(entry: str, config: str, overrides: list[str], ranks: int, extra: li
     process, where DeepSpeed's launcher is a runner and a launcher that each import DeepSpeed first
     (about 4.5 s of CPU more per run, ~60 runs in `make test`). Tests of what DeepSpeed's launcher
     does (a rank's exit code 75, 76 or 2 passed on: torchrun ends 1 whatever the rank's code; a signal to
-    the runner; --master_port) ask for it by name, and so does `run_and_signal` unless told torchrun."""
+    the runner; --master_port) ask for it by name, in `run` and in `run_and_signal` alike."""
     script = str(ROOT / "launch" / entry)
     if ranks == 1:
         return [PYTHON, script, "--config", config, *extra, *overrides]
@@ -190,14 +190,13 @@ def run_here(entry: str, config: str | None, overrides: list[str], extra: list[s
 
 def run_and_signal(entry: str, config: str, overrides: list[str], when: str, sig: int = signal.SIGUSR1,
                    rank: int = 1, ranks: int = 2, timeout: float = 900,
-                   launcher: str = "deepspeed") -> tuple[int, str]:
+                   launcher: str = "torchrun") -> tuple[int, str]:
     """Start a run, send `sig` to one rank once a line containing `when` is printed; return (code, output).
 
-    The code is the launcher's: DeepSpeed's passes on the code of the first rank to end non-zero (and
-    terminates the others). torchrun exits 1 whatever that was; with launcher="torchrun" the code is the one
-    its failure report gives that first rank ("Root Cause"), the same figure, where what is tested is the
-    run and not the launcher: one agent process to start, where DeepSpeed's runner and launcher each import
-    DeepSpeed (and MLflow through its autotuner) before the ranks start, 10-25 s on the 2-core machine."""
+    The code is the first rank to end non-zero's: DeepSpeed's launcher passes it on (and terminates the
+    others); torchrun (the default, as in `run`: one agent process to start, where DeepSpeed's runner and
+    launcher each import DeepSpeed and MLflow before the ranks start, 10-25 s on the 2-core machine) exits 1
+    whatever it was, so its failure report's figure for that rank ("Root Cause") is returned instead."""
     proc = subprocess.Popen(command(entry, config, overrides, ranks, launcher=launcher), cwd=ROOT, env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, sent, deadline = [], False, time.monotonic() + timeout

@@ -53,8 +53,7 @@ def reference(shards, source, tmp_path_factory):
 def test_an_init_run_preempted_in_its_freeze_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_run_ends(
         shards, source, reference, tmp_path, zero):
     run_dir = tmp_path / "preempted"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, source, run_dir, zero), when="step 4/8",
-                                    launcher="torchrun")  # the run is the subject, not the launcher
+    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, source, run_dir, zero), when="step 4/8")
     assert code == 75, out[-3000:]
     stopped = ckpt.newest_complete_tag(run_dir)
     assert stopped in (ckpt.tag_for(4), ckpt.tag_for(5)), stopped

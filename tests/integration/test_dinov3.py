@@ -56,8 +56,7 @@ def test_dinov3_with_gram_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_u
     # At ZeRO-3 the student, the teacher and the Gram teacher are partitioned over the ranks, and the checkpoint
     # of 2 ranks is loaded by 1.
     stage = f"deepspeed.zero_stage={zero}"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, 9, stage), when="step 4/9",
-                                    launcher="torchrun")  # the run is the subject, not the launcher
+    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, 9, stage), when="step 4/9")
     assert code == 75, out[-3000:]
     # At ZeRO-1 loader workers in the resumed run, none in the reference: the same crops.
     resumed = run_here("pretrain.py", CONFIG, base(shards, run_dir, 9, stage, *([WORKERS] if zero == 1 else [])))

@@ -50,8 +50,7 @@ def test_distill_preempted_on_2_ranks_resumes_on_1_at_zero1_and_zero3_and_ends_w
     assert "tiny/syn k-NN top-1" in ref.stdout and "narrow/syn k-NN top-1" in ref.stdout, ref.stdout[-3000:]
     # ZeRO-1: preempted on 2 ranks, resumed on 1; every student within 1e-6 of the uninterrupted run.
     zero1_dir = tmp_path / "zero1"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, zero1_dir, teacher), when="step 4/8",
-                                    launcher="torchrun")  # the run is the subject, not the launcher
+    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, zero1_dir, teacher), when="step 4/8")
     assert code == 75, out[-3000:]
     resumed = run_here("pretrain.py", CONFIG, base(shards, zero1_dir, teacher))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -60,8 +59,7 @@ def test_distill_preempted_on_2_ranks_resumes_on_1_at_zero1_and_zero3_and_ends_w
     for name in ("tiny", "narrow"):
         assert_close(weights(ref_dir / "students" / name), weights(zero1_dir / "students" / name))
     zero3 = "deepspeed.zero_stage=3"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, teacher, zero3), when="step 4/8",
-                                    launcher="torchrun")  # the run is the subject, not the launcher
+    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, teacher, zero3), when="step 4/8")
     assert code == 75, out[-3000:]
     first = [x for x in out.splitlines() if "eval step 0 | teacher/syn" in x]
     assert first and first[0].split("| ")[-1] == teacher_line, (first, teacher_line)  # ZeRO-3's gathered teacher

@@ -46,8 +46,7 @@ def test_zero3_ema_resumes_bit_exact_on_2_ranks_and_on_1_within_fp32_rounding(sh
     assert "| EMA | loss" in ref.stdout  # the EMA's eval line beside the model's
 
     run_dir = tmp_path / "preempted"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, 3, 12, *fp32), when="step 4/12",
-                                    launcher="torchrun")  # the run is the subject, not the launcher
+    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, 3, 12, *fp32), when="step 4/12")
     assert code == 75, out[-3000:]
     one_rank = tmp_path / "one_rank"
     shutil.copytree(run_dir, one_rank)

@@ -54,8 +54,7 @@ def test_mae_preempted_on_2_ranks_resumes_on_1_and_ends_where_the_uninterrupted_
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
 
     run_dir = tmp_path / "preempted"
-    code, out = run_and_signal("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32), when="step 4/12",
-                                    launcher="torchrun")  # the run is the subject, not the launcher
+    code, out = run_and_signal("pretrain.py", CONFIG, base(label_free, run_dir, 1, 12, *fp32), when="step 4/12")
     assert code == 75, out[-3000:]
     assert not (run_dir / "model.safetensors").exists()
     # Loader workers in the resumed run, none in the reference: the same batches.

@@ -61,7 +61,8 @@ def test_a_recipe_on_c_channels_preempted_on_2_ranks_resumes_on_1_and_ends_where
     losses = [m["metrics"]["train/loss"] for m in metrics(ref_dir) if "train/loss" in m["metrics"]]
     assert len(losses) == STEPS // 2 and all(map(math.isfinite, losses)), losses
 
-    code, out = run_and_signal("pretrain.py", config, base(shards, run_dir, recipe), when=f"step 2/{STEPS}")
+    code, out = run_and_signal("pretrain.py", config, base(shards, run_dir, recipe), when=f"step 2/{STEPS}",
+                               launcher="deepspeed")
     assert code == 75, out[-3000:]
     assert ckpt.newest_complete_tag(run_dir) is not None and not (run_dir / "model.safetensors").exists()
     resumed = run_here("pretrain.py", config, base(shards, run_dir, recipe, *resume_extra))

@@ -602,7 +602,8 @@ def test_a_stopped_run_whose_run_dir_is_lost_resumes_from_the_bucket_through_an_
     ref_dir, _ = supervised_reference
     remote = f"s3://{BUCKET}/e2e"
     run_dir = tmp_path / "run"
-    code, out = run_and_signal("pretrain.py", config, args(run_dir, remote), when="step 4/24")
+    code, out = run_and_signal("pretrain.py", config, args(run_dir, remote), when="step 4/24",
+                               launcher="deepspeed")
     assert code == 75, out[-3000:]
     stopped = (run_dir / "checkpoints" / "latest").read_text().strip()
     # the stop waited for its checkpoint's upload, and released the lock
