@@ -82,9 +82,11 @@ class DinoConfig:
     pca_images: int = 4
     """Evaluation: validation images whose teacher patch features' first 3 principal components are drawn as RGB in the MLflow image artifact (0: none)."""
     collapse_evals: int = 2
-    """Evaluation: warn (in the log, and in MLflow as eval/collapse_warning = 1 and a file under Artifacts, warnings/) when the teacher's target entropy has been at the uniform log K, or the effective rank of its class tokens at 1, for this many evaluations in a row (0: never; pipeline/objectives/dino/collapse.py)."""
+    """Evaluation: warn, once per episode (in the log, and a file under MLflow's Artifacts, warnings/; eval/collapse_warning is 1 while it lasts), when a collapse figure has been at its collapse value for this many evaluations in a row: the teacher's target entropy at the uniform log K, the entropy of its batch-averaged target at 0 (one prototype), a stall (collapse_stall_fraction), the effective rank of its class tokens at 1 (0: never; the rule: pipeline/objectives/dino/collapse.py)."""
     collapse_tolerance: float = 0.01
-    """Evaluation: how near its collapse value a figure counts as there, relatively: entropy >= (1 - tol) log K, effective rank <= 1 + tol (D - 1)."""
+    """Evaluation: how near its collapse value a figure counts as there, relatively: entropy >= (1 - tol) log K, batch-averaged target entropy <= tol log K, effective rank <= 1 + tol (D - 1); and how little the target entropy and the loss may fall between evaluations for a stall."""
+    collapse_stall_fraction: float = 0.95
+    """Evaluation: a stall is the teacher's target entropy at or above this fraction of log K with neither it nor the loss falling by collapse_tolerance from one evaluation to the next (issue 69's stalled run: 0.98; 1: no stall warning)."""
 
 
 def dino_checks(cfg: Config) -> list[Check]:
@@ -130,6 +132,7 @@ def _section_values(d: DinoConfig) -> list[Check]:
         ("pca_images", d.pca_images >= 0, ">= 0"),
         ("collapse_evals", d.collapse_evals >= 0, ">= 0"),
         ("collapse_tolerance", 0 <= d.collapse_tolerance < 1, "in [0, 1)"),
+        ("collapse_stall_fraction", 0 < d.collapse_stall_fraction <= 1, "in (0, 1]"),
     ]
 
 

@@ -31,7 +31,7 @@ from pipeline.model.vit import architecture, model_flops, model_kwargs_from_conf
 from pipeline.objectives.adapt import backbone_lr_schedule, wants_roles
 from pipeline.objectives.base import EvalResult, Objective, TrainView
 from pipeline.objectives.dino.anchor import source_anchor
-from pipeline.objectives.dino.collapse import CollapseMonitor
+from pipeline.objectives.dino.collapse import CollapseMonitor, Figures
 from pipeline.objectives.dino.evaluate import evaluate_teacher
 from pipeline.objectives.dino.loss import DINOLoss, KoLeoLoss, iBOTPatchLoss
 from pipeline.objectives.dino.masked import mask_bound, masked_rows, masked_weights
@@ -85,6 +85,8 @@ class DINOv2(Objective):
     model_class = DINOv2Model
     section = "dino"  # the config section the recipe reads (DINOv3: dinov3)
     anchors_source = True  # adapt.anchor: the Gram loss against the source (anchor.py); DINOv3's is its Gram term
+    # What each entry of the collapse monitor's sums since the last evaluation is (_entropy).
+    SINCE = ("entropy", "micro_batches", "loss", "batch_entropy", "steps")
 
     def __init__(self, cfg: Config, info: Any):
         super().__init__(cfg, info)
@@ -99,12 +101,15 @@ class DINOv2(Objective):
         self._sums: dict[str, torch.Tensor] = {}  # this step's teacher outputs for the centres: sum, count
         self._window: torch.Tensor | None = None  # train_metrics: per-term sums on the device since the last log
         self._window_names: list[str] = []  # what each entry of _window is (its last: the micro batch count)
-        # The teacher's target entropy since the last evaluation, summed on the device (sum, micro batches):
-        # the collapse monitor's figure. Rank 0 holds a resumed run's saved sum (state_dict all-reduces it).
+        # The collapse monitor's figures since the last evaluation, summed on the device (collapse.py): the
+        # teacher's target entropy and the loss over the micro batches, the entropy of the global batch's
+        # mean target over the steps (SINCE says which entry is which). Rank 0 holds a resumed run's saved
+        # sums (state_dict all-reduces them).
         self._entropy: torch.Tensor | None = None
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")  # the engine's (before_step says): where collectives of the objective's own run
-        self.collapse = CollapseMonitor(d.head_n_prototypes, d.collapse_evals, d.collapse_tolerance)
+        self.collapse = CollapseMonitor(d.head_n_prototypes, d.collapse_evals, d.collapse_tolerance,
+                                        d.collapse_stall_fraction, self.section)
         self.val_loader: Any = None  # the evaluation's loaders (build_eval)
         self.knn_loader: Any = None
 
@@ -200,10 +205,14 @@ class DINOv2(Objective):
         if self.anchor is not None:
             self.anchor.before_step(step, self.teacher.backbone, device)
 
-    def _accumulate(self, name: str, outputs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """This micro batch's teacher outputs (the rows `valid` says) toward the step's centre update (sum, count)."""
+    def _accumulate(self, name: str, outputs: torch.Tensor, valid: torch.Tensor | None = None,
+                    extra: torch.Tensor | None = None) -> None:
+        """This micro batch's teacher outputs (the rows `valid` says) toward the step's centre update (sum,
+        count); `extra`, a sum over the same rows, goes between them, all-reduced with them (the DINO
+        targets' sum, for the collapse monitor's batch entropy: no collective of its own)."""
         w = outputs.new_ones(outputs.shape[0], dtype=torch.float64) if valid is None else valid.double()
-        total = torch.cat([(outputs.double() * w[:, None]).sum(0), w.sum().reshape(1)])
+        extra_sum = [] if extra is None else [extra.double()]
+        total = torch.cat([(outputs.double() * w[:, None]).sum(0), *extra_sum, w.sum().reshape(1)])
         self._sums[name] = self._sums[name] + total if name in self._sums else total
 
     # -- a step
@@ -235,7 +244,7 @@ class DINOv2(Objective):
         t_cls, t_masked = self.teacher_outputs(engine, views)
         if self.d.centering == "centering":
             t_dino = self.dino_loss.softmax_center_teacher(t_cls, temp)
-            self._accumulate("dino", t_cls)
+            self._accumulate("dino", t_cls, extra=t_dino.sum(0))
         else:
             t_dino = self.dino_loss.sinkhorn_knopp_teacher(t_cls, temp)
         t_dino = t_dino.view(2, views.batch, -1)
@@ -290,8 +299,12 @@ class DINOv2(Objective):
         values = torch.stack([*(v.float() for v in losses.values()), entropy, torch.ones_like(total)])
         values = torch.where(torch.isfinite(total), values, 0.0)
         self._window = values if self._window is None else self._window + values
-        since = values[-2:].double()  # (entropy, 1), or zeros
-        self._entropy = since if self._entropy is None else self._entropy.to(since.device) + since
+        # (entropy, 1, loss, 0, 0), or zeros: the loss is the terms' sum, as the trainer's
+        self._add_since(torch.cat([values[-2:], values[:-2].sum().reshape(1), values.new_zeros(2)]))
+
+    def _add_since(self, values: torch.Tensor) -> None:
+        values = values.double()
+        self._entropy = values if self._entropy is None else self._entropy.to(values.device) + values
 
     def train_metrics(self) -> dict[str, torch.Tensor]:
         if self._window is None:
@@ -310,7 +323,12 @@ class DINOv2(Objective):
             if dist.is_initialized():
                 dist.all_reduce(total)
             # Unmoved when nothing was counted (no masked patch in the step), decided on the device: no read.
-            batch_center = (total[:-1] / total[-1].clamp(min=1.0)).float().view_as(loss.center)
+            k = loss.center.numel()
+            batch_center = (total[:k] / total[-1].clamp(min=1.0)).float().view_as(loss.center)
+            if len(total) > k + 1:  # the DINO targets' sum too (centring): the global batch's mean target
+                h = torch.special.entr(total[k:-1] / total[-1].clamp(min=1.0)).sum()
+                counted = torch.isfinite(h) & (total[-1] > 0)
+                self._add_since(torch.where(counted, torch.stack([*h.new_zeros(3), h, h.new_ones(())]), 0.0))
             moved = loss.center * loss.center_momentum + batch_center * (1 - loss.center_momentum)
             loss.center = torch.where(total[-1] > 0, moved, loss.center)
         self.teacher_ema.update(engine.module, self.momentum(step - 1))  # the momentum of the step just taken
@@ -318,8 +336,9 @@ class DINOv2(Objective):
 
     # -- evaluation, cost, state
     def _entropy_sum(self, device: torch.device) -> torch.Tensor:
-        """(entropy sum, micro batches) since the last evaluation over every rank (collective); forgets it."""
-        since = (self._entropy if self._entropy is not None else torch.zeros(2, dtype=torch.float64)).to(device)
+        """The collapse monitor's sums since the last evaluation (SINCE) over every rank (collective); forgets them."""
+        since = (self._entropy if self._entropy is not None else
+                 torch.zeros(len(self.SINCE), dtype=torch.float64)).to(device)
         if dist.is_initialized():
             dist.all_reduce(since)
         self._entropy = None
@@ -329,12 +348,21 @@ class DINOv2(Objective):
     def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:  # noqa: ARG002 - the interface (the teacher's own dtype)
         metrics, image = evaluate_teacher(self.teacher, self.val_loader, self.knn_loader, self.cfg, engine.device,
                                           run_dir, step, self.d)
-        since = self._entropy_sum(engine.device)
-        entropy = float(since[0] / since[1]) if since[1] > 0 else None
-        if entropy is not None:
-            metrics["eval/teacher_entropy"] = entropy
-        warning = self.collapse.update(entropy, metrics["eval/effective_rank"], self.teacher.backbone.embed_dim)
-        metrics["eval/collapse_warning"] = float(warning is not None)
+        sums = dict(zip(self.SINCE, self._entropy_sum(engine.device).tolist()))  # one read
+
+        def mean(name: str, count: str) -> float | None:
+            value = sums[name] / sums[count] if sums[count] > 0 else math.nan
+            return value if math.isfinite(value) else None
+
+        figures = Figures(mean("entropy", "micro_batches"), metrics["eval/effective_rank"],
+                          self.teacher.backbone.embed_dim, mean("batch_entropy", "steps"),
+                          mean("loss", "micro_batches"))
+        if figures.entropy is not None:
+            metrics["eval/teacher_entropy"] = figures.entropy
+        if figures.batch_entropy is not None:
+            metrics["eval/teacher_batch_entropy"] = figures.batch_entropy
+        warning = self.collapse.update(figures)  # said once per episode; the metric says it is on
+        metrics["eval/collapse_warning"] = float(self.collapse.active)
         knn = f" | k-NN top-1 {100 * metrics['eval/knn_top1']:.2f}%" if "eval/knn_top1" in metrics else ""
         line = (f"eval step {step} | teacher{knn or ': no labels, no k-NN'} | effective rank "
                 f"{metrics['eval/effective_rank']:.2f}")
@@ -429,4 +457,6 @@ class DINOv2(Objective):
         if self.anchor is not None:
             self.anchor.load_state_dict(state, self._source_reader())
         since = state.get("entropy_since_eval")
+        if since is not None and len(since) == 2:  # written before the loss and batch entropy: the loss unknown
+            since = torch.cat([since.double(), torch.tensor([math.nan, 0.0, 0.0], dtype=torch.float64)])
         self._entropy = since.clone() if since is not None and is_rank0() else None  # summed once over the ranks
