@@ -1,4 +1,5 @@
-# make demo | demo-mae | demo-mae-16bit | demo-dino | demo-dinov3 | demo-adapt | demo-distill | test | test-fast | lint | bench. The first target run creates .venv from constraints.txt;
+# make demo | demo-mae | demo-mae-16bit | demo-dino | demo-dinov3 | demo-adapt | demo-distill | test | test-fast | lint | bench
+# | bench-quality. The first target run creates .venv from constraints.txt;
 # later runs reuse it (re-installed only when pyproject.toml or constraints.txt change).
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -10,7 +11,7 @@ export PYTHONUNBUFFERED := 1
 # checkout: two checkouts sharing ~/.cache/torch_extensions rebuild each other's ops mid-run.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: venv test test-fast lint bench demo demo-mae demo-mae-16bit demo-dino demo-dinov3 demo-adapt demo-distill clean
+.PHONY: venv test test-fast lint bench bench-quality demo demo-mae demo-mae-16bit demo-dino demo-dinov3 demo-adapt demo-distill clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,12 +23,13 @@ venv: $(STAMP)
 
 # Everything: unit tests, multi-process DeepSpeed runs, the local Slurm cluster, the MLflow UI in
 # Chromium, the Docker image built and trained in (buildah). As root, the system packages those need
-# (slurm-wlm, munge, chromium, buildah, podman, debootstrap) are installed with apt when missing;
+# (slurm-wlm, munge, chromium, buildah, podman, debootstrap, dataset-fashion-mnist) are installed with apt when missing;
 # otherwise those tests skip and say why.
 test: $(STAMP)
 	bash tests/cluster/install_slurm.sh
 	bash tests/ui/install_chromium.sh
 	bash tests/container/install_podman.sh
+	bash tests/install_datasets.sh
 	$(PY) -m pytest tests
 
 # The fast tier, what to run while editing: unit tests in one process, selected by markers
@@ -43,6 +45,12 @@ lint: $(STAMP)
 # Every benchmark: one row each in results/benchmarks.csv, then docs/benchmarks.md rendered from it.
 bench: $(STAMP)
 	$(PY) launch/bench.py all
+
+# Every recipe trained on Fashion-MNIST (Debian's dataset-fashion-mnist, installed here when missing and root) and
+# judged against raw pixels and a random ViT: about an hour of pretraining per recipe on 2 cores (docs/quality.md).
+bench-quality: $(STAMP)
+	bash tests/install_datasets.sh
+	$(PY) launch/bench.py quality
 
 demo: $(STAMP)
 	bash launch/demo.sh

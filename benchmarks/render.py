@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks import quality_render
 from benchmarks.results import RESULTS_CSV, ROOT
 
 DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
@@ -88,9 +89,12 @@ def _figures(row: dict[str, str]) -> dict[str, Any]:
 
 
 def render(rows: list[dict[str, str]]) -> str:
-    """The page's text for these CSV rows (in file order: the last row of a machine is its newest)."""
+    """The page's text for these CSV rows (in file order: the last row of a machine is its newest); the quality
+    rows are one table of their own and a picture (benchmarks/quality_render.py)."""
     by_bench: dict[str, dict[str, list[dict[str, str]]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
+        if row["bench"] == "quality":
+            continue
         subject = _subject(row["bench"], _figures(row))
         by_bench[row["bench"]][row["hardware"] + (f": {subject}" if subject else "")].append(row)
     names = [n for n in ORDER if n in by_bench] + sorted(n for n in by_bench if n not in ORDER)
@@ -99,6 +103,10 @@ def render(rows: list[dict[str, str]]) -> str:
            "(`make bench` runs every benchmark, appends its rows and renders this page): do not edit it by "
            "hand. For each benchmark and machine, the newest row; the CSV keeps every earlier one.", ""]
     out += ["| benchmark | machine | date | rows |", "| --- | --- | --- | --- |"]
+    quality = [r for r in rows if r["bench"] == "quality"]
+    if quality:
+        out.append(f"| [quality](#quality) | {quality[-1]['hardware'].replace('|', '/')} | {quality[-1]['date']} | "
+                   f"{len(quality)} |")
     for name in names:
         for hardware, runs in by_bench[name].items():
             out.append(f"| [{name}](#{name}) | {hardware.replace('|', '/')} | {runs[-1]['date']} | {len(runs)} |")
@@ -113,6 +121,7 @@ def render(rows: list[dict[str, str]]) -> str:
                     + (f" ({len(runs) - 1} earlier row(s) in the CSV)" if len(runs) > 1 else ""), "",
                     "```", row["command"], "```", "", "| figure | value |", "| --- | --- |"]
             out += [f"| `{key}` | {text.replace('|', '/')} |" for key, text in _flatten(_figures(row))]
+    out += quality_render.section(rows)
     return "\n".join(out) + "\n"
 
 
@@ -129,6 +138,7 @@ def render_page(csv_path: Path = RESULTS_CSV, page: Path = DOCS_PAGE) -> int:
         print(f"error: {csv_path} lacks the column(s) {', '.join(sorted(missing))}")
         return 1
     page.parent.mkdir(parents=True, exist_ok=True)
+    quality_render.draw(rows, page.parent / quality_render.PICTURE)
     page.write_text(render(rows))
     print(f"wrote {page} ({len(rows)} rows of {csv_path})")
     return 0

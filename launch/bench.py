@@ -13,6 +13,7 @@
     python launch/bench.py syncs           # host reads per training step, per recipe and ZeRO stage
     python launch/bench.py dino-ops        # aten ops per DINOv2/DINOv3 micro step, per-crop and fused
     python launch/bench.py distill         # distillation: 1 and 2 students on one teacher forward vs 2 runs of one
+    python launch/bench.py quality         # every recipe trained on Fashion-MNIST and judged (about an hour each on CPU)
     python launch/bench.py all             # every benchmark (gpu only where there is a GPU), then render
     python launch/bench.py render          # docs/benchmarks.md from results/benchmarks.csv
     python launch/bench.py merge FILE.csv  # the rows of a copy from another machine, then render
@@ -48,6 +49,7 @@ class Bench(NamedTuple):
     add_args: str
     help: str
     prints_table: bool = False  # the function takes `print_table` as its second argument
+    in_all: bool = True  # `all` runs it (quality takes hours: `make bench-quality` alone)
 
 
 BENCHES: dict[str, Bench] = {
@@ -77,6 +79,9 @@ BENCHES: dict[str, Bench] = {
                       "micro step, per-crop (before issue 58) and fused."),
     "distill": Bench("distill", "bench_distill", "add_distill_args", "A distillation step with 1 and with 2 "
                      "students on one teacher forward, against 2 runs of one."),
+    "quality": Bench("quality", "bench_quality", "add_quality_args", "Every recipe trained on Fashion-MNIST and "
+                     "judged: k-NN over time, k-NN and linear probe (all and 1%% of the labels), fine-tunes with 10%% "
+                     "and 100%%, against raw pixels and a random ViT; a row per recipe and seed.", in_all=False),
 }
 
 
@@ -100,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         _function(name, bench.add_args)(sub.add_parser(name, help=bench.help))
     sp = sub.add_parser("all", help="every implemented benchmark with its defaults, then `render`")
     for name, bench in BENCHES.items():
-        _function(name, bench.add_args)(sp)
+        if bench.in_all:
+            _function(name, bench.add_args)(sp)
     sub.add_parser("render", help=f"write {DOCS_PAGE.relative_to(ROOT)} from {RESULTS_CSV.relative_to(ROOT)}")
     mp = sub.add_parser("merge", help=f"append the rows of other copies of the CSV (from a GPU machine, say) that "
                         f"{RESULTS_CSV.relative_to(ROOT)} lacks, then `render`")
@@ -120,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"merged {added} new row(s) into {RESULTS_CSV.relative_to(ROOT)}")
         return render_page()
-    names = list(BENCHES) if args.bench == "all" else [args.bench]
+    names = [n for n, b in BENCHES.items() if b.in_all] if args.bench == "all" else [args.bench]
     status = 0
     for name in names:
         print(f"== bench {name}")
@@ -130,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipped: {e}")
             if args.bench != "all":
                 status = 2
+            continue
+        if figures is None:  # the benchmark appended its own rows as it measured them (quality)
             continue
         row = figures.pop("bench", name)  # a variant files its rows under its own name (scale --mix: scale-mix)
         if not args.no_csv:

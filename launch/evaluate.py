@@ -49,6 +49,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                        "--data when it has one, so the curves meet in MLflow; else the --data "
                                        "folder's name)")
     parser.add_argument("--no-mlflow", action="store_true", help="print the table only")
+    parser.add_argument("--json", type=Path, metavar="FILE",
+                        help="also write the figures to FILE: a list of {checkpoint, step, metrics} (what a "
+                             "script reads; launch/bench.py quality does)")
     add_normalisation_arguments(parser)
     add_launcher_arguments(parser)
     args = parser.parse_args(argv)
@@ -118,6 +121,12 @@ def evaluate(args: argparse.Namespace) -> int:
             print(f"{name}: " + " | ".join(f"{r.protocol} {100 * r.top1:.2f}%" for r in found), flush=True)
     if env.is_main:
         print(f"\n{args.name} ({args.data}), {args.val_split} split:\n{table(rows)}", flush=True)
+        if args.json:
+            import json
+
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps([{"checkpoint": name, "step": step, "metrics": metrics}
+                                             for name, step, metrics in results], indent=1) + "\n")
         if not args.no_mlflow:
             from pipeline.tracking.evaluations import log_evaluations, params_of
 

@@ -5,6 +5,8 @@
     python launch/make_shards.py --source digits --no-labels --out data/digits-unlabelled   # images only
     python launch/make_shards.py --source digits --dtype uint16 --out data/digits16   # 1-channel 16-bit arrays
     python launch/make_shards.py --source digits:shifted --out data/digits-shifted   # inverted, turned 90 degrees
+    python launch/make_shards.py --source fashion-mnist --out data/fmnist   # Debian's dataset-fashion-mnist package
+    python launch/make_shards.py --source idx:/data/kmnist --classes 0,1,2 --out data/kmnist3   # IDX files, 3 classes
     python launch/make_shards.py --source folder:/data/imagenet --out data/imagenet --workers 8 --resize 256
     python launch/make_shards.py --source synthetic --num-samples 5000 --num-classes 10 --size 64 --out data/synth
     python launch/make_shards.py --source 'shards:/data/laion/{00000..00099}.tar' --label-key json:label --out /data/laion
@@ -20,6 +22,10 @@
 Besides JPEG/PNG/...: 16-bit PNG, TIFF (pages and bands as channels), .npy (H x W x C) and DICOM (its rescale
 applied) are stored losslessly as KEY.npy in their own dtype and channel count, and dataset.json gets their
 channels, dtype and per-channel mean/std (docs/data.md, Pixels as they are).
+`idx:DIR`: the IDX files of MNIST, Fashion-MNIST, KMNIST or EMNIST (train-images-idx3-ubyte[.gz],
+train-labels-idx1-ubyte[.gz], t10k-...), the official split as train and val, each image a one-channel 8-bit
+array; `fashion-mnist` is idx: on /usr/share/datasets/fashion-mnist (apt-get install dataset-fashion-mnist).
+--classes keeps some classes of any labelled source, relabelled 0..k-1 in the order given.
 --no-labels writes any form without its labels. `shards:PATTERN` describes shards
 written by others (img2dataset, timm) in --out/dataset.json without copying them. An s3://bucket/prefix
 --out gets each shard as it is complete and dataset.json last (boto3's credentials and endpoint
@@ -35,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.data import DataError  # noqa: E402
+from pipeline.data.idx import fashion_mnist_source, idx_source  # noqa: E402
 from pipeline.data.shards import (  # noqa: E402
     digits_source,
     folder_source,
@@ -43,7 +50,7 @@ from pipeline.data.shards import (  # noqa: E402
     synthetic_source,
     write_dataset,
 )
-from pipeline.data.sources import DIGIT_STYLES, without_labels  # noqa: E402
+from pipeline.data.sources import DIGIT_STYLES, keep_classes, without_labels  # noqa: E402
 
 
 def parse_size(text: str) -> int | tuple[int, int]:
@@ -64,7 +71,8 @@ def parse_bytes(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", required=True,
-                   help="folder:PATH | digits[:shifted] | synthetic | shards:PATTERN (brace range or glob)")
+                   help="folder:PATH | idx:DIR | fashion-mnist | digits[:shifted] | synthetic | shards:PATTERN "
+                        "(brace range or glob)")
     p.add_argument("--out", required=True, help="output folder, or s3://bucket/prefix: shards and dataset.json")
     p.add_argument("--max-samples-per-shard", type=int, default=1000, help="samples per shard (default 1000)")
     p.add_argument("--max-bytes-per-shard", type=parse_bytes, default=None,
@@ -75,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-fraction", type=float, default=None,
                    help="keep this fraction of each class of the train split, the validation split whole "
                         "(a few-label fine-tune: 0.1 for 10%% of the labels)")
+    p.add_argument("--classes", default=None,
+                   help="keep these classes only, comma-separated labels or class names, relabelled 0..k-1 in "
+                        "this order (e.g. 0,1,2,3,4: Fashion-MNIST's T-shirt/top to Coat)")
     p.add_argument("--no-labels", action="store_true",
                    help="write the images only, no labels (the same images and splits): the shards of a "
                         "self-supervised run, judged on the labelled ones apart (eval.sets, docs/evaluation.md)")
@@ -107,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= (args.val_fraction or 0) < 1:
             raise DataError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
         if kind == "shards":
-            if args.train_fraction is not None:
-                raise DataError("--train-fraction writes a subset; shards:PATTERN only indexes shards in place")
+            if args.train_fraction is not None or args.classes is not None:
+                raise DataError("--train-fraction and --classes write a subset; shards:PATTERN only indexes shards "
+                                "in place")
             if args.no_labels:
                 raise DataError("--no-labels writes new shards; shards:PATTERN only indexes shards in place "
                                 "(a run that needs no labels reads them whatever they hold)")
@@ -134,9 +146,19 @@ def main(argv: list[str] | None = None) -> int:
                 raise DataError("--source folder:PATH needs a path")
             vf = 0.1 if args.val_fraction is None else args.val_fraction
             source = folder_source(arg, vf, args.seed, args.resize, args.quality or 95)
+        elif kind in ("idx", "fashion-mnist") and args.val_fraction is not None:
+            raise DataError(f"--val-fraction: --source {kind} keeps the set's official split (t10k- as val)")
+        elif kind == "idx":
+            if not arg:
+                raise DataError("--source idx:DIR needs the folder of the IDX files")
+            source = idx_source(arg)
+        elif kind == "fashion-mnist":
+            source = fashion_mnist_source(arg) if arg else fashion_mnist_source()
         else:
-            raise DataError(f"unknown --source '{args.source}'; expected folder:PATH, digits, synthetic or "
-                            f"shards:PATTERN")
+            raise DataError(f"unknown --source '{args.source}'; expected folder:PATH, idx:DIR, fashion-mnist, "
+                            f"digits, synthetic or shards:PATTERN")
+        if args.classes is not None:
+            source = keep_classes(source, args.classes.split(","))
         if args.train_fraction is not None:
             source = keep_train_fraction(source, args.train_fraction, args.seed)
         if args.no_labels:

@@ -4,7 +4,8 @@
 #   bash tests/apt_install.sh NAME REQUIRE_VAR WHAT "COMMANDS" PACKAGES...
 #
 # NAME names the caller in messages; COMMANDS (space separated) are what must be on PATH or in
-# /usr/sbin (Debian's daemons; a non-login shell may not have it on PATH); WHAT is what skips
+# /usr/sbin (Debian's daemons; a non-login shell may not have it on PATH), or an absolute path that
+# must exist (a data package's folder: /usr/share/datasets/fashion-mnist); WHAT is what skips
 # without them. Idempotent and fast (no apt call) when every command is there. Without root or
 # apt it prints a notice and succeeds, and the tests skip; if apt fails with REQUIRE_VAR=1 (CI)
 # it exits 1, so CI does not quietly lose those tests.
@@ -16,6 +17,10 @@ packages=("$@")
 
 missing=()
 for cmd in $commands; do
+    if [[ $cmd == /* ]]; then
+        [[ -e $cmd ]] || missing+=("$cmd")
+        continue
+    fi
     command -v "$cmd" >/dev/null 2>&1 || [[ -x /usr/sbin/$cmd ]] || missing+=("$cmd")
 done
 [[ ${#missing[@]} -eq 0 ]] && exit 0

@@ -76,6 +76,47 @@ def keep_train_fraction(source: Source, fraction: float, seed: int) -> Source:
                   source.image_format)
 
 
+def keep_classes(source: Source, classes: list[Any]) -> Source:
+    """The source with only the given classes (each a label or a class name), relabelled 0..k-1 in the order given,
+    every split filtered alike (`--classes`): a set of some of the classes, e.g. a source for adaptation."""
+    if not source.class_names:
+        raise DataError(f"--classes: {source.name} has no classes to choose from")
+    chosen: list[int] = []
+    for c in classes:
+        text = str(c).strip()
+        if text.isdigit():
+            label = int(text)
+        elif text in source.class_names:
+            label = source.class_names.index(text)
+        else:
+            raise DataError(f"--classes: '{text}' is neither a label (0-{len(source.class_names) - 1}) nor a class "
+                            f"name of {source.name} ({', '.join(source.class_names)})")
+        if not 0 <= label < len(source.class_names):
+            raise DataError(f"--classes: label {label} is outside {source.name}'s 0-{len(source.class_names) - 1}")
+        if label in chosen:
+            raise DataError(f"--classes: '{text}' is given twice")
+        chosen.append(label)
+    if not chosen:
+        raise DataError("--classes: no class given (e.g. --classes 0,1,2)")
+    new = {old: i for i, old in enumerate(chosen)}
+    splits = {split: [Item(new[it.label], it.ref) for it in items if it.label in new]
+              for split, items in source.splits.items()}
+    return Source(f"{source.name}, classes {','.join(map(str, chosen))}", [source.class_names[c] for c in chosen],
+                  splits, _Relabelled(source.encode, {i: old for old, i in new.items()}), source.image_format,
+                  source.name_of)
+
+
+class _Relabelled:
+    """`keep_classes`' encoder: the source's own, on the item with its original label (a synthetic image is drawn
+    from its class)."""
+
+    def __init__(self, encode: Any, original: dict[int, int]):
+        self.encode, self.original = encode, original
+
+    def __call__(self, item: Item) -> tuple[Any, ...]:
+        return self.encode(Item(self.original[item.label], item.ref))
+
+
 class _Unlabelled:
     """`without_labels`' encoder: the source's own, on the item as it was (a synthetic image is drawn from its class)."""
 

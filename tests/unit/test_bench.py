@@ -433,3 +433,38 @@ def test_distill_bench_times_one_and_two_students_on_one_teacher_forward():
     assert f["two_runs_of_one_ms"] == pytest.approx(2 * f["one"]["step_ms"], abs=0.1)
     one, two = f["one"]["gflops_per_image"], f["two"]["gflops_per_image"]
     assert one < two < 2 * one and f["flop_ratio"] == pytest.approx(two / (2 * one), abs=2e-3)
+
+
+def test_the_quality_table_averages_the_seeds_of_the_newest_preset_and_judges_the_targets(tmp_path):
+    """benchmarks/quality_render.py: a recipe's cell is the mean ± half the range of its seeds' newest rows measured
+    with its newest preset (a row of an older preset is never averaged in); each target says met or not; the picture
+    is drawn from the curves."""
+    from benchmarks import quality_render
+    from benchmarks.render import render
+    from benchmarks.results import CSV_COLUMNS
+
+    def row(date, **figures):
+        return dict(zip(CSV_COLUMNS, [date, "cpu box", "2.0", "0.19", "python launch/bench.py quality", "quality",
+                                      json.dumps({"budget": "cpu", **figures})]))
+
+    rows = [row("2026-01-01", recipe="pixels", knn=0.846, linear=0.836, knn_1pct=0.70, linear_1pct=0.78),
+            row("2026-01-01", recipe="supervised", seed=0, preset_sha="old", top1=0.50, steps=10, epochs=0.1),
+            row("2026-01-02", recipe="supervised", seed=0, preset_sha="new", top1=0.910, steps=100, epochs=1.0,
+                pretrain_s=600, curve=[[50, 300, 0.8], [100, 600, 0.85]], knn=0.86),
+            row("2026-01-02", recipe="supervised", seed=1, preset_sha="new", top1=0.930, steps=100, epochs=1.0,
+                pretrain_s=660),
+            row("2026-01-02", recipe="scratch", seed=0, preset_sha="ft", ft10=0.80, ft100=0.90, steps=5),
+            row("2026-01-02", recipe="dinov2", seed=0, preset_sha="d", knn=0.86, linear=0.85, ft10=0.84, steps=9),
+            row("2026-01-03", recipe="dinov2", seed=0, preset_sha="s", smoke=True, knn=0.1, steps=4)]
+    page = render(rows)
+    assert "| supervised | 2 | 100 (1.0) | 10 min |" in page and "| 92.0 ± 1.0 |" in page  # not the old preset's 50
+    assert "| raw pixels |  |  |  | 84.6 | 83.6 | 70.0 | 78.0 |" in page
+    assert "| supervised ViT from scratch >= the 2-layer conv net | 92.0% | yes |" in page
+    assert "| DINOv2 k-NN >= 85% | 86.0% | yes |" in page and "| DINOv2 linear >= 87% | 85.0% | no |" in page
+    assert "| DINOv2 fine-tuned, 10% of the labels >= scratch + 3 | +4.0 points | yes |" in page
+    assert "| MAE fine-tuned, 10% of the labels >= scratch + 3 | not measured | |" in page
+    assert "### cpu budget (smoke" in page and "| [quality](#quality) |" in page  # smoke rows: a table apart
+    assert f"]({quality_render.PICTURE})" in page
+    assert quality_render.draw(rows, tmp_path / "q.png") and (tmp_path / "q.png").stat().st_size > 1000
+    assert not quality_render.draw(rows[:2], tmp_path / "none.png")  # no curve: no picture, none promised
+    assert f"]({quality_render.PICTURE})" not in render(rows[:2])
