@@ -87,6 +87,10 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
                         "k-NN and linear probe, all and 1%% of the labels), finetune (10%% and 100%% of the labels, "
                         "and from random weights); default all three")
     p.add_argument("--no-baselines", action="store_true", help="skip the raw-pixel and random-ViT baselines")
+    p.add_argument("--set", dest="quality_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="an ablation: this override on every recipe's pretraining (repeatable; needs --ablation)")
+    p.add_argument("--ablation", default=None,
+                   help="the ablation's name: its rows are the table's line 'RECIPE (NAME)', beside the preset's")
     p.add_argument("--smoke", action="store_true",
                    help="a few steps of everything on 600 real images (make test runs it): the code, not a figure")
     p.add_argument("--data-dir", type=Path, default=ROOT / "data", help="where the shards are written (default data/)")
@@ -152,12 +156,27 @@ def write_smoke_idx(src: Path, out: Path) -> Path:
 SHOWN = ("step ", "eval ", "pretrain:", "finetune:", "done", "error", "warning", "Traceback")
 
 
-def run_command(argv: list[str], log: Path, threads: int) -> float:
+@dataclass
+class Progress:
+    """Commands run of those planned, and since when: the line before each command."""
+    total: int
+    done: int = 0
+    t0: float = 0.0
+
+    def next(self) -> str:
+        self.done += 1
+        elapsed = time.perf_counter() - self.t0
+        return f"[quality] command {self.done}/{self.total}, {elapsed / 60:.0f} min so far"
+
+
+def run_command(argv: list[str], log: Path, threads: int, progress: Progress | None = None) -> float:
     """Run one command (cwd the repository), its output into `log` and its progress lines to the terminal;
     its wall time in seconds. A failure raises with the log's last lines."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     log.parent.mkdir(parents=True, exist_ok=True)
     shown = " ".join(str(a) for a in argv).replace(f"{sys.executable} ", "python ")
+    if progress is not None:
+        print(progress.next(), flush=True)
     print(f"[quality] $ {shown}", flush=True)
     t0 = time.perf_counter()
     with open(log, "w") as f:
@@ -198,11 +217,11 @@ def curve(run_dir: Path, key: str) -> list[list[float]]:
     return [[r["step"], round(r["time"] - t0, 1), round(r["metrics"][key], 4)] for r in rows if key in r["metrics"]]
 
 
-def evaluate(run_dir: Path, data: Path, name: str, threads: int) -> dict[str, float]:
+def evaluate(run_dir: Path, data: Path, name: str, plan: Plan) -> dict[str, float]:
     """evaluate.py's k-NN (k=20) and linear probe of the run's export: {knn, linear}."""
     out = run_dir / f"evaluate-{name}.json"
-    run_command([sys.executable, "launch/evaluate.py", "--from", run_dir, "--data", data, "--name", name,
-                 "--json", out], run_dir.parent / f"{run_dir.name}.evaluate-{name}.log", threads)
+    plan.run([sys.executable, "launch/evaluate.py", "--from", run_dir, "--data", data, "--name", name, "--json", out],
+             run_dir.parent / f"{run_dir.name}.evaluate-{name}.log")
     metrics = json.loads(out.read_text())[-1]["metrics"]
     return {"knn": round(metrics["knn_top1"], 4), "linear": round(metrics["linear_top1"], 4)}
 
@@ -218,6 +237,13 @@ class Plan:
     data: dict[str, Path]
     runs: Path
     threads: int
+    ablation: str | None = None
+    ablation_overrides: tuple[str, ...] = ()
+    progress: Progress | None = None
+
+    def run(self, argv: list[Any], log: Path) -> float:
+        """run_command with the plan's threads and progress line."""
+        return run_command(argv, log, self.threads, self.progress)
 
     def overrides(self, seed: int, run_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:
         out = [f"train.seed={seed}", f"run.dir={run_dir}", f"tracking.experiment={EXPERIMENT}", *BUDGETS[self.budget]]
@@ -236,14 +262,16 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
-def preset_sha(*paths: str) -> str:
-    """What a row was measured with: the first 12 hex digits of the sha256 of the config files' bytes (the table
-    averages only the seeds of one preset)."""
+def preset_sha(*paths: str, overrides: tuple[str, ...] = ()) -> str:
+    """What a row was measured with: the first 12 hex digits of the sha256 of the config files' settings (their
+    YAML as sorted JSON: a comment edited in a header changes nothing) and an ablation's overrides; the table
+    averages only the seeds of one preset."""
     import hashlib
 
     digest = hashlib.sha256()
     for path in paths:
-        digest.update((ROOT / path).read_bytes())
+        digest.update(json.dumps(_read_yaml(ROOT / path), sort_keys=True).encode())
+    digest.update("\n".join(overrides).encode())
     return digest.hexdigest()[:12]
 
 
@@ -254,15 +282,17 @@ def train_images(folder: Path) -> int:
 def bench_recipe(name: str, seed: int, plan: Plan) -> dict[str, Any]:
     """Pretrain one recipe, judge it, fine-tune from it: its figures (one CSV row)."""
     recipe, data = RECIPES[name], plan.data[""]
-    run_dir = fresh(plan.runs / f"{name}-s{seed}")
+    tag = f"{name}-{plan.ablation}" if plan.ablation else name
+    run_dir = fresh(plan.runs / f"{tag}-s{seed}")
     argv = [sys.executable, "launch/pretrain.py", "--config", recipe.preset, f"data.path={data}",
             f"eval.sets.{SET_NAME}={data}", f"eval.memory_samples={CURVE_MEMORY}",
-            *plan.overrides(seed, run_dir, recipe.smoke)]
-    seconds = run_command(argv, plan.runs / f"{name}-s{seed}.log", plan.threads)
+            *plan.overrides(seed, run_dir, recipe.smoke), *plan.ablation_overrides]
+    seconds = plan.run(argv, plan.runs / f"{tag}-s{seed}.log")
     knn_key = f"eval/{SET_NAME}/knn_top1"
     figures: dict[str, Any] = {
         "recipe": name, "seed": seed, "budget": plan.budget, "smoke": plan.smoke, "preset": recipe.preset,
-        "preset_sha": preset_sha(recipe.preset, FINETUNE),
+        "preset_sha": preset_sha(recipe.preset, FINETUNE, overrides=plan.ablation_overrides),
+        **({"ablation": plan.ablation, "overrides": list(plan.ablation_overrides)} if plan.ablation else {}),
         "run_dir": str(run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir),
         "steps": _read_yaml(run_dir / "config.yaml")["train"]["steps"],
         "epochs": plan.epochs(run_dir, train_images(data)), "pretrain_s": round(seconds, 1),
@@ -273,14 +303,14 @@ def bench_recipe(name: str, seed: int, plan: Plan) -> dict[str, Any]:
         figures["top1"] = last_metric(run_dir, "eval/top1")
     if "probe" in plan.stages:
         for key, folder in (("", plan.data[""]), ("_1pct", plan.data["1pct"])):
-            found = evaluate(run_dir, folder, SET_NAME + key.replace("_", "-"), plan.threads)
+            found = evaluate(run_dir, folder, SET_NAME + key.replace("_", "-"), plan)
             figures.update({f"{k}{key}": v for k, v in found.items()})
     if "finetune" in plan.stages and recipe.self_supervised:
         for figure, labels in FINETUNE_FRACTIONS.items():
-            ft_dir = fresh(plan.runs / f"{name}-s{seed}-{figure}")
+            ft_dir = fresh(plan.runs / f"{tag}-s{seed}-{figure}")
             argv = [sys.executable, "launch/finetune.py", "--config", FINETUNE, "--from", run_dir, "--res", "28",
                     f"data.path={plan.data[labels]}", "finetune.head_init=model", *plan.overrides(seed, ft_dir)]
-            figures[f"{figure}_s"] = round(run_command(argv, plan.runs / f"{ft_dir.name}.log", plan.threads), 1)
+            figures[f"{figure}_s"] = round(plan.run(argv, plan.runs / f"{ft_dir.name}.log"), 1)
             figures[figure] = last_metric(ft_dir, "eval/top1")
     return figures
 
@@ -294,7 +324,7 @@ def bench_scratch(seed: int, plan: Plan) -> dict[str, Any]:
         run_dir = fresh(plan.runs / f"scratch-s{seed}-{figure}")
         argv = [sys.executable, "launch/pretrain.py", "--config", FINETUNE, f"data.path={plan.data[labels]}",
                 *plan.overrides(seed, run_dir)]
-        figures[f"{figure}_s"] = round(run_command(argv, plan.runs / f"{run_dir.name}.log", plan.threads), 1)
+        figures[f"{figure}_s"] = round(plan.run(argv, plan.runs / f"{run_dir.name}.log"), 1)
         figures[figure] = last_metric(run_dir, "eval/top1")
     figures["steps"] = _read_yaml(run_dir / "config.yaml")["train"]["steps"]
     return figures
@@ -343,12 +373,12 @@ def bench_random_vit(plan: Plan) -> dict[str, Any]:
     argv = [sys.executable, "launch/pretrain.py", "--config", RECIPES["supervised"].preset,
             f"data.path={plan.data['']}", *plan.overrides(0, run_dir),
             "train.steps=1", "train.lr=0", "train.min_lr=0", "train.warmup_steps=0", "train.eval_every=0"]
-    run_command(argv, plan.runs / "random-vit.log", plan.threads)
+    plan.run(argv, plan.runs / "random-vit.log")
     figures: dict[str, Any] = {"recipe": "random-vit", "budget": plan.budget, "smoke": plan.smoke,
                                "preset": RECIPES["supervised"].preset,
                                "preset_sha": preset_sha(RECIPES["supervised"].preset)}
     for key, folder in (("", plan.data[""]), ("_1pct", plan.data["1pct"])):
-        found = evaluate(run_dir, folder, SET_NAME + key.replace("_", "-"), plan.threads)
+        found = evaluate(run_dir, folder, SET_NAME + key.replace("_", "-"), plan)
         figures.update({f"{k}{key}": v for k, v in found.items()})
     return figures
 
@@ -370,9 +400,19 @@ def bench_quality(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --stages {args.stages}: expected pretrain, probe, finetune")
     if args.seeds < 1:
         raise SystemExit("error: --seeds must be at least 1")
+    if bool(args.quality_overrides) != bool(args.ablation):
+        raise SystemExit("error: --set and --ablation go together: an ablation's rows are named by --ablation")
+    if args.ablation and not args.ablation.replace("-", "").replace("_", "").isalnum():
+        raise SystemExit(f"error: --ablation {args.ablation!r}: letters, digits, - and _ (it names run directories)")
     threads = args.quality_threads or os.cpu_count() or 1
     runs = args.runs_dir / (f"{args.budget}-smoke" if args.smoke else args.budget)
-    plan = Plan(args.budget, args.smoke, stages, prepare_data(args.data_dir, args.smoke), runs, threads)
+    baselines = not args.no_baselines and not args.ablation
+    scratch = "finetune" in stages and not args.ablation and any(RECIPES[r].self_supervised for r in recipes)
+    per_seed = 2 * scratch + sum(1 + 2 * ("probe" in stages) + 2 * ("finetune" in stages and RECIPES[r].self_supervised)
+                                 for r in recipes)
+    progress = Progress(3 * baselines + args.seeds * per_seed, t0=time.perf_counter())
+    plan = Plan(args.budget, args.smoke, stages, prepare_data(args.data_dir, args.smoke), runs, threads,
+                args.ablation, tuple(args.quality_overrides), progress)
     command = "python launch/bench.py " + " ".join(sys.argv[1:])
 
     def record(figures: dict[str, Any]) -> None:
@@ -381,12 +421,12 @@ def bench_quality(args: argparse.Namespace) -> None:
             append_result("quality", figures, args.csv)
         print(f"[quality] row: {json.dumps({k: v for k, v in figures.items() if k != 'curve'})}", flush=True)
 
-    t0 = time.perf_counter()
-    if not args.no_baselines:
+    t0 = progress.t0
+    if baselines:
         record(bench_pixels(plan))
         record(bench_random_vit(plan))
     for seed in range(args.seeds):
-        if "finetune" in stages and any(RECIPES[r].self_supervised for r in recipes):
+        if scratch:
             record(bench_scratch(seed, plan))
         for name in recipes:
             print(f"[quality] {name}, seed {seed} ({time.perf_counter() - t0:.0f} s so far)", flush=True)

@@ -47,8 +47,9 @@ def latest(rows: list[dict[str, str]]) -> dict[tuple[str, bool], dict[str, list[
     grouped: dict[tuple[str, bool], dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
         if row["bench"] == "quality" and (f := _figures(row)).get("recipe"):
-            grouped[(f.get("budget", "cpu"), bool(f.get("smoke")))][f["recipe"]].append(dict(f, date=row["date"],
-                                                                                          hardware=row["hardware"]))
+            name = f["recipe"] + (f" ({f['ablation']})" if f.get("ablation") else "")  # an ablation: a line apart
+            grouped[(f.get("budget", "cpu"), bool(f.get("smoke")))][name].append(dict(f, date=row["date"],
+                                                                                   hardware=row["hardware"]))
     out: dict[tuple[str, bool], dict[str, list[dict[str, Any]]]] = {}
     for key, recipes in grouped.items():
         out[key] = {}
@@ -80,7 +81,9 @@ def _minutes(runs: list[dict[str, Any]], key: str) -> str:
 
 
 def table(recipes: dict[str, list[dict[str, Any]]]) -> list[str]:
-    names = [n for n in ORDER if n in recipes] + sorted(n for n in recipes if n not in ORDER)
+    # The baselines and recipes in ORDER, each recipe's ablations after it ("dinov2 (no-ibot)").
+    names = sorted(recipes, key=lambda n: (ORDER.index(n.split(" ")[0]) if n.split(" ")[0] in ORDER else len(ORDER),
+                                           n))
     out = ["| recipe | seeds | steps (epochs) | pretraining | " + " | ".join(t for _, t in COLUMNS) + " |",
            "| --- | --- | --- | --- | " + " | ".join("---" for _ in COLUMNS) + " |"]
     for name in names:
@@ -137,6 +140,10 @@ def section(rows: list[dict[str, str]]) -> list[str]:
                 f"{any_run['hardware']}, {max(r['date'] for runs in recipes.values() for r in runs)}; "
                 f"the command of the newest row:", "", "```", any_run.get("command", ""), "```", ""]
         out += table(recipes) + [""]
+        ablations = {n: runs[-1]["overrides"] for n, runs in recipes.items() if runs[-1].get("overrides")}
+        if ablations:
+            out += ["Ablations (the preset with these overrides; `bench.py quality --ablation NAME --set KEY=VALUE`):",
+                    ""] + [f"- {n}: " + ", ".join(f"`{o}`" for o in ov) for n, ov in sorted(ablations.items())] + [""]
         if not smoke and budget == "cpu":
             out += ["Targets (issue 69, CPU budget):", ""] + targets(recipes) + [""]
     out += ["Published (Fashion-MNIST's benchmark table, test top-1): "

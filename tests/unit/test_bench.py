@@ -455,8 +455,12 @@ def test_the_quality_table_averages_the_seeds_of_the_newest_preset_and_judges_th
                 pretrain_s=660),
             row("2026-01-02", recipe="scratch", seed=0, preset_sha="ft", ft10=0.80, ft100=0.90, steps=5),
             row("2026-01-02", recipe="dinov2", seed=0, preset_sha="d", knn=0.86, linear=0.85, ft10=0.84, steps=9),
+            row("2026-01-02", recipe="dinov2", seed=0, preset_sha="a", knn=0.80, steps=9, ablation="no-ibot",
+                overrides=["dino.ibot_loss_weight=0"]),
             row("2026-01-03", recipe="dinov2", seed=0, preset_sha="s", smoke=True, knn=0.1, steps=4)]
     page = render(rows)
+    assert "| dinov2 (no-ibot) | 1 | 9 |  | 80.0 |" in page and "- dinov2 (no-ibot): `dino.ibot_loss_weight=0`" in page
+    assert page.index("| dinov2 |") < page.index("| dinov2 (no-ibot) |") < page.index("| ViT from random weights |")
     assert "| supervised | 2 | 100 (1.0) | 10 min |" in page and "| 92.0 ± 1.0 |" in page  # not the old preset's 50
     assert "| raw pixels |  |  |  | 84.6 | 83.6 | 70.0 | 78.0 |" in page
     assert "| supervised ViT from scratch >= the 2-layer conv net | 92.0% | yes |" in page
