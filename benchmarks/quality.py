@@ -186,6 +186,7 @@ def run_command(argv: list[str], log: Path, threads: int, progress: Progress | N
         assert proc.stdout is not None
         for line in proc.stdout:
             f.write(line)
+            f.flush()  # the log follows the run (tail -f), not the end of its buffer
             if line.startswith(SHOWN):
                 print(f"    {line.rstrip()}", flush=True)
         code = proc.wait()
@@ -275,6 +276,11 @@ def preset_sha(*paths: str, overrides: tuple[str, ...] = ()) -> str:
     return digest.hexdigest()[:12]
 
 
+def recipe_sha(recipe: Recipe, overrides: tuple[str, ...] = ()) -> str:
+    """A recipe row's preset_sha: its preset, and the fine-tune config where it is fine-tuned."""
+    return preset_sha(recipe.preset, *([FINETUNE] if recipe.self_supervised else []), overrides=overrides)
+
+
 def train_images(folder: Path) -> int:
     return int(json.loads((folder / "dataset.json").read_text())["splits"]["train"]["num_samples"])
 
@@ -291,7 +297,7 @@ def bench_recipe(name: str, seed: int, plan: Plan) -> dict[str, Any]:
     knn_key = f"eval/{SET_NAME}/knn_top1"
     figures: dict[str, Any] = {
         "recipe": name, "seed": seed, "budget": plan.budget, "smoke": plan.smoke, "preset": recipe.preset,
-        "preset_sha": preset_sha(recipe.preset, FINETUNE, overrides=plan.ablation_overrides),
+        "preset_sha": recipe_sha(recipe, plan.ablation_overrides),
         **({"ablation": plan.ablation, "overrides": list(plan.ablation_overrides)} if plan.ablation else {}),
         "run_dir": str(run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir),
         "steps": _read_yaml(run_dir / "config.yaml")["train"]["steps"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -472,3 +473,16 @@ def test_the_quality_table_averages_the_seeds_of_the_newest_preset_and_judges_th
     assert quality_render.draw(rows, tmp_path / "q.png") and (tmp_path / "q.png").stat().st_size > 1000
     assert not quality_render.draw(rows[:2], tmp_path / "none.png")  # no curve: no picture, none promised
     assert f"]({quality_render.PICTURE})" not in render(rows[:2])
+
+
+def test_quality_refuses_bad_arguments_in_one_line_before_any_work(tmp_path):
+    bench = _launch_bench()
+    cases = {("--recipes", "supervised,byol"): "--recipes supervised,byol: expected a comma-separated list of",
+             ("--stages", "pretrain,train"): "--stages pretrain,train: expected pretrain, probe, finetune",
+             ("--set", "dino.koleo_loss_weight=0"): "--set and --ablation go together",
+             ("--ablation", "../x", "--set", "a=1"): "letters, digits, - and _",
+             ("--seeds", "0"): "--seeds must be at least 1"}
+    for argv, message in cases.items():
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            bench.main(["--csv", str(tmp_path / "q.csv"), "quality", "--data-dir", str(tmp_path / "data"), *argv])
+    assert not (tmp_path / "data").exists() and not (tmp_path / "q.csv").exists()
