@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -91,6 +92,26 @@ class Figures:
     width: int  # D
     batch_entropy: float | None = None  # H_B
     loss: float | None = None  # L
+
+    @classmethod
+    def of_sums(cls, sums: dict[str, float], rank: float, width: int) -> Figures:
+        """The figures from the objective's sums since the last evaluation (DINOv2.SINCE: entropy, micro_batches,
+        loss, batch_entropy, steps); a mean over nothing, or not finite, is None."""
+        def mean(name: str, count: str) -> float | None:
+            value = sums[name] / sums[count] if sums[count] > 0 else math.nan
+            return value if math.isfinite(value) else None
+
+        return cls(mean("entropy", "micro_batches"), rank, width, mean("batch_entropy", "steps"),
+                   mean("loss", "micro_batches"))
+
+
+def write_warning(run_dir: Path, step: int, warning: str) -> Path:
+    """run_dir/warnings/collapse_stepNNNNNNNN.txt: what MLflow shows under Artifacts, warnings/, beside
+    eval/collapse_warning = 1."""
+    path = run_dir / "warnings" / f"collapse_step{step:08d}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"step {step}: {warning}\n")
+    return path
 
 
 @dataclass

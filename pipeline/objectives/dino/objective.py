@@ -31,7 +31,7 @@ from pipeline.model.vit import architecture, model_flops, model_kwargs_from_conf
 from pipeline.objectives.adapt import backbone_lr_schedule, wants_roles
 from pipeline.objectives.base import EvalResult, Objective, TrainView
 from pipeline.objectives.dino.anchor import source_anchor
-from pipeline.objectives.dino.collapse import CollapseMonitor, Figures
+from pipeline.objectives.dino.collapse import CollapseMonitor, Figures, write_warning
 from pipeline.objectives.dino.evaluate import evaluate_teacher
 from pipeline.objectives.dino.loss import DINOLoss, KoLeoLoss, iBOTPatchLoss
 from pipeline.objectives.dino.masked import mask_bound, masked_rows, masked_weights
@@ -101,10 +101,8 @@ class DINOv2(Objective):
         self._sums: dict[str, torch.Tensor] = {}  # this step's teacher outputs for the centres: sum, count
         self._window: torch.Tensor | None = None  # train_metrics: per-term sums on the device since the last log
         self._window_names: list[str] = []  # what each entry of _window is (its last: the micro batch count)
-        # The collapse monitor's figures since the last evaluation, summed on the device (collapse.py): the
-        # teacher's target entropy and the loss over the micro batches, the entropy of the global batch's
-        # mean target over the steps (SINCE says which entry is which). Rank 0 holds a resumed run's saved
-        # sums (state_dict all-reduces them).
+        # The collapse monitor's sums since the last evaluation, on the device (SINCE says which entry is
+        # which; collapse.py). Rank 0 holds a resumed run's saved sums (state_dict all-reduces them).
         self._entropy: torch.Tensor | None = None
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")  # the engine's (before_step says): where collectives of the objective's own run
@@ -349,14 +347,7 @@ class DINOv2(Objective):
         metrics, image = evaluate_teacher(self.teacher, self.val_loader, self.knn_loader, self.cfg, engine.device,
                                           run_dir, step, self.d)
         sums = dict(zip(self.SINCE, self._entropy_sum(engine.device).tolist()))  # one read
-
-        def mean(name: str, count: str) -> float | None:
-            value = sums[name] / sums[count] if sums[count] > 0 else math.nan
-            return value if math.isfinite(value) else None
-
-        figures = Figures(mean("entropy", "micro_batches"), metrics["eval/effective_rank"],
-                          self.teacher.backbone.embed_dim, mean("batch_entropy", "steps"),
-                          mean("loss", "micro_batches"))
+        figures = Figures.of_sums(sums, metrics["eval/effective_rank"], self.teacher.backbone.embed_dim)
         if figures.entropy is not None:
             metrics["eval/teacher_entropy"] = figures.entropy
         if figures.batch_entropy is not None:
@@ -369,11 +360,8 @@ class DINOv2(Objective):
         artifacts = [(image, "pca")] if image is not None else []
         if warning is not None:
             line += f"\nwarning: {warning}"
-            if run_dir is not None:  # MLflow shows it under Artifacts, warnings/, beside eval/collapse_warning = 1
-                path = run_dir / "warnings" / f"collapse_step{step:08d}.txt"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(f"step {step}: {warning}\n")
-                artifacts.append((path, "warnings"))
+            if run_dir is not None:
+                artifacts.append((write_warning(run_dir, step, warning), "warnings"))
         return EvalResult(metrics, line, artifacts)
 
     @contextmanager
