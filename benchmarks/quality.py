@@ -106,7 +106,7 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
 def prepare_data(data_dir: Path, smoke: bool) -> dict[str, Path]:
     """The labelled set, 10% and 1% of its train labels (the val split whole): {'' | '10pct' | '1pct': folder}.
     Written once; a folder that holds a dataset.json is reused."""
-    from pipeline.data.idx import FASHION_MNIST_DIR, fashion_mnist_source, idx_source
+    from pipeline.data.idx import fashion_mnist_source
     from pipeline.data.shards import write_dataset
     from pipeline.data.sources import keep_train_fraction
 
@@ -114,10 +114,9 @@ def prepare_data(data_dir: Path, smoke: bool) -> dict[str, Path]:
     folders = {"": data_dir / name, "10pct": data_dir / f"{name}-10pct", "1pct": data_dir / f"{name}-1pct"}
     if all((f / "dataset.json").exists() for f in folders.values()):
         return folders
+    source = fashion_mnist_source()
     if smoke:
-        source = idx_source(write_smoke_idx(Path(FASHION_MNIST_DIR), data_dir / f"{name}-idx"))
-    else:
-        source = fashion_mnist_source()
+        source = first_per_class(source, dict(zip(("train", "val"), SMOKE_PER_CLASS)))
     for key, folder in folders.items():
         if (folder / "dataset.json").exists():
             continue
@@ -127,27 +126,21 @@ def prepare_data(data_dir: Path, smoke: bool) -> dict[str, Path]:
     return folders
 
 
-def write_smoke_idx(src: Path, out: Path) -> Path:
-    """The first SMOKE_PER_CLASS images of each class of the real set, as IDX files (the smoke reads them with
-    `idx:` as the full run reads the package's)."""
-    import gzip
-    import struct
+def first_per_class(source: Any, per_split: dict[str, int]) -> Any:
+    """The source with the first `per_split[split]` images of each class of each split: the smoke's set."""
+    import dataclasses
+    from collections import Counter
 
-    import numpy as np
+    def first(items: list[Any], n: int) -> list[Any]:
+        kept, seen = [], Counter()
+        for it in items:
+            seen[it.label] += 1
+            if seen[it.label] <= n:
+                kept.append(it)
+        return kept
 
-    from pipeline.data.idx import _find, read_idx
-
-    if not src.is_dir():
-        raise RuntimeError(f"{src} does not exist: apt-get install dataset-fashion-mnist (make test installs it)")
-    out.mkdir(parents=True, exist_ok=True)
-    for split, (prefix, per_class) in {"train": ("train", SMOKE_PER_CLASS[0]),
-                                       "val": ("t10k", SMOKE_PER_CLASS[1])}.items():
-        images, labels = read_idx(_find(src, split, "images")), read_idx(_find(src, split, "labels"))
-        keep = np.sort(np.concatenate([np.flatnonzero(labels == c)[:per_class] for c in np.unique(labels)]))
-        for kind, array in (("images", images[keep]), ("labels", labels[keep])):
-            header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-            (out / f"{prefix}-{kind}-idx{array.ndim}-ubyte.gz").write_bytes(gzip.compress(header + array.tobytes()))
-    return out
+    return dataclasses.replace(source, name=f"{source.name}, first of each class",
+                               splits={k: first(v, per_split[k]) for k, v in source.splits.items()})
 
 
 # ----------------------------------------------------------------------------- running the commands
@@ -250,11 +243,6 @@ class Plan:
         out = [f"train.seed={seed}", f"run.dir={run_dir}", f"tracking.experiment={EXPERIMENT}", *BUDGETS[self.budget]]
         return out + ([*SMOKE, *extra] if self.smoke else [])
 
-    @staticmethod
-    def epochs(run_dir: Path, train_images: int) -> float:
-        """Passes over the train split: steps x global batch / its images."""
-        train = _read_yaml(run_dir / "config.yaml")["train"]
-        return round(train["steps"] * train["global_batch_size"] / train_images, 2)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -295,13 +283,14 @@ def bench_recipe(name: str, seed: int, plan: Plan) -> dict[str, Any]:
             *plan.overrides(seed, run_dir, recipe.smoke), *plan.ablation_overrides]
     seconds = plan.run(argv, plan.runs / f"{tag}-s{seed}.log")
     knn_key = f"eval/{SET_NAME}/knn_top1"
+    train = _read_yaml(run_dir / "config.yaml")["train"]  # the run's resolved steps and global batch
     figures: dict[str, Any] = {
         "recipe": name, "seed": seed, "budget": plan.budget, "smoke": plan.smoke, "preset": recipe.preset,
         "preset_sha": recipe_sha(recipe, plan.ablation_overrides),
         **({"ablation": plan.ablation, "overrides": list(plan.ablation_overrides)} if plan.ablation else {}),
         "run_dir": str(run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir),
-        "steps": _read_yaml(run_dir / "config.yaml")["train"]["steps"],
-        "epochs": plan.epochs(run_dir, train_images(data)), "pretrain_s": round(seconds, 1),
+        "steps": train["steps"], "epochs": round(train["steps"] * train["global_batch_size"] / train_images(data), 2),
+        "pretrain_s": round(seconds, 1),
         "images_per_s": round(last_metric(run_dir, "perf/images_per_s") or 0.0, 1),
         "curve": curve(run_dir, knn_key), "knn_curve_memory": CURVE_MEMORY,
     }

@@ -8,10 +8,11 @@ averaged with the runs of the old one.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from benchmarks.results import figures_of
 
 PICTURE = "img/quality.png"  # from docs/benchmarks.md: docs/img/quality.png
 ORDER = ("pixels", "random-vit", "supervised", "mae", "dinov2", "dinov3", "scratch")
@@ -34,19 +35,11 @@ TARGETS = (  # issue 69, CPU budget: (what, recipe, figure, at least, against: (
 )
 
 
-def _figures(row: dict[str, str]) -> dict[str, Any]:
-    try:
-        figures = json.loads(row["figures"])
-    except ValueError:
-        return {}
-    return figures if isinstance(figures, dict) else {}
-
-
 def latest(rows: list[dict[str, str]]) -> dict[tuple[str, bool], dict[str, list[dict[str, Any]]]]:
     """{(budget, smoke): {recipe: the figures of its newest preset, one per seed}} of the quality rows."""
     grouped: dict[tuple[str, bool], dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
-        if row["bench"] == "quality" and (f := _figures(row)).get("recipe"):
+        if row["bench"] == "quality" and (f := figures_of(row)).get("recipe"):
             name = f["recipe"] + (f" ({f['ablation']})" if f.get("ablation") else "")  # an ablation: a line apart
             grouped[(f.get("budget", "cpu"), bool(f.get("smoke")))][name].append(dict(f, date=row["date"],
                                                                                    hardware=row["hardware"]))
@@ -63,12 +56,17 @@ def latest(rows: list[dict[str, str]]) -> dict[tuple[str, bool], dict[str, list[
     return out
 
 
+def values_of(runs: list[dict[str, Any]], key: str) -> list[float]:
+    """The figure `key` of each run that has it."""
+    return [float(r[key]) for r in runs if r.get(key) is not None]
+
+
 def mean_spread(values: list[float]) -> tuple[float, float]:
     return sum(values) / len(values), (max(values) - min(values)) / 2
 
 
 def cell(runs: list[dict[str, Any]], key: str) -> str:
-    values = [float(r[key]) for r in runs if r.get(key) is not None]
+    values = values_of(runs, key)
     if not values:
         return ""
     mean, spread = mean_spread(values)
@@ -76,7 +74,7 @@ def cell(runs: list[dict[str, Any]], key: str) -> str:
 
 
 def _minutes(runs: list[dict[str, Any]], key: str) -> str:
-    values = [float(r[key]) for r in runs if r.get(key) is not None]
+    values = values_of(runs, key)
     return f"{sum(values) / len(values) / 60:.0f} min" if values else ""
 
 
@@ -99,7 +97,7 @@ def table(recipes: dict[str, list[dict[str, Any]]]) -> list[str]:
 def targets(recipes: dict[str, list[dict[str, Any]]]) -> list[str]:
     out = ["| target | measured | met |", "| --- | --- | --- |"]
     for what, recipe, key, at_least, against in TARGETS:
-        values = [float(r[key]) for r in recipes.get(recipe, []) if r.get(key) is not None]
+        values = values_of(recipes.get(recipe, []), key)
         if not values:
             out.append(f"| {what} | not measured | |")
             continue
@@ -107,7 +105,7 @@ def targets(recipes: dict[str, list[dict[str, Any]]]) -> list[str]:
         if against is None:
             out.append(f"| {what} | {100 * mean:.1f}% | {'yes' if mean >= at_least else 'no'} |")
             continue
-        base = [float(r[against[1]]) for r in recipes.get(against[0], []) if r.get(against[1]) is not None]
+        base = values_of(recipes.get(against[0], []), against[1])
         if not base:
             out.append(f"| {what} | {100 * mean:.1f}%, no {against[0]} row | |")
             continue

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import quality_render
-from benchmarks.results import RESULTS_CSV, ROOT
+from benchmarks.results import RESULTS_CSV, ROOT, figures_of
 
 DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
 ORDER = ["model", "engine", "e2e", "loader", "preemption", "scale", "scale-mix", "gpu"]  # the page's order; others follow
@@ -80,14 +80,6 @@ def _subject(bench: str, figures: dict[str, Any]) -> str:
     return ""
 
 
-def _figures(row: dict[str, str]) -> dict[str, Any]:
-    try:
-        figures = json.loads(row["figures"])
-    except ValueError:
-        return {"figures (not JSON)": row["figures"]}
-    return figures if isinstance(figures, dict) else {"figures": figures}
-
-
 def render(rows: list[dict[str, str]]) -> str:
     """The page's text for these CSV rows (in file order: the last row of a machine is its newest); the quality
     rows are one table of their own and a picture (benchmarks/quality_render.py)."""
@@ -95,7 +87,7 @@ def render(rows: list[dict[str, str]]) -> str:
     for row in rows:
         if row["bench"] == "quality":
             continue
-        subject = _subject(row["bench"], _figures(row))
+        subject = _subject(row["bench"], figures_of(row))
         by_bench[row["bench"]][row["hardware"] + (f": {subject}" if subject else "")].append(row)
     names = [n for n in ORDER if n in by_bench] + sorted(n for n in by_bench if n not in ORDER)
     out = ["# Benchmarks", "",
@@ -120,7 +112,7 @@ def render(rows: list[dict[str, str]]) -> str:
                     f"{row['date']}, torch {row['torch']}, DeepSpeed {row['deepspeed']}"
                     + (f" ({len(runs) - 1} earlier row(s) in the CSV)" if len(runs) > 1 else ""), "",
                     "```", row["command"], "```", "", "| figure | value |", "| --- | --- |"]
-            out += [f"| `{key}` | {text.replace('|', '/')} |" for key, text in _flatten(_figures(row))]
+            out += [f"| `{key}` | {text.replace('|', '/')} |" for key, text in _flatten(figures_of(row))]
     out += quality_render.section(rows)
     return "\n".join(out) + "\n"
 

@@ -103,3 +103,13 @@ def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
         print("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))))
         if i == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def figures_of(row: dict[str, str]) -> dict[str, Any]:
+    """A row's figures as a dict (a value that is not a JSON object is kept under one key, shown as it is)."""
+    try:
+        figures = json.loads(row["figures"])
+    except ValueError:
+        return {"figures (not JSON)": row["figures"]}
+    return figures if isinstance(figures, dict) else {"figures": figures}
+

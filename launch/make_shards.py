@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.data import DataError  # noqa: E402
-from pipeline.data.idx import fashion_mnist_source, idx_source  # noqa: E402
+from pipeline.data.idx import FASHION_MNIST_DIR, fashion_mnist_source, idx_source  # noqa: E402
 from pipeline.data.shards import (  # noqa: E402
     digits_source,
     folder_source,
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise DataError("--source idx:DIR needs the folder of the IDX files")
             source = idx_source(arg)
         elif kind == "fashion-mnist":
-            source = fashion_mnist_source(arg) if arg else fashion_mnist_source()
+            source = fashion_mnist_source(arg or FASHION_MNIST_DIR)
         else:
             raise DataError(f"unknown --source '{args.source}'; expected folder:PATH, idx:DIR, fashion-mnist, "
                             f"digits, synthetic or shards:PATTERN")
