@@ -78,10 +78,14 @@ def refusal(e: BaseException) -> str | None:
     ClientError of a PutObject), is an answer of the store that no retry changes (Permanent); None for a
     fault worth another attempt. A bucket policy that denies DeleteObject, a write-once bucket, a missing
     bucket or wrong credentials answer the same every time: retrying them only delays the line that says so."""
+    # By type: botocore raises its modeled subclasses of ClientError (AccessDenied, NoSuchKey, ...) for the codes
+    # the service model names, so a name check misses the very answer (a 403 AccessDenied) it exists for.
+    from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
+
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if type(e).__name__ in ("ClientError", "NoCredentialsError", "PartialCredentialsError"):
+        if isinstance(e, (ClientError, NoCredentialsError, PartialCredentialsError)):
             verdict = classify(e)
             return verdict.status if isinstance(verdict, Permanent) else None
         e = e.__cause__ or e.__context__  # type: ignore[assignment]

@@ -14,8 +14,10 @@ returns one of FAULTS or None (pass through). The faults:
     stall         headers and half the body, then nothing for `stall_s`, then a close (stall_s=None: no
                   close until the server is shut down, so only the client's read timeout can end it)
     stall_forever headers, then nothing until the server is shut down
-    403, 404, 408 that status with a short body (408 Request Timeout: a refusal worth a retry that botocore's
-                  own retries leave to ours, where a 503 or a 429 is retried inside botocore first)
+    403, 404, 408 that status with S3's error body (AccessDenied, NoSuchKey, RequestTimeout: botocore raises its
+                  modeled AccessDenied and NoSuchKey classes for the first two, as for a real store; 408 Request
+                  Timeout: a refusal worth a retry that botocore's own retries leave to ours, where a 503 or a 429
+                  is retried inside botocore first)
 
 `throttle_bps` slows every request body (an upload) to that many bytes per second, as a slow link would:
 the proxy reads it, then waits its length / throttle_bps before passing it on.
@@ -39,6 +41,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
+S3_CODES = {403: "AccessDenied", 404: "NoSuchKey", 408: "RequestTimeout", 503: "ServiceUnavailable"}
 FAULTS = ("503", "reset", "cut", "cut_nolength", "stall", "stall_forever", "403", "404", "408")
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
 
@@ -183,7 +186,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.closing.wait()
 
     def _status(self, code: int) -> None:
-        body = f"<Error><Code>{code}</Code></Error>".encode()
+        # S3's own error codes: botocore raises its modeled exception classes for some (AccessDenied, NoSuchKey),
+        # subclasses of ClientError, as it does for a real store's answer.
+        body = f"<Error><Code>{S3_CODES[code]}</Code><Message>fault {code}</Message></Error>".encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(body)))

@@ -289,7 +289,12 @@ def test_a_bucket_that_refuses_every_delete_ends_the_run_at_once_with_one_warnin
         nxt = mirror.RemoteLock(remote)
         nxt.take()  # the ended lease: at once
         nxt.release()
+        with pytest.raises(Exception) as refused:  # what botocore raises for it: its modeled AccessDenied class
+            s3.client(endpoint=proxy.url).delete_object(Bucket=BUCKET, Key="worm/lock.json")
     said = capfd.readouterr().err
+    from pipeline.remote.s3 import refusal
+
+    assert type(refused.value).__name__ == "AccessDenied" and refusal(refused.value) == "HTTP 403 AccessDenied"
     assert ended < 30 and said.count("pruning refused") == 1 and "; retry " not in said, (ended, said)
     assert prunes >= 1 and len(deletes) <= 5, (prunes, deletes)  # one refused DELETE per pruning and lock release
     last = ckpt.checkpoint_dir(run) / "step_0000003"
