@@ -46,6 +46,21 @@ def failure_said(uri: str, e: BaseException) -> str:
     return f"MLflow unreachable at {uri} ({type(e).__name__}: {text})"
 
 
+def refused_for_good(e: BaseException) -> bool:
+    """Whether MLflow answered (a code of its own, not an outage's): the same request gets the same answer, so a
+    refused start is not worth retrying (MLflow 3 answers a file: store INVALID_PARAMETER_VALUE, every time)."""
+    code = getattr(e, "error_code", None)
+    return isinstance(code, str) and code not in UNREACHED_CODES
+
+
+def remedy(uri: str) -> str:
+    """What to change, where the store's kind says it: MLflow 3 keeps file: stores read-only."""
+    if uri.startswith("file:") or "://" not in uri:
+        return (" (MLflow 3 takes no new runs in a file: store: set MLFLOW_TRACKING_URI=sqlite:///mlflow.db, or "
+                "MLFLOW_ALLOW_FILE_STORE=true to keep the file store)")
+    return ""
+
+
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'train': {'lr': 1}} -> {'train.lr': 1}: MLflow params. A list of named sections by name:
     data.sources [{'name': 'web', 'weight': 0.3}] -> {'data.sources.web.weight': 0.3}."""
@@ -118,7 +133,7 @@ class _MainTracker(Tracker):
         self.cfg, self.tcfg, self.run_dir = cfg, cfg.tracking, run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self._lock, self._wake, self._first_try = threading.Lock(), threading.Event(), threading.Event()
-        self._finished = self._stopping = self._connected = self._outage = False
+        self._finished = self._stopping = self._connected = self._outage = self._refused = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) inherits the atexit hook: not its job
         self.uri = tracking_uri() if self.tcfg.enabled else None
         rec = read_json(run_dir / RECORD_FILE)
@@ -159,7 +174,7 @@ class _MainTracker(Tracker):
     def _sync_loop(self) -> None:
         while True:
             stopping = self._stopping
-            if not self._connected and (stopping or time.monotonic() >= self._next_try):
+            if not self._connected and not self._refused and (stopping or time.monotonic() >= self._next_try):
                 self._attempt(self._connect)
                 self._first_try.set()
             if self._connected:
@@ -169,7 +184,7 @@ class _MainTracker(Tracker):
                     if self._monitor:
                         self._monitor.finish()
                 return
-            self._wake.wait(None if self._connected else max(0.1, self._next_try - time.monotonic()))
+            self._wake.wait(None if self._connected or self._refused else max(0.1, self._next_try - time.monotonic()))
             self._wake.clear()
 
     def _attempt(self, fn: Callable[[], Any]) -> None:
@@ -177,7 +192,12 @@ class _MainTracker(Tracker):
             fn()
         except Exception as e:  # noqa: BLE001 - anything the server or the network throws
             self._connected, self._next_try = False, time.monotonic() + self.tcfg.retry_s
-            if not self._outage:
+            if fn == self._connect and refused_for_good(e):  # refused at the start: said once, never retried
+                self._refused = True
+                say(f"{failure_said(self.uri, e)}; not retried: it would answer the same{remedy(self.uri)}; "
+                    f"training goes on, metrics keep going to {self.run_dir / METRICS_FILE}; replay them later with: "
+                    f"{SYNC_COMMAND} {self.run_dir}", err=True)
+            elif not self._outage:
                 self._outage = True
                 say(f"{failure_said(self.uri, e)}; training goes on, metrics keep going to {self.run_dir / METRICS_FILE}; retrying every "
                      f"{self.tcfg.retry_s:g}s; replay later with: {SYNC_COMMAND} {self.run_dir}", err=True)

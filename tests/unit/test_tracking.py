@@ -345,3 +345,26 @@ def test_a_refusal_of_mlflow_is_said_as_its_answer_not_as_an_outage() -> None:
         "for parameter 'key'")
     down = failure_said("http://mlflow:5000", ConnectionRefusedError(111, "Connection refused"))
     assert down.startswith("MLflow unreachable at http://mlflow:5000 (ConnectionRefusedError: "), down
+
+
+def test_a_file_store_refusing_the_run_is_said_once_with_the_fix_and_not_retried(tmp_path, monkeypatch, capsys):
+    """MLflow 3 answers a file: tracking URI INVALID_PARAMETER_VALUE ("maintenance mode") on every call: before,
+    the thread retried it every tracking.retry_s for the whole run. Now: said once, with the store to use, never
+    tried again; the run's metrics stay in metrics.jsonl for sync_mlflow.py."""
+    from pipeline.tracking import sync
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
+    calls = []
+    connect = sync.Syncer.connect
+    monkeypatch.setattr(sync.Syncer, "connect", lambda self: calls.append(1) or connect(self))
+    tracker = start_tracking(make_cfg(timeout_s=5.0, retry_s=0.1), tmp_path / "run", is_main=True, world_size=1)
+    for step in range(10):
+        tracker.log_metrics({"loss": 1.0}, step=step)
+        time.sleep(0.05)  # five retry periods
+    tracker.finish()
+    err = capsys.readouterr().err
+    assert len(calls) == 1, (calls, err)
+    assert err.count("not retried") == 1 and "answered INVALID_PARAMETER_VALUE" in err, err
+    assert "MLFLOW_TRACKING_URI=sqlite:///mlflow.db" in err and "MLflow unreachable" not in err, err
+    assert len(jsonl(tmp_path / "run" / METRICS_FILE)) == 10
