@@ -141,6 +141,11 @@ class Objective:
         them over the ranks and logs them as train/<name>. Same names on every rank; none by default."""
         return {}
 
+    def lr_metrics(self, groups: list[dict[str, Any]]) -> dict[str, float]:  # noqa: ARG002 - the overrides' signature
+        """At each log step: learning rates of the objective's own, beside train/lr (the run's schedule), from the
+        optimizer's parameter groups; logged as train/<name>. None by default."""
+        return {}
+
     # -- evaluation, cost, state
     def evaluate(self, engine: Any, dtype: torch.dtype, run_dir: Path | None, step: int) -> EvalResult:
         """Collective: every rank runs the same number of forward passes. `run_dir` is set on rank 0 only."""

@@ -376,6 +376,7 @@ class Trainer:
         metrics = {"train/loss": window[0] / max(micro_count * world, 1),
                    **{f"train/{name}": v / world for name, v in zip(own, window[1:])},
                    "train/lr": peak_group_lr(self.optimizer.param_groups),
+                   **{f"train/{k}": v for k, v in self.objective.lr_metrics(self.optimizer.param_groups).items()},
                    "train/nonfinite_skipped": nonfinite_total,
                    **{f"perf/{k}": v for k, v in meter.read().items()},
                    "data/bad_samples": float(sum(self.train_loader.bad_counts().values())),

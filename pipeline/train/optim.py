@@ -144,6 +144,11 @@ def peak_group_lr(groups: list[dict[str, Any]]) -> float:
     return peak[0] if peak else max(g["lr"] for g in groups)
 
 
+def role_lr(groups: list[dict[str, Any]], role: str) -> float:
+    """The current lr of a role's parameters: the largest of its groups' (lr_scale 1, the head's, under layer decay)."""
+    return max(g["lr"] for g in groups if g.get("role") == role)
+
+
 def apply_hparams(groups: list[dict[str, Any]], built: list[dict[str, Any]], scheduler: Any, cfg: TrainConfig,
                   depth: int) -> None:
     """Make a resumed optimizer and schedule follow `cfg`: a checkpoint restores every group's lr, weight

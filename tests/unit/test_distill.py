@@ -245,6 +245,8 @@ def test_two_students_on_one_teacher_forward_end_where_each_alone_ends(data, tea
     both, model, engine = distil(f"{vit[:-1]}, lr_scale: 0.5}}, {cnn}")
     vit_lrs = {g["lr"] for g in param_groups(model, both.cfg.train, 0) if g.get("role") == "student_vit"}
     assert vit_lrs == {5e-4}  # the role's groups at half train.lr
+    # each student's lr logged (train/<name>/lr), not only the largest as train/lr
+    assert both.lr_metrics(param_groups(model, both.cfg.train, 0)) == {"vit/lr": 5e-4, "cnn/lr": 1e-3}
     assert both.teacher_forwards == 5  # once per micro batch, for both students
     assert set(both.train_metrics()) == {"vit/cls_loss", "vit/patch_loss", "cnn/cls_loss", "cnn/patch_loss"}
     exports = both.extra_exports(engine)

@@ -54,6 +54,7 @@ from pipeline.objectives.distill.student import (
 from pipeline.objectives.distill.teacher import Teacher
 from pipeline.train import ds_compat
 from pipeline.train.checkpoint import consolidate, full_fp32_state_dict
+from pipeline.train.optim import role_lr
 
 
 class Distill(Objective):
@@ -262,6 +263,11 @@ class Distill(Objective):
     def train_metrics(self) -> dict[str, torch.Tensor]:
         window, count, self._window, self._count = self._window, self._count, {}, 0
         return {name: value / max(count, 1) for name, value in window.items()}
+
+    def lr_metrics(self, groups: list[dict[str, Any]]) -> dict[str, float]:
+        """Two or more students: each one's lr (train/<name>/lr, beside its losses), its lr_scale on the schedule;
+        train/lr alone is the largest of them (every group has a student's role)."""
+        return {f"{name}/lr": role_lr(groups, f"student_{name}") for name in self.names} if len(self.names) > 1 else {}
 
     # -- evaluation
     @contextmanager
