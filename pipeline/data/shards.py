@@ -205,15 +205,33 @@ class _Encode:
         return _encode_safe(self.encode, item)
 
 
+_worker_encode: _Encode | None = None
+"""In a --workers process only: the source's encoder, sent once when the process starts (`_start_worker`)."""
+
+
+def _start_worker(encode: Callable[[Item], tuple[Any, ...]]) -> None:
+    global _worker_encode
+    _worker_encode = _Encode(encode)
+
+
+def _encode_in_worker(item: Item) -> tuple[str, bytes, pixels.SampleInfo] | str:
+    assert _worker_encode is not None, "a make_shards worker started without its encoder"
+    return _worker_encode(item)
+
+
 def _encoded(source: Source, items: list[Item], workers: int
              ) -> Iterator[tuple[str, bytes, pixels.SampleInfo] | str]:
-    fn = _Encode(source.encode)
     if workers <= 1:
-        yield from map(fn, items)
+        yield from map(_Encode(source.encode), items)
         return
     import multiprocessing as mp
-    with mp.get_context("fork").Pool(workers) as pool:
-        yield from pool.imap(fn, items, chunksize=16)  # ordered: the output does not depend on --workers
+    # forkserver, not fork: a fork copies this process with its other threads (an upload's, a progress bar's, a
+    # library's), and a lock one of them holds at that instant stays held in the child for good, which then
+    # waits on it forever (pipeline/signals.py, worker_context, says where that was seen). The server is a fresh
+    # single-threaded interpreter. The encoder goes to each worker once (initargs), not with every chunk: an
+    # in-memory source (IDX's arrays) is tens of MB.
+    with mp.get_context("forkserver").Pool(workers, initializer=_start_worker, initargs=(source.encode,)) as pool:
+        yield from pool.imap(_encode_in_worker, items, chunksize=16)  # ordered: the output does not depend on --workers
 
 
 def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import io
 import json
+import dataclasses
 import subprocess
 import sys
 import tarfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -182,6 +184,36 @@ def test_synthetic_source_is_deterministic(tmp_path: Path) -> None:
         write_dataset(synthetic_source(30, 3, 16, seed=1), tmp_path / name, **QUIET)
     for shard in ("train-000000.tar", "val-000000.tar"):
         assert (tmp_path / "a" / shard).read_bytes() == (tmp_path / "b" / shard).read_bytes()
+
+
+_HELD = threading.Lock()
+
+
+class _LockedEncoder:
+    """An encoder that takes a lock of its module's, as any library call may take its own."""
+
+    def __init__(self, encode):
+        self.encode = encode
+
+    def __call__(self, item):
+        with _HELD:
+            return self.encode(item)
+
+
+def test_workers_start_clean_while_another_thread_holds_a_lock_the_encoder_takes(tmp_path: Path) -> None:
+    """--workers 2 while another thread of make_shards holds a lock its encoder takes (issue 72): written, the
+    same bytes as one process. Forked workers (before) inherit the lock held and wait on it for good."""
+    src = synthetic_source(40, 4, 16, seed=3)
+    write_dataset(src, tmp_path / "one", **QUIET)
+    locked = dataclasses.replace(src, encode=_LockedEncoder(src.encode))
+    writer = threading.Thread(target=write_dataset, args=(locked, tmp_path / "two"), kwargs={**QUIET, "workers": 2},
+                              daemon=True)
+    with _HELD:  # this thread's, while the writer's thread starts the workers
+        writer.start()
+        writer.join(120)
+    assert not writer.is_alive(), "the workers wait on a lock held in make_shards when they started"
+    for shard in ("train-000000.tar", "val-000000.tar"):
+        assert (tmp_path / "one" / shard).read_bytes() == (tmp_path / "two" / shard).read_bytes()
 
 
 def test_folder_source_reads_an_image_folder(tmp_path: Path) -> None:
