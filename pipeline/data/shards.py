@@ -225,11 +225,9 @@ def _encoded(source: Source, items: list[Item], workers: int
         yield from map(_Encode(source.encode), items)
         return
     import multiprocessing as mp
-    # forkserver, not fork: a fork copies this process with its other threads (an upload's, a progress bar's, a
-    # library's), and a lock one of them holds at that instant stays held in the child for good, which then
-    # waits on it forever (pipeline/signals.py, worker_context, says where that was seen). The server is a fresh
-    # single-threaded interpreter. The encoder goes to each worker once (initargs), not with every chunk: an
-    # in-memory source (IDX's arrays) is tens of MB.
+    # forkserver, not fork: a fork copies this process's other threads' held locks into the child, which then
+    # waits on one for good (pipeline/signals.py, worker_context). The encoder goes to each worker once
+    # (initargs), not with every chunk: an in-memory source (IDX's arrays) is tens of MB.
     with mp.get_context("forkserver").Pool(workers, initializer=_start_worker, initargs=(source.encode,)) as pool:
         yield from pool.imap(_encode_in_worker, items, chunksize=16)  # ordered: the output does not depend on --workers
 
