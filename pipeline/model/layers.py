@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.model.variants import pair
+from pipeline.model.variants import conv_stem_widths, pair
 from pipeline.zero3 import is_partitioned
 
 
@@ -91,15 +91,48 @@ class PatchProjection(nn.Conv2d):
         return y.transpose(1, 2).unflatten(2, (h, w))
 
 
+STEMS = ("patch", "conv")
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over the channels of a (B, C, H, W) map at each position (ConvNeXt's): a sample's output never
+    depends on the rest of its batch, so a run is the same whatever the ranks and micro batches (BatchNorm's is
+    not)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvStem(nn.Sequential):
+    """The patchify projection replaced by a few convolutions (Xiao et al. 2021, "Early convolutions help
+    transformers see better", arXiv 2106.14881): a 3x3 convolution at full resolution, then one 3x3 convolution
+    of stride 2 per halving of the patch size (log2 P of them), each followed by a norm and a ReLU, the widths
+    doubling up to D; then a 1x1 convolution to D, as the paper's stem ends. The grid is the patchify's (H/P x
+    W/P); each token sees its patch and a few pixels around it. The paper's norm is BatchNorm; here it is
+    LayerNorm2d, so that a sample's tokens do not depend on its batch. On Fashion-MNIST it is what makes the
+    small ViT learn in minutes (docs/quality.md). `patch_size` must be a power of 2."""
+
+    def __init__(self, in_chans: int, embed_dim: int, patch_size: int):
+        layers: list[nn.Module] = []
+        chans = in_chans
+        for i, width in enumerate(conv_stem_widths(embed_dim, patch_size)):  # FLOPs: variants.conv_stem_macs
+            layers += [nn.Conv2d(chans, width, 3, stride=1 if i == 0 else 2, padding=1, bias=False),
+                       LayerNorm2d(width, eps=1e-6), nn.ReLU()]
+            chans = width
+        layers.append(nn.Conv2d(chans, embed_dim, 1))
+        super().__init__(*layers)
+
+
 class PatchEmbed(nn.Module):
-    """Eq. 1: cut the image into P x P patches and project each linearly to D.
+    """Eq. 1: cut the image into P x P patches and project each linearly to D (or, with stem='conv', the same
+    grid of tokens from ConvStem).
 
     A Conv2d whose kernel and stride are both P is exactly that per-patch linear projection (`impl`: how it is
     computed, PatchProjection).
     """
 
     def __init__(self, img_size: int | tuple[int, int] = 224, patch_size: int = 16, in_chans: int = 3,
-                 embed_dim: int = 768, dynamic_img_size: bool = False, impl: str = "conv"):
+                 embed_dim: int = 768, dynamic_img_size: bool = False, impl: str = "conv", stem: str = "patch"):
         super().__init__()
         self.img_size = pair(img_size)
         self.dynamic_img_size = dynamic_img_size
@@ -108,7 +141,22 @@ class PatchEmbed(nn.Module):
             raise ValueError(f"img_size {self.img_size} is not divisible by patch_size {patch_size}")
         self.grid_size = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
-        self.proj = PatchProjection(in_chans, embed_dim, patch_size, impl)
+        if stem not in STEMS:
+            raise ValueError(f"stem must be one of {', '.join(STEMS)}, got {stem!r}")
+        # 'conv': the same grid of tokens from a convolutional stem (ConvStem), not one linear map per patch.
+        self.proj = PatchProjection(in_chans, embed_dim, patch_size, impl) if stem == "patch" else \
+            ConvStem(in_chans, embed_dim, patch_size)
+
+    @property
+    def input_conv(self) -> nn.Conv2d:
+        """The convolution the image enters (the projection, or the conv stem's first): its weight's channels are
+        what a change of channels adapts (pipeline/model/channels.py)."""
+        return self.proj[0] if isinstance(self.proj, ConvStem) else self.proj
+
+    @property
+    def input_weight_name(self) -> str:
+        """`input_conv`'s weight's name in the model's state dict."""
+        return "patch_embed.proj.0.weight" if isinstance(self.proj, ConvStem) else "patch_embed.proj.weight"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dynamic_img_size:

@@ -28,6 +28,9 @@ class Recognised:
     def mismatch(self, kwargs: dict) -> str | None:
         """What of the file's architecture the model's constructor arguments contradict, or None."""
         keys = ("patch_size", "embed_dim", "depth")
+        stems = self.arch.get("stem", "patch"), kwargs.get("stem", "patch")
+        if stems[0] != stems[1]:
+            return f"the file's encoder has stem '{stems[0]}', the config's model '{stems[1]}': set model.stem={stems[0]}"
         if all(self.arch[k] == kwargs[k] for k in keys):
             return None
         return (f"the file's encoder is patch {self.arch['patch_size']}, width {self.arch['embed_dim']}, depth "
@@ -117,18 +120,45 @@ def read_blocks(state: dict[str, torch.Tensor], prefix: str, dim: int, mlps: tup
 def read_stem(state: dict[str, torch.Tensor], pos_embed: bool = True) -> tuple[dict, set[str]]:
     """Width, channels and patch from patch_embed.proj (D, C, P, P), with cls_token (1, 1, D) and pos_embed
     (1, T, D) beside it: (the architecture, the keys)."""
-    proj = need(state, "patch_embed.proj.weight", (None, None, None, None), "(D, C, P, P)")
-    dim, chans, ph, pw = proj.shape
-    if ph != pw:
-        raise NotThis(f"patch_embed.proj.weight is {tuple(proj.shape)}: a non-square patch")
-    need(state, "patch_embed.proj.bias", (dim,), f"({dim},)")
+    if "patch_embed.proj.weight" not in state and "patch_embed.proj.0.weight" in state:
+        arch, keys = read_conv_stem(state)
+        dim = arch["embed_dim"]
+    else:
+        proj = need(state, "patch_embed.proj.weight", (None, None, None, None), "(D, C, P, P)")
+        dim, chans, ph, pw = proj.shape
+        if ph != pw:
+            raise NotThis(f"patch_embed.proj.weight is {tuple(proj.shape)}: a non-square patch")
+        need(state, "patch_embed.proj.bias", (dim,), f"({dim},)")
+        arch, keys = dict(patch_size=ph, in_chans=chans, embed_dim=dim), {"patch_embed.proj.weight",
+                                                                          "patch_embed.proj.bias"}
     need(state, "cls_token", (1, 1, dim), f"(1, 1, {dim})")
-    keys = {"patch_embed.proj.weight", "patch_embed.proj.bias", "cls_token"}
+    keys.add("cls_token")
     pos_rows = None
     if pos_embed or "pos_embed" in state:
         pos_rows = need(state, "pos_embed", (1, None, dim), f"(1, T, {dim})").shape[1]
         keys.add("pos_embed")
-    return dict(patch_size=ph, in_chans=chans, embed_dim=dim, pos_rows=pos_rows), keys
+    return dict(arch, pos_rows=pos_rows), keys
+
+
+def read_conv_stem(state: dict[str, torch.Tensor]) -> tuple[dict, set[str]]:
+    """layers.ConvStem as saved: patch_embed.proj.{3i} 3x3 convolutions (no bias), each with its LayerNorm2d at
+    {3i+1}, then a 1x1 convolution (D, c, 1, 1) with its bias; the patch is 2 to the number of stride-2 3x3s."""
+    convs = []
+    while f"patch_embed.proj.{3 * len(convs)}.weight" in state:
+        convs.append(state[f"patch_embed.proj.{3 * len(convs)}.weight"])
+    *threes, last = convs
+    if len(threes) < 2:
+        raise NotThis(f"patch_embed.proj.* holds {len(convs)} convolutions, not a conv stem's 3x3s and its 1x1")
+    keys, chans = set(), threes[0].shape[1]
+    for i, w in enumerate(threes):
+        need(state, f"patch_embed.proj.{3 * i}.weight", (None, chans, 3, 3), f"(c, {chans}, 3, 3)")
+        keys |= {f"patch_embed.proj.{3 * i}.weight"} | read_norm(state, f"patch_embed.proj.{3 * i + 1}", w.shape[0])
+        chans = w.shape[0]
+    n = 3 * len(threes)
+    dim = need(state, f"patch_embed.proj.{n}.weight", (None, chans, 1, 1), f"(D, {chans}, 1, 1)").shape[0]
+    need(state, f"patch_embed.proj.{n}.bias", (dim,), f"({dim},)")
+    keys |= {f"patch_embed.proj.{n}.weight", f"patch_embed.proj.{n}.bias"}
+    return dict(patch_size=2 ** (len(threes) - 1), in_chans=threes[0].shape[1], embed_dim=dim, stem="conv"), keys
 
 
 def read_norm(state: dict[str, torch.Tensor], name: str, dim: int) -> set[str]:
@@ -146,4 +176,5 @@ def nothing_else(state: dict[str, torch.Tensor], accounted: set[str]) -> None:
 def encoder_arch(stem: dict, depth: int) -> dict:
     """What the file says of the architecture and `Recognised.mismatch` checks, in our constructor's names. The
     rest (registers, LayerScale, the MLP, qkv bias) the load checks by name and shape."""
-    return dict(patch_size=stem["patch_size"], embed_dim=stem["embed_dim"], depth=depth)
+    return dict(patch_size=stem["patch_size"], embed_dim=stem["embed_dim"], depth=depth,
+                **({"stem": stem["stem"]} if "stem" in stem else {}))

@@ -95,6 +95,8 @@ def model_kwargs_from_config(model_cfg, num_classes: int | None = None) -> dict:
         shared["in_chans"] = model_cfg.in_chans
     if getattr(model_cfg, "patch_embed_impl", "conv") != "conv":  # recorded only where it is not the default
         shared["patch_embed_impl"] = model_cfg.patch_embed_impl
+    if getattr(model_cfg, "stem", "patch") != "patch":  # so too the stem: a patchify run's kwargs are unchanged
+        shared["stem"] = model_cfg.stem
     vit_only = dict(representation_size=model_cfg.representation_size, no_embed_class=model_cfg.no_embed_class,
                     dynamic_img_size=model_cfg.dynamic_img_size)
     if model_cfg.variant not in DINOV3_VARIANTS:
@@ -103,7 +105,8 @@ def model_kwargs_from_config(model_cfg, num_classes: int | None = None) -> dict:
     # make dynamic or not; no pre-logits layer) are refused when set, not ignored.
     for key, meaningless in (("representation_size", model_cfg.representation_size is not None),
                              ("no_embed_class", model_cfg.no_embed_class is False),
-                             ("dynamic_img_size", model_cfg.dynamic_img_size is False)):
+                             ("dynamic_img_size", model_cfg.dynamic_img_size is False),
+                             ("stem", "stem" in shared)):
         if meaningless:
             raise ConfigError(f"model.{key}={getattr(model_cfg, key)} with model.variant={model_cfg.variant}: a "
                               f"DINOv3 ViT has RoPE, no position table, and takes any grid; leave model.{key} unset")
@@ -129,10 +132,30 @@ def model_flops(kwargs: dict, img_size: int | tuple[int, int] | None = None) -> 
     n = n_patches + 1 + kwargs.get("reg_tokens", 0)
     # MLP: fc1 D -> rD and fc2 rD -> D; SwiGLU's fc2 takes half of fc1's width (the gated half).
     mlp = 1.5 * ratio if kwargs.get("mlp_layer", "mlp") == "swiglu" else 2 * ratio
-    macs = n_patches * in_chans * p * p * d
+    macs = n_patches * in_chans * p * p * d if kwargs.get("stem", "patch") == "patch" else \
+        conv_stem_macs(in_chans, d, p, h, w)
     macs += depth * (n * d * d * (4 + mlp) + 2 * n * n * d)
     macs += d * rep + (rep or d) * classes
     return 2.0 * macs
+
+
+def conv_stem_widths(embed_dim: int, patch_size: int) -> list[int]:
+    """The widths of layers.ConvStem's 3x3 convolutions: D / 2^k, ..., D / 2, D for a patch of 2^k pixels."""
+    halvings = patch_size.bit_length() - 1
+    if patch_size < 2 or 1 << halvings != patch_size:
+        raise ValueError(f"stem 'conv' needs a patch_size that is a power of 2, got {patch_size}")
+    return [max(embed_dim >> (halvings - i), 8) for i in range(halvings + 1)]
+
+
+def conv_stem_macs(in_chans: int, embed_dim: int, patch_size: int, h: int, w: int) -> int:
+    """layers.ConvStem's multiply-adds for an (h, w) image: each convolution's kernel x in x out x positions
+    (the first 3x3 at full resolution, each next one at half the last, the closing 1x1 on the token grid)."""
+    macs, chans = 0, in_chans
+    for i, width in enumerate(conv_stem_widths(embed_dim, patch_size)):
+        h, w = (h, w) if i == 0 else (-(-h // 2), -(-w // 2))
+        macs += 9 * chans * width * h * w
+        chans = width
+    return macs + chans * embed_dim * h * w
 
 
 def swiglu_hidden(dim: int, mlp_ratio: float, align_to: int = 0) -> int:
@@ -158,7 +181,8 @@ def dinov3_flops(kwargs: dict, img_size: int | tuple[int, int] | None = None) ->
         mlp = 3 * d * swiglu_hidden(d, ratio, kwargs.get("swiglu_align_to", 0))
     else:
         mlp = 2 * d * int(d * ratio)
-    macs = n_patches * in_chans * p * p * d
+    macs = n_patches * in_chans * p * p * d if kwargs.get("stem", "patch") == "patch" else \
+        conv_stem_macs(in_chans, d, p, h, w)
     macs += depth * (n * (4 * d * d + mlp) + 2 * n * n * d)
     macs += d * classes
     return 2.0 * macs

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.model.layers import Block, LayerScale, PatchEmbed, init_param, trunc_normal, uniform
+from pipeline.model.layers import Block, ConvStem, LayerScale, PatchEmbed, init_param, trunc_normal, uniform
 from pipeline.model.pos_embed import resize_pos_embed
 from pipeline.model.variants import (  # noqa: F401 (VARIANTS, model_flops, model_kwargs_from_config: re-exported)
     VARIANTS,
@@ -64,11 +64,13 @@ class VisionTransformer(nn.Module):
     and Meta's for its register models); `mask_token` a learnable embedding that `masks` put in place of
     patch embeddings (iBOT; Meta's prepare_tokens_with_masks); `patch_embed_impl` how the patch projection is
     computed, 'conv' (timm's, bit for bit) or 'matmul' (layers.PatchProjection): the same weights either way.
+    `stem` 'patch' (the paper's Eq. 1) or 'conv' (layers.ConvStem: a few convolutions make the same grid of
+    tokens; for small images and short runs, docs/model.md).
     """
 
     ARCH_KEYS: tuple[str, ...] = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio",
                                   "qkv_bias", "num_classes", "representation_size", "global_pool", "init_values",
-                                  "reg_tokens", "no_embed_class", "mlp_layer", "mask_token")
+                                  "reg_tokens", "no_embed_class", "mlp_layer", "mask_token", "stem")
     """The constructor arguments that decide the weights (their names and shapes): what a resume compares
     with its checkpoint (`architecture`), what a fine-tune takes from its source (those a fine-tune does not
     set itself: pipeline/run/finetune.py), what model.safetensors records. A model built on this one
@@ -97,6 +99,7 @@ class VisionTransformer(nn.Module):
         dynamic_img_size: bool = False,
         mask_token: bool = False,
         patch_embed_impl: str = "conv",
+        stem: str = "patch",
     ):
         super().__init__()
         if global_pool not in ("token", "avg"):
@@ -112,7 +115,8 @@ class VisionTransformer(nn.Module):
         self.dynamic_img_size = dynamic_img_size
         self.grad_checkpointing = False
 
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_size, patch_embed_impl)
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_size, patch_embed_impl,
+                                      stem)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         # timm's name and shape; Meta calls it register_tokens (converted on load).
         self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
@@ -169,9 +173,12 @@ class VisionTransformer(nn.Module):
         (kaiming-uniform with a=sqrt(5), i.e. U(+-1/sqrt(fan_in)) for weight and bias), redone here so
         it is drawn the same way under zero.Init."""
         proj = self.patch_embed.proj
-        bound = 1.0 / math.sqrt(proj.in_channels * proj.kernel_size[0] * proj.kernel_size[1])
-        init_param(proj.weight, uniform(bound))
-        init_param(proj.bias, uniform(bound))
+        for conv in proj if isinstance(proj, ConvStem) else (proj,):
+            if isinstance(conv, nn.Conv2d):
+                bound = 1.0 / math.sqrt(conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1])
+                init_param(conv.weight, uniform(bound))
+                if conv.bias is not None:
+                    init_param(conv.bias, uniform(bound))
         init_param(self.pos_embed, trunc_normal(0.02))
         init_param(self.cls_token, trunc_normal(0.02))
         for module in self.modules():

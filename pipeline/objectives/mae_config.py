@@ -39,6 +39,9 @@ def mae_checks(cfg: Config) -> list[Check]:
          "0 with model.objective 'mae' (as data.cutmix: mixing images has no meaning without labels)"),
         ("model.representation_size", cfg.model.objective != "mae" or cfg.model.representation_size is None,
          "null with model.objective 'mae' (the encoder has no classifier head)"),
+        ("model.stem", cfg.model.objective != "mae" or cfg.model.stem == "patch",
+         "'patch' with model.objective 'mae' (a convolutional stem sees the pixels of masked patches beside each "
+         "visible one before the mask is applied)"),
     ]
 
 

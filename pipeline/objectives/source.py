@@ -66,6 +66,7 @@ def meta_arch_config(arch: dict) -> dict:
     config.yaml); a file no variant matches (a width Meta did not release) is named after the variant of its
     patch size and registers nearest in width, which its explicit keys override. A DINOv3 ViT's architecture
     (`layouts_dinov3.dinov3_arch`) names its variant already."""
+    arch = {"stem": "patch", **arch}  # Meta's and timm's files patchify (their layouts do not say it)
     keys = [k for k in ARCH_KEYS if k != "variant"]
     if "variant" in arch:  # a DINOv3 ViT's (layouts_dinov3.dinov3_arch) names its variant already
         return {k: arch[k] for k in ARCH_KEYS}

@@ -32,7 +32,7 @@ from torch import nn
 from pipeline.config import Config, ConfigError, ConfigFiles
 from pipeline.derived import image_size
 from pipeline.dist import say
-from pipeline.model.channels import PATCH_WEIGHT, fit_in_chans
+from pipeline.model.channels import fit_in_chans
 from pipeline.model.layers import init_param
 from pipeline.model.layouts import is_ours, recognise
 from pipeline.model.mae import sincos_pos_embed_2d
@@ -174,8 +174,8 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size, prob
     'zero') or left as the model's init drew it ('model'). ZeRO-3 safe."""
     state = {k: v for k, v in (state if state is not None else source_state_dict(src)).items()
              if not k.startswith(HEAD_PREFIXES)}
-    state, channels = fit_in_chans(state, real_shape(model.patch_embed.proj.weight)[1], str(src.path),
-                                   fresh_patch_embed)
+    state, channels = fit_in_chans(state, real_shape(model.patch_embed.input_conv.weight)[1], str(src.path),
+                                   fresh_patch_embed, name=model.patch_embed.input_weight_name)
     new_grid = model.grid_size
     patch = model.patch_embed.patch_size[0]
     if "pos_embed" not in state and src.config is not None and src.config.model.objective == "mae":
@@ -198,7 +198,8 @@ def load_pretrained(model: VisionTransformer, src: Source, source_img_size, prob
     # With global_pool='avg' (MAE's recipe) fc_norm replaces the final norm: a source pretrained with a
     # class token has none and fc_norm starts fresh at (1, 0), as the official fine-tuning does.
     fresh = HEAD_PREFIXES if any(k.startswith("fc_norm.") for k in state) else (*HEAD_PREFIXES, "fc_norm.")
-    fresh = (*fresh, PATCH_WEIGHT) if fresh_patch_embed else fresh  # the model's own draw (channels.py)
+    if fresh_patch_embed:  # the model's own draw (channels.py)
+        fresh = (*fresh, model.patch_embed.input_weight_name)
     expected = {name: real_shape(p) for name, p in model.named_parameters() if not name.startswith(fresh)}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

@@ -31,7 +31,7 @@ from torch import nn
 
 from pipeline.config import Config, ConfigError
 from pipeline.dist import say
-from pipeline.model.channels import PATCH_WEIGHT, fit_in_chans
+from pipeline.model.channels import fit_in_chans
 from pipeline.model.dinov3 import DINOv3ViT
 from pipeline.model.layers import init_param
 from pipeline.model.pos_embed import resize_pos_embed
@@ -168,9 +168,10 @@ def load_init(student: nn.Module, backbone: Backbone, objective: str) -> str:
     """The source into the student (built, not yet wrapped; partitioned under ZeRO-3); what came, what did not."""
     whole = _run_state(backbone, objective)
     target = student.backbone if hasattr(student, "backbone") else student
-    fit = dict(in_chans=real_shape(target.patch_embed.proj.weight)[1], where=f"--init {backbone.source}", key=None)
+    fit = dict(in_chans=real_shape(target.patch_embed.input_conv.weight)[1], where=f"--init {backbone.source}",
+               key=None, name=target.patch_embed.input_weight_name)
     if whole is not None:  # a run of this recipe: its student-shaped state, heads (decoder) included
-        name = ("backbone." if target is not student else "") + PATCH_WEIGHT  # RGB -> C channels (model/channels.py)
+        name = ("backbone." if target is not student else "") + fit.pop("name")  # RGB -> C channels: model/channels.py
         whole, channels = fit_in_chans(whole, **fit, name=name)
         loaded, fresh = _copy(student, whole, "")
         what = f"{backbone.source} ({backbone.tag}): the whole model, heads included"

@@ -285,3 +285,60 @@ def test_layer_decay_numbers_registers_and_mask_token_with_the_stem_and_gammas_w
     ids = {n: layer_id(n, model.group_matcher(), 2) for n, _ in model.named_parameters()}
     assert ids["reg_token"] == ids["mask_token"] == ids["cls_token"] == ids["pos_embed"] == 0
     assert ids["blocks.1.ls2.gamma"] == 2 and ids["norm.weight"] == ids["head.weight"] == 3
+
+
+def conv_stem_vit(**overrides):
+    kwargs = dict(img_size=28, patch_size=4, in_chans=1, embed_dim=64, depth=2, num_heads=2, num_classes=10,
+                  stem="conv")
+    return build_vit("vit_ti16", **{**kwargs, **overrides}), {**variant_kwargs("vit_ti16", **kwargs), **overrides}
+
+
+def test_conv_stem_makes_the_patch_grid_and_is_counted_by_model_flops():
+    """stem='conv' (Xiao et al.): the same 7x7 tokens from convolutions, its parameters in the stem's layer group,
+    its multiply-adds in model_flops (against FlopCounterMode), and a sample's tokens independent of its batch."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pipeline.train.optim import layer_id
+
+    model, kwargs = conv_stem_vit()
+    model.eval()
+    x = torch.randn(3, 1, 28, 28)
+    assert model.patch_embed(x).shape == (3, 49, 64)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(x[:1])
+    assert model_flops(kwargs) == pytest.approx(counter.get_total_flops(), rel=1e-6)
+    assert model_flops(kwargs) > model_flops({**kwargs, "stem": "patch"})
+    names = [n for n, _ in model.named_parameters() if n.startswith("patch_embed.")]
+    assert len(names) == 11 and {layer_id(n, model.group_matcher(), 2) for n in names} == {0}  # 3 convs, 3 norms, 1x1 (w, b)
+    with torch.no_grad():  # LayerNorm2d, not BatchNorm: the batch does not enter a sample's output
+        torch.testing.assert_close(model(x)[:1], model(x[:1]), rtol=1e-5, atol=1e-6)
+
+
+def test_conv_stem_is_refused_where_it_cannot_be(tmp_path):
+    with pytest.raises(ValueError, match="power of 2"):
+        conv_stem_vit(patch_size=7)
+    with pytest.raises(ValueError, match="stem must be one of patch, conv"):
+        conv_stem_vit(stem="convs")
+    from pipeline.objectives import load_config
+    from pipeline.typed_yaml import ConfigError
+
+    with pytest.raises(ConfigError, match="model.stem.*'patch' with model.objective 'mae'"):
+        load_config(None, ["model.objective=mae", "model.stem=conv"])
+    from pipeline.model.vit import model_kwargs_from_config
+
+    cfg = load_config(None, ["model.variant=dinov3_vits16", "model.stem=conv"])
+    with pytest.raises(ConfigError, match="model.stem=conv with model.variant=dinov3_vits16"):
+        model_kwargs_from_config(cfg.model, 10)
+
+
+def test_a_conv_stem_file_is_recognised_and_a_patch_config_told_to_set_the_stem():
+    """Our export of a conv-stem ViT is read back as ours (patch 4 from its two stride-2 convolutions), and a
+    config that builds the patchify stem is told which key to set."""
+    from pipeline.model.layouts import recognise
+
+    model, kwargs = conv_stem_vit()
+    found = recognise(model.state_dict(), "run", ours=True)
+    assert found.arch == dict(patch_size=4, embed_dim=64, depth=2, stem="conv")
+    assert found.mismatch(kwargs) is None
+    assert "set model.stem=conv" in found.mismatch({**kwargs, "stem": "patch"})
+    assert sorted(found.state) == sorted(model.state_dict())
