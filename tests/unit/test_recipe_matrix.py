@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
+import math
 import shutil
 from pathlib import Path
 
@@ -148,6 +150,19 @@ def finetune(src: Source, data: Path, tmp_path: Path, capsys, monkeypatch) -> No
         for key in kept:
             if tuned[key].shape == read[key].shape:  # (a position table resized to --res is compared at its size)
                 assert torch.equal(tuned[key], read[key]), key
+    # ... and trains on it: one step of the fine-tune command from the first --from, its loss finite, its file written
+    from tests.integration.runs import run_here
+
+    out = tmp_path / "ft-step"
+    res = [] if "--res" in src.finetune else ["--res", str(src.img_size)]
+    done = run_here("finetune.py", None, [f"run.dir={out}", f"data.path={data}", "train.steps=1", "train.log_every=1",
+                                          "train.eval_every=0", "train.ckpt_every=0", "tracking.enabled=false"],
+                    extra=["--from", str(froms[0]), *res, *src.finetune])
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [r["metrics"]["train/loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+              if "train/loss" in r["metrics"]]
+    assert losses and all(math.isfinite(v) for v in losses), losses
+    assert (out / "model.safetensors").is_file()
 
 
 COMMANDS = {f.__name__: f for f in (evaluate, embed, export_timm, export_onnx, finetune)}
