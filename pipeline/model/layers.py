@@ -109,8 +109,8 @@ class ConvStem(nn.Sequential):
     of stride 2 per halving of the patch size (log2 P of them), each followed by a norm and a ReLU, the widths
     doubling up to D; then a 1x1 convolution to D, as the paper's stem ends. The grid is the patchify's (H/P x
     W/P); each token sees its patch and a few pixels around it. The paper's norm is BatchNorm; here it is
-    LayerNorm2d, so that a sample's tokens do not depend on its batch. On Fashion-MNIST it is what makes the
-    small ViT learn in minutes (docs/quality.md). `patch_size` must be a power of 2."""
+    LayerNorm2d, so that a sample's tokens do not depend on its batch. The Fashion-MNIST presets use it
+    (docs/quality.md). `patch_size` must be a power of 2."""
 
     def __init__(self, in_chans: int, embed_dim: int, patch_size: int):
         layers: list[nn.Module] = []

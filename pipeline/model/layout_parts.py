@@ -146,7 +146,7 @@ def read_conv_stem(state: dict[str, torch.Tensor]) -> tuple[dict, set[str]]:
     convs = []
     while f"patch_embed.proj.{3 * len(convs)}.weight" in state:
         convs.append(state[f"patch_embed.proj.{3 * len(convs)}.weight"])
-    *threes, last = convs
+    threes = convs[:-1]  # the last is the 1x1, read below
     if len(threes) < 2:
         raise NotThis(f"patch_embed.proj.* holds {len(convs)} convolutions, not a conv stem's 3x3s and its 1x1")
     keys, chans = set(), threes[0].shape[1]

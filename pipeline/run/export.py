@@ -58,6 +58,9 @@ def timm_config(backbone: Backbone) -> dict[str, Any]:
     if k.get("representation_size"):
         raise WeightsError(f"{backbone.source}: a pre-logits layer (model.representation_size) has no timm "
                            f"equivalent in VisionTransformer's arguments; export --format safetensors instead")
+    if k.get("stem", "patch") != "patch":
+        raise WeightsError(f"{backbone.source}: a convolutional stem (model.stem: conv) has no equivalent in timm's "
+                           f"VisionTransformer; export --format onnx or safetensors instead")
     if k.get("reg_tokens") and not k.get("no_embed_class"):
         raise WeightsError(f"{backbone.source}: registers with a position row for the class token are Meta's layout, "
                            f"not timm's; export --format safetensors instead")

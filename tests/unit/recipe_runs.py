@@ -34,7 +34,7 @@ class Source:
     path: Path  # what --from names
     reference: Features
     img_size: int  # the size it was trained at (the exports are checked there)
-    timm_class: str  # the class timm builds its export as
+    timm_class: str | None  # the class timm builds its export as (None: timm has none, the export is refused)
     finetune: list[str]  # what `launch/finetune.py` needs beside --from (a --config for a bare file)
     in_chans: int = 3  # the images' channels (a run on an array set: its set's, issue 62)
 
@@ -66,11 +66,11 @@ def recipe_needs(recipe: str, folder: Path) -> list[str]:
     return []
 
 
-def tiny_run(recipe: str, run_dir: Path, data: Path) -> Source:
+def tiny_run(recipe: str, run_dir: Path, data: Path, extra: tuple[str, ...] = ()) -> Source:
     """A run directory of `recipe` as its trainer leaves it (config.yaml; model.safetensors with the trainer's
-    metadata), from the objective's own models, random."""
+    metadata), from the objective's own models, random; `extra`: overrides of the demo config (a model option)."""
     needs = recipe_needs(recipe, run_dir.with_name(run_dir.name + "-needs"))
-    cfg = load_config(demo_config(recipe), [*SHRINK, f"data.path={data}", f"run.dir={run_dir}", *needs])
+    cfg = load_config(demo_config(recipe), [*SHRINK, f"data.path={data}", f"run.dir={run_dir}", *needs, *extra])
     info = dataset_info_of(cfg.data)
     cfg = resolve_pixels(cfg, info)  # as the trainer does: model.in_chans and data.mean/std of the set's pixels
     objective = build_objective(cfg, info)
@@ -91,7 +91,8 @@ def tiny_run(recipe: str, run_dir: Path, data: Path) -> Source:
             return features(images)
 
     rope = "rope_temperature" in kwargs
-    return Source(run_dir, reference, cfg.model.img_size, "Eva" if rope else "VisionTransformer", [],
+    timm_class = None if cfg.model.stem != "patch" else "Eva" if rope else "VisionTransformer"  # a conv stem: none
+    return Source(run_dir, reference, cfg.model.img_size, timm_class, [],
                   cfg.model.in_chans or 3)
 
 
@@ -168,7 +169,10 @@ def foreign_file(layout: str, folder: Path) -> Source:
 
 
 FOREIGN = ("meta_mae", "meta_dinov2", "meta_dinov3", "timm_vit", "timm_dinov3")
-SOURCES = [*(f"run-{name}" for name in RECIPES), *(f"file-{layout}" for layout in FOREIGN)]
+OPTIONS = {"conv_stem": ("supervised", ("model.stem=conv",))}
+"""A model option that changes the weights' layout, as a run of a recipe with it (model.stem: conv)."""
+SOURCES = [*(f"run-{name}" for name in RECIPES), *(f"file-{layout}" for layout in FOREIGN),
+           *(f"option-{name}" for name in OPTIONS)]
 
 
 def labelled_set(out: Path) -> Path:

@@ -25,6 +25,7 @@ import torch
 from pipeline.eval.features import embedding
 from tests.unit.recipe_runs import (
     FOREIGN,
+    OPTIONS,
     ROOT,
     SHRINK,
     SOURCES,
@@ -60,7 +61,9 @@ def sources(tmp_path_factory, data):
     def get(name: str) -> Source:
         if name not in built:
             kind, what = name.split("-", 1)
-            built[name] = tiny_run(what, root / name, data) if kind == "run" else foreign_file(what, root / name)
+            built[name] = (tiny_run(what, root / name, data) if kind == "run" else
+                           tiny_run(OPTIONS[what][0], root / name, data, OPTIONS[what][1]) if kind == "option" else
+                           foreign_file(what, root / name))
         return built[name]
 
     return get
@@ -100,6 +103,11 @@ def export_timm(src: Source, data: Path, tmp_path: Path, capsys, monkeypatch) ->
     import timm
 
     code = launcher("export_weights").main([str(src.path), "--format", "timm", "--out", str(tmp_path / "timm")])
+    if src.timm_class is None:  # no timm class builds it (a conv stem): refused in one line, nothing written
+        err = capsys.readouterr().err
+        assert code == 1 and "has no equivalent in timm's" in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "timm").exists()
+        return
     assert code == 0, capsys.readouterr().err
     model = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True).eval()
     assert type(model).__name__ == src.timm_class

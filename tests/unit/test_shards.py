@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
-import dataclasses
 import subprocess
 import sys
 import tarfile
