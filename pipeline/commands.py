@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from pipeline.config import Config, ConfigError, ConfigFiles, FinetuneConfig, apply_overrides
+from pipeline.data.pixels import COLOUR_KEYS
 from pipeline.dist import PortInUse, import_deepspeed, is_rank0, say
 from pipeline.errors import SourceError, add_launcher_arguments, reading_source, set_debug
 from pipeline.exit_codes import ExitCode
@@ -223,6 +224,12 @@ def recipe_on_source(source_cfg: Config, recipe: Config, res_name: str, source_n
     # An objective's own fine-tune recipe may bring its augmentation (MAE's: RandAugment, mixup/cutmix,
     # smoothing), on the source's data.
     taken = RECIPES[source_cfg.model.objective].finetune_data
+    if source_cfg.model.in_chans not in (None, 3):  # RandAugment and colour jitter are for RGB: not brought to others
+        left = [k for k in taken if k in COLOUR_KEYS and getattr(recipe.data, k)]
+        if left:
+            _say(f"the fine-tuning recipe's data.{', data.'.join(left)} left out: colour transforms are defined for "
+                 f"RGB, and the source reads {source_cfg.model.in_chans}-channel images")
+        taken = tuple(k for k in taken if k not in COLOUR_KEYS)
     data = dataclasses.replace(source_cfg.data, **{k: getattr(recipe.data, k) for k in taken})
     return dataclasses.replace(source_cfg, model=model, data=data, train=recipe.train, run=run,
                                finetune=FinetuneConfig())

@@ -199,7 +199,7 @@ def resolve_data(cfg: Any, info: Any) -> Any:
     channels, array = set_channels(info), info.image_format == ARRAY_MEMBER
     what = f"{info.path} holds {channels}-channel {info.pixels.get('dtype', 'uint8')} images"
     if array:
-        for key in ("color_jitter", "auto_augment"):
+        for key in COLOUR_KEYS:
             if getattr(cfg, key):
                 raise DataError(f"data.{key}={getattr(cfg, key)!r}: colour transforms are defined for 8-bit RGB, "
                                 f"and {what} (arrays): unset data.{key}")
@@ -231,6 +231,7 @@ def resolve_data(cfg: Any, info: Any) -> Any:
 
 CROP_SECTIONS = {"dinov2": "dino", "dinov3": "dinov3"}
 """The objectives whose multi-crop (pipeline/data/multicrop.py) has colour transforms, and their config section."""
+COLOUR_KEYS = ("color_jitter", "auto_augment")  # data.* transforms defined for 8-bit RGB only
 COLOUR_PROBABILITIES = ("color_jitter_p", "greyscale_p", "solarize_p")
 
 

@@ -42,14 +42,19 @@ def client(purpose: str = "read", timeout_s: float = 60.0, attempts: int = 10) -
     if c is None:
         try:
             import boto3
-            from botocore.config import Config
         except ImportError:
             raise Permanent("s3:// needs boto3: pip install 'vit-pipeline[s3]'") from None
-        retries = {"total_max_attempts": 1} if purpose == "read" else {"mode": "standard",
-                                                                        "total_max_attempts": attempts}
-        config = Config(retries=retries, connect_timeout=timeout_s, read_timeout=timeout_s, max_pool_connections=32)
-        c = _clients[key] = boto3.session.Session().client("s3", config=config)
+        c = _clients[key] = boto3.session.Session().client("s3", config=client_config(purpose, timeout_s, attempts))
     return c
+
+
+def client_config(purpose: str = "read", timeout_s: float = 60.0, attempts: int = 10) -> Any:
+    """The botocore Config of `client(purpose, ...)`: a test's client against its own endpoint takes this one, so
+    botocore retries there exactly what it retries here (a 'read' client: nothing, not even a RequestTimeout)."""
+    from botocore.config import Config
+
+    retries = {"total_max_attempts": 1} if purpose == "read" else {"mode": "standard", "total_max_attempts": attempts}
+    return Config(retries=retries, connect_timeout=timeout_s, read_timeout=timeout_s, max_pool_connections=32)
 
 
 def _status(e: Any) -> tuple[int, str]:

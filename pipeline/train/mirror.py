@@ -18,7 +18,7 @@ for at most one tag beyond train.keep_last on the local disk while uploads lag t
 
 A failed upload is retried, with data.retry_backoff_s doubling up to MAX_WAIT_S, until it succeeds or the store has been
 failing for data.retry_time_s (an outage's clock, reset by any success: a store gone for good does not cost
-that long per queued tag; botocore's own retries are cut to 3 so that this loop, its clock and its lines
+that long per queued tag; botocore's own retries are off so that this loop, its clock and its lines
 govern an outage). An answer no retry changes (403 AccessDenied, 404 NoSuchBucket, wrong credentials:
 `remote.s3.refusal`) is not retried: the store answers it every time. A failure is kept only while it is
 current: a tag's until a newer tag goes up, the run's files' until they do. At the end the run waits for
@@ -152,7 +152,7 @@ class Mirror:
         """One job ('tag', 'files', 'prune'), retried until it succeeds or the outage's clock passes
         data.retry_time_s; an answer no retry changes ends it at once."""
         done: set[str] = set()  # what of the job is up: a retry goes on from there
-        failures = 0
+        failures, went_up = 0, 0
         while True:
             if self.lock is not None and self.lock.lost:
                 self._set_failed(kind, f"run.remote {self.remote}: another job took the prefix's lock over; "
@@ -166,6 +166,8 @@ class Mirror:
                     self._set_failed(kind, None)
                 return
             except Exception as e:  # noqa: BLE001 - any failure of the store or the network
+                if len(done) > went_up:  # a file went up since the last failure: the store is not down
+                    self._failing_since, went_up = None, len(done)
                 failures += 1
                 if not self._again(kind, what, e, failures):
                     return

@@ -132,11 +132,16 @@ class SeaweedS3:
                 "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": REGION,
                 "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
 
-    def client(self, endpoint: str | None = None) -> Any:
+    def client(self, endpoint: str | None = None, purpose: str | None = None) -> Any:
+        """A boto3 client of this server (or of `endpoint`, a proxy in front of it); with `purpose`, configured as
+        pipeline.remote.s3.client(purpose) is (its retries), for a test that stands in for the pipeline's own."""
         import boto3
 
+        from pipeline.remote.s3 import client_config
+
+        config = client_config(purpose) if purpose else None
         return boto3.client("s3", endpoint_url=endpoint or self.url, aws_access_key_id=ACCESS_KEY,
-                            aws_secret_access_key=SECRET_KEY, region_name=REGION)
+                            aws_secret_access_key=SECRET_KEY, region_name=REGION, config=config)
 
     def __exit__(self, *exc: object) -> None:
         self.stop(probe=False)

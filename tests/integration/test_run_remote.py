@@ -169,7 +169,7 @@ def proxied(s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch):
     from tests.integration.faults import FaultServer
 
     with FaultServer(upstream=s3.url) as proxy:
-        monkeypatch.setattr(mirror, "_client", lambda: s3.client(endpoint=proxy.url))
+        monkeypatch.setattr(mirror, "_client", lambda: s3.client(endpoint=proxy.url, purpose="read"))  # (as mirror._client)
         yield proxy
 
 
@@ -196,9 +196,9 @@ def test_a_failed_upload_is_retried_and_only_a_current_failure_is_kept(proxied, 
     proxied.plan = plan
     m.tag(fake_tag(run, 1, mib=0))
     m.wait()
-    assert m.mirrored == ["step_0000001"] and m.failure is None, m.failure
     said = capfd.readouterr().err
-    assert said.count("uploading step_0000001 failed: ") == 3 and said.count("(408)") == 3, said
+    assert m.mirrored == ["step_0000001"] and m.failure is None, said
+    assert said.count("uploading step_0000001 failed: ") == 3 and said.count("(RequestTimeout)") == 3, said
     proxied.plan = lambda n, method, path: "408" if "step_0000002" in path else None
     m.tag(fake_tag(run, 2, mib=0))
     m.wait()
@@ -267,8 +267,8 @@ def test_a_bucket_that_refuses_every_delete_ends_the_run_at_once_with_one_warnin
     from tests.integration.faults import FaultServer
 
     with FaultServer(upstream=s3.url, plan=lambda n, method, path: "403" if method == "DELETE" else None) as proxy:
-        monkeypatch.setattr(mirror, "_client", lambda: s3.client(endpoint=proxy.url))
-        monkeypatch.setattr(remote_lock, "client", lambda: s3.client(endpoint=proxy.url))
+        monkeypatch.setattr(mirror, "_client", lambda: s3.client(endpoint=proxy.url, purpose="read"))  # (as mirror._client)
+        monkeypatch.setattr(remote_lock, "client", lambda: s3.client(endpoint=proxy.url, purpose="write"))
         run, remote = tmp_path / "run", f"s3://{BUCKET}/worm"
         cfg = SimpleNamespace(run=SimpleNamespace(remote=remote), data=DataConfig(retry_time_s=120))
         mirror.start(cfg, run)
