@@ -42,6 +42,8 @@ class AdaptConfig:
     """After the freeze, steps over which the backbone's lr ramps linearly from 0 to the schedule's (times train.layer_decay's per-layer scale). 0: it joins at the full rate."""
     anchor: float = 0.0
     """DINOv2 and DINOv3: the weight of DINOv3's Gram loss between the student's patch features of the global crops and the frozen source's (taken at step 0, never updated; gram.normalized, remove_neg, remove_only_teacher_neg and img_level say how the loss is computed). 0: off."""
+    normalise: str = "run"
+    """The inputs' normalisation: 'run' (data.mean and data.std as the config writes them; a source trained with another is said in one line at the first start) or 'source' (the source's, as its run's config or its authors give it: ImageNet's for Meta's and timm's files), recorded in the run's config.yaml so that a resume keeps it."""
     warn_drop: float | None = 5.0
     """The log warns when an eval.sets figure (k-NN top-1) falls more than this many points (percent) below the source's at step 0. null: never."""
 
@@ -57,6 +59,7 @@ def adapt_checks(cfg: Config) -> list[Check]:
         ("adapt.anchor", a.anchor == 0 or cfg.model.objective in ANCHORED,
          f"0 with model.objective={cfg.model.objective}: the anchor is a Gram loss on DINO's patch features "
          f"({' or '.join(ANCHORED)})"),
+        ("adapt.normalise", a.normalise in ("run", "source"), "'run' (data.mean/std) or 'source' (the source's)"),
         ("adapt.warn_drop", a.warn_drop is None or a.warn_drop >= 0, ">= 0 points, or null (never warn)"),
         # (a run's saved config.yaml holds the gram section `anchored` made: the anchor's own weight)
         ("adapt.anchor", a.anchor == 0 or cfg.model.objective != "dinov3" or cfg.gram.loss_weight in (0.0, a.anchor),

@@ -78,7 +78,7 @@ def prepare_init(cfg: Config, plan: ResumePlan | None, explicit: set[str]) -> tu
     backbone = load_backbone(source, flag="--init")
     model = _source_model(cfg, backbone, explicit)
     adapt = dataclasses.replace(cfg.adapt, init=str(backbone.source), init_digest=source_digest(backbone.source))
-    cfg = anchored(dataclasses.replace(cfg, model=model, adapt=adapt))
+    cfg = anchored(dataclasses.replace(cfg, model=model, adapt=adapt, data=_normalisation(cfg, backbone)))
     held = [backbone]  # handed to the hook once, not kept for the whole run
 
     def hook(student: nn.Module) -> dict[str, str]:
@@ -115,7 +115,12 @@ def _resumed(cfg: Config, plan: ResumePlan) -> Config:
     if was:
         saved = plan.state.config.get("model") or {}
         model = dataclasses.replace(cfg.model, **{k: _plain(saved[k]) for k in ARCH_KEYS if k in saved})
-        cfg = dataclasses.replace(cfg, model=model, adapt=dataclasses.replace(cfg.adapt, init=was, init_digest=digest))
+        data = cfg.data
+        if recorded.get("normalise") == "source":  # the source's, as the first start recorded them
+            saved_data = plan.state.config.get("data") or {}
+            data = dataclasses.replace(data, mean=_plain(saved_data["mean"]), std=_plain(saved_data["std"]))
+        cfg = dataclasses.replace(cfg, model=model, data=data,
+                                  adapt=dataclasses.replace(cfg.adapt, init=was, init_digest=digest))
     return anchored(cfg)
 
 
@@ -155,6 +160,34 @@ def _source_model(cfg: Config, backbone: Backbone, explicit: set[str]):
     if arch["variant"] != cfg.model.variant:  # a name (needed to pick the recipe's class), not a contradiction
         say(f"{where}: model.variant {cfg.model.variant} -> {arch['variant']} (the source's architecture)")
     return dataclasses.replace(cfg.model, **arch)
+
+
+def _normalisation(cfg: Config, backbone: Backbone) -> Any:
+    """The run's data.* with adapt.normalise applied: 'source' takes the source's mean and std; 'run' keeps the
+    config's, and says in one line where they are not the source's (its first layer would meet inputs it never saw,
+    silently: ImageNet's statistics against a set's 0.5 move every input by about 0.1-0.3 of its range)."""
+    mean, std = tuple(backbone.data.mean), tuple(backbone.data.std)
+    where = f"--init {backbone.source}"
+    origin = "its run's data.mean/std" if backbone.config is not None else "what its authors trained it with"
+    if cfg.adapt.normalise == "source":
+        say(f"{where}: data.mean {_fmt(mean)}, data.std {_fmt(std)} ({origin}; adapt.normalise=source)")
+        return dataclasses.replace(cfg.data, mean=mean, std=std)
+    run_mean, run_std = cfg.data.mean, cfg.data.std
+    if run_mean is not None and run_std is not None and _close(run_mean, mean) and _close(run_std, std):
+        return cfg.data
+    ours = ("data.mean/std null (the set's own statistics, dataset.json)" if run_mean is None or run_std is None
+            else f"data.mean {_fmt(run_mean)}, data.std {_fmt(run_std)}")
+    say(f"warning: {where} was trained on inputs normalised with mean {_fmt(mean)}, std {_fmt(std)} ({origin}), "
+        f"and this run normalises with {ours}: set adapt.normalise=source to take the source's")
+    return cfg.data
+
+
+def _close(a: Any, b: Any) -> bool:
+    return len(a) == len(b) and all(math.isclose(float(x), float(y), rel_tol=1e-4) for x, y in zip(a, b))
+
+
+def _fmt(values: Any) -> str:
+    return "[" + ", ".join(f"{v:g}" for v in values) + "]"
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -190,6 +190,42 @@ def test_a_config_key_that_contradicts_the_source_is_one_line(data, tmp_path):
         prepare_init(cfg, None, {"embed_dim"})
 
 
+def test_a_source_normalised_otherwise_is_said_and_adapt_normalise_source_takes_its(data, tmp_path, capsys):
+    """Issue 72: Meta's DINOv2 file (trained on ImageNet's mean and std) under a config of 0.5: one warning line
+    naming both at the first start, the run's own kept; adapt.normalise=source takes the file's, said, and a resume
+    keeps what the first start recorded whatever the config says; a config of the source's own says nothing."""
+    from types import SimpleNamespace
+
+    from pipeline.data.multicrop import IMAGENET_MEAN, IMAGENET_STD
+    from pipeline.objectives import load_config
+    from pipeline.run.init_source import prepare_init
+
+    src = foreign_file("meta_dinov2", tmp_path / "src")
+    base = [*DINOV2_TINY, f"data.path={data}", f"adapt.init={src.path}"]
+    cfg, _ = prepare_init(load_config(DEMO, base), None, set())
+    out = capsys.readouterr().out
+    assert cfg.data.mean == (0.5, 0.5, 0.5), cfg.data.mean
+    assert (f"warning: --init {src.path} was trained on inputs normalised with mean [0.485, 0.456, 0.406], std "
+            "[0.229, 0.224, 0.225] (what its authors trained it with), and this run normalises with data.mean "
+            "[0.5, 0.5, 0.5], data.std [0.5, 0.5, 0.5]: set adapt.normalise=source to take the source's") in out, out
+    cfg, _ = prepare_init(load_config(DEMO, [*base, "adapt.normalise=source"]), None, set())
+    assert tuple(cfg.data.mean) == IMAGENET_MEAN and tuple(cfg.data.std) == IMAGENET_STD
+    out = capsys.readouterr().out
+    assert "data.mean [0.485, 0.456, 0.406], data.std [0.229, 0.224, 0.225] (what its authors" in out and \
+        "warning" not in out, out
+    recorded = {"adapt": {"init": str(src.path), "init_digest": cfg.adapt.init_digest, "normalise": "source"},
+                "data": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}, "model": {}}
+    plan = SimpleNamespace(state=SimpleNamespace(config=recorded), tag="step_0000010")
+    resumed, hook = prepare_init(load_config(DEMO, base), plan, set())
+    assert hook is None and tuple(resumed.data.mean) == IMAGENET_MEAN and tuple(resumed.data.std) == IMAGENET_STD
+    own = [f"data.mean={list(IMAGENET_MEAN)}", f"data.std={list(IMAGENET_STD)}"]
+    capsys.readouterr()
+    prepare_init(load_config(DEMO, [*base, *own]), None, set())
+    assert "warning" not in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="adapt.normalise"):
+        load_config(DEMO, [*base, "adapt.normalise=imagenet"])
+
+
 @pytest.mark.slow  # a DeepSpeed run in this process: about 25 s
 def test_the_backbone_is_frozen_bit_for_bit_while_the_heads_train_judged_from_step_0(data, tmp_path, capsys,
                                                                                      monkeypatch):
