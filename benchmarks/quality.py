@@ -14,8 +14,9 @@ types, each a process of its own, every run in one MLflow experiment (vit-pipeli
   2. `launch/evaluate.py`: the k-NN (the whole train split as the bank) and the linear probe, with all the
      train labels and with 1% of them (stratified, seeded: `make_shards.py --train-fraction 0.01`);
   3. self-supervised recipes: `launch/finetune.py --from` the pretrained run with 10% and with 100% of the
-     labels (configs/finetune/fmnist.yaml), beside the same fine-tune from random weights (recipe `scratch`,
-     once per seed).
+     labels (configs/finetune/fmnist.yaml), beside the same fine-tune from random weights, once per seed and per
+     stem the recipes' presets have (a fine-tune takes its source's): `scratch` with the config's convolutional
+     stem (DINOv2's preset), `scratch-patch` with the patchify (MAE's and DINOv3's).
 
 Baselines measured here, once per set: a k-NN and a logistic regression on the raw pixels (the same k-NN
 code and linear-probe protocol as the models'), and the presets' ViT at its random initialisation (a
@@ -310,15 +311,28 @@ def bench_recipe(name: str, seed: int, plan: Plan) -> dict[str, Any]:
     return figures
 
 
-def bench_scratch(seed: int, plan: Plan) -> dict[str, Any]:
-    """The fine-tune config from random weights with 10% and 100% of the labels: what every pretrained
-    backbone's fine-tune is judged against (the same architecture, steps, seed and head init)."""
-    figures: dict[str, Any] = {"recipe": "scratch", "seed": seed, "budget": plan.budget, "smoke": plan.smoke,
-                               "preset": FINETUNE, "preset_sha": preset_sha(FINETUNE)}
+def preset_stem(preset: str) -> str:
+    """The model.stem a preset writes ('patch' where it writes none): the architecture a fine-tune from its run has."""
+    return (_read_yaml(ROOT / preset).get("model") or {}).get("stem", "patch")
+
+
+def scratch_name(stem: str) -> str:
+    """The baseline's recipe name for the fine-tunes of a backbone with `stem`: 'scratch' for the fine-tune
+    config's own (the convolutional stem), 'scratch-patch' for the patchify (MAE's, DINOv3's presets)."""
+    return "scratch" if stem == preset_stem(FINETUNE) else f"scratch-{stem}"
+
+
+def bench_scratch(seed: int, plan: Plan, stem: str) -> dict[str, Any]:
+    """The fine-tune config from random weights with 10% and 100% of the labels, with `stem`: what a pretrained
+    backbone of that stem is judged against (the same architecture, steps, seed and head init)."""
+    name = scratch_name(stem)
+    own = () if name == "scratch" else (f"model.stem={stem}",)
+    figures: dict[str, Any] = {"recipe": name, "seed": seed, "budget": plan.budget, "smoke": plan.smoke,
+                               "preset": FINETUNE, "preset_sha": preset_sha(FINETUNE, overrides=own)}
     for figure, labels in FINETUNE_FRACTIONS.items():
-        run_dir = fresh(plan.runs / f"scratch-s{seed}-{figure}")
+        run_dir = fresh(plan.runs / f"{name}-s{seed}-{figure}")
         argv = [sys.executable, "launch/pretrain.py", "--config", FINETUNE, f"data.path={plan.data[labels]}",
-                *plan.overrides(seed, run_dir)]
+                *plan.overrides(seed, run_dir), *own]
         figures[f"{figure}_s"] = round(plan.run(argv, plan.runs / f"{run_dir.name}.log"), 1)
         figures[figure] = last_metric(run_dir, "eval/top1")
     figures["steps"] = _read_yaml(run_dir / "config.yaml")["train"]["steps"]
@@ -402,8 +416,10 @@ def bench_quality(args: argparse.Namespace) -> None:
     threads = args.quality_threads or os.cpu_count() or 1
     runs = args.runs_dir / (f"{args.budget}-smoke" if args.smoke else args.budget)
     baselines = not args.no_baselines and not args.ablation
-    scratch = "finetune" in stages and not args.ablation and any(RECIPES[r].self_supervised for r in recipes)
-    per_seed = 2 * scratch + sum(1 + 2 * ("probe" in stages) + 2 * ("finetune" in stages and RECIPES[r].self_supervised)
+    # One baseline per architecture the self-supervised recipes' fine-tunes have (their presets' stems)
+    scratch = [] if "finetune" not in stages or args.ablation else list(dict.fromkeys(
+        preset_stem(RECIPES[r].preset) for r in recipes if RECIPES[r].self_supervised))
+    per_seed = 2 * len(scratch) + sum(1 + 2 * ("probe" in stages) + 2 * ("finetune" in stages and RECIPES[r].self_supervised)
                                  for r in recipes)
     progress = Progress(3 * baselines + args.seeds * per_seed, t0=time.perf_counter())
     plan = Plan(args.budget, args.smoke, stages, prepare_data(args.data_dir, args.smoke), runs, threads,
@@ -421,8 +437,8 @@ def bench_quality(args: argparse.Namespace) -> None:
         record(bench_pixels(plan))
         record(bench_random_vit(plan))
     for seed in range(args.seeds):
-        if scratch:
-            record(bench_scratch(seed, plan))
+        for stem in scratch:
+            record(bench_scratch(seed, plan, stem))
         for name in recipes:
             print(f"[quality] {name}, seed {seed} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
             record(bench_recipe(name, seed, plan))

@@ -455,6 +455,8 @@ def test_the_quality_table_averages_the_seeds_of_the_newest_preset_and_judges_th
             row("2026-01-02", recipe="supervised", seed=1, preset_sha="new", top1=0.930, steps=100, epochs=1.0,
                 pretrain_s=660),
             row("2026-01-02", recipe="scratch", seed=0, preset_sha="ft", ft10=0.80, ft100=0.90, steps=5),
+            row("2026-01-02", recipe="scratch-patch", seed=0, preset_sha="fp", ft10=0.70, ft100=0.88, steps=5),
+            row("2026-01-02", recipe="mae", seed=0, preset_sha="m", knn=0.6, ft10=0.72, steps=9),
             row("2026-01-02", recipe="dinov2", seed=0, preset_sha="d", knn=0.86, linear=0.85, ft10=0.84, steps=9),
             row("2026-01-02", recipe="dinov2", seed=0, preset_sha="a", knn=0.80, steps=9, ablation="no-ibot",
                 overrides=["dino.ibot_loss_weight=0"]),
@@ -467,12 +469,25 @@ def test_the_quality_table_averages_the_seeds_of_the_newest_preset_and_judges_th
     assert "| supervised ViT from scratch >= the 2-layer conv net | 92.0% | yes |" in page
     assert "| DINOv2 k-NN >= 85% | 86.0% | yes |" in page and "| DINOv2 linear >= 87% | 85.0% | no |" in page
     assert "| DINOv2 fine-tuned, 10% of the labels >= scratch + 3 | +4.0 points | yes |" in page
-    assert "| MAE fine-tuned, 10% of the labels >= scratch + 3 | not measured | |" in page
+    # MAE's preset has the patchify stem: judged against the fine-tune from random weights with it, not the conv's
+    assert "| MAE fine-tuned, 10% of the labels >= scratch + 3 | +2.0 points | no |" in page
+    assert "| DINOv3 fine-tuned, 10% of the labels >= scratch + 3 | not measured | |" in page
     assert "### cpu budget (smoke" in page and "| [quality](#quality) |" in page  # smoke rows: a table apart
     assert f"]({quality_render.PICTURE})" in page
     assert quality_render.draw(rows, tmp_path / "q.png") and (tmp_path / "q.png").stat().st_size > 1000
     assert not quality_render.draw(rows[:2], tmp_path / "none.png")  # no curve: no picture, none promised
     assert f"]({quality_render.PICTURE})" not in render(rows[:2])
+
+
+def test_each_fine_tune_has_a_baseline_of_its_own_architecture():
+    """The scratch baselines bench.py quality runs: one per stem the self-supervised presets have, each the
+    fine-tune config with that stem (its own: 'scratch'; the patchify of MAE's and DINOv3's presets: another)."""
+    from benchmarks.quality import FINETUNE, RECIPES, preset_stem, scratch_name
+
+    assert preset_stem(FINETUNE) == "conv" and scratch_name("conv") == "scratch"
+    assert scratch_name(preset_stem(RECIPES["dinov2"].preset)) == "scratch"
+    assert scratch_name(preset_stem(RECIPES["mae"].preset)) == "scratch-patch"
+    assert scratch_name(preset_stem(RECIPES["dinov3"].preset)) == "scratch-patch"
 
 
 def test_quality_refuses_bad_arguments_in_one_line_before_any_work(tmp_path):
