@@ -162,19 +162,26 @@ class Trainer:
         return tag
 
     def evaluate(self, step: int) -> EvalResult:
-        """The objective's evaluation (collective); rank 0 is given the run directory to write figures to.
-        With train.ema_decay the model EMA's too, its metrics beside the model's (eval/top1_ema)."""
-        result = (self.objective.evaluate(self.engine, self.dtype, self.run_dir if self.env.is_main else None, step)
-                  if self.own_eval else EvalResult({}, f"eval step {step}"))
-        if self.eval_sets:  # the objective says which features (Objective.judged_features); collective
-            judged, line = self.eval_sets.judge(self.objective.judged_features(self.engine), self.engine.device)
-            if self.cfg.adapt.init and self.env.is_main:  # --init: each figure against the source's (step 0)
-                judged = versus_init(judged, self.run_dir, step, self.cfg.adapt.warn_drop)
-            result = EvalResult({**result.metrics, **judged}, f"{result.line} | {line}", result.artifacts)
-        if self.ema is None or not self.own_eval:  # (the EMA is judged by the objective's evaluation only)
-            return result
-        ema = self.ema.evaluate(self.objective, step)
-        return EvalResult({**result.metrics, **ema.metrics}, f"{result.line}\n{ema.line}", result.artifacts)
+        """One evaluation (collective; rank 0 is given the run directory to write figures to). The rule, once:
+        what judges the run's val split (the objective's own evaluation, and the model EMA's with
+        train.ema_decay) runs where the run has that split or no eval.sets stand in for it (`own_eval`);
+        eval.sets judge the run's features on their own sets whenever they are configured."""
+        on_val = self.own_eval
+        own = (self.objective.evaluate(self.engine, self.dtype, self.run_dir if self.env.is_main else None, step)
+               if on_val else EvalResult({}, f"eval step {step}"))
+        sets = self._judge_sets(step) if self.eval_sets else None
+        ema = self.ema.evaluate(self.objective, step) if on_val and self.ema is not None else None
+        metrics = {**own.metrics, **(sets.metrics if sets else {}), **(ema.metrics if ema else {})}
+        return EvalResult(metrics, own.line + (f" | {sets.line}" if sets else "") + (f"\n{ema.line}" if ema else ""),
+                          own.artifacts)
+
+    def _judge_sets(self, step: int) -> EvalResult:
+        """eval.sets on the features the objective names (Objective.judged_features); with --init, each figure
+        also against the source's at step 0."""
+        judged, line = self.eval_sets.judge(self.objective.judged_features(self.engine), self.engine.device)
+        if self.cfg.adapt.init and self.env.is_main:
+            judged = versus_init(judged, self.run_dir, step, self.cfg.adapt.warn_drop)
+        return EvalResult(judged, line)
 
     def log_references(self, log: ProgressLog) -> None:
         """eval.sets on what the objective judges once at step 0 (a distillation's teacher), collective."""
