@@ -16,7 +16,8 @@ Reading (the trainer):
     fetch.py       fetch ahead: the rank's next shards into the cache, in the background
     tario.py       tar members -> image and label; streaming a shard from its start
     bad.py         the data errors, bad-data counters and the stop rule
-    stream.py      the train stream (TrainStream in workers, TrainLoader in the rank) and its state
+    stream.py      the train stream: one micro batch as a pure function of its index (TrainStream, in workers)
+    train_loader.py  the rank's side of it (TrainLoader): the DataLoader, order check, buffers, state
     eval.py        the exactly-once eval pass
     transforms.py  timm's train/eval transforms, Mixup/CutMix, normalisation
     gpu_decode.py  data.decode_device=cuda: decode and crop on the GPU

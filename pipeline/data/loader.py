@@ -32,7 +32,8 @@ from .nodes import node_place
 from .order import SlicedOrder
 from .origins import check_origins
 from .pixels import resolve_data
-from .stream import LOADER_STATE_VERSION, TrainLoader, TrainStream
+from .stream import TrainStream
+from .train_loader import LOADER_STATE_VERSION, TrainLoader
 
 __all__ = ["LOADER_STATE_VERSION", "Counters", "EvalLoader", "TrainLoader", "build_eval_loader", "build_train_loader",
            "merge_counters"]

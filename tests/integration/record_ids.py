@@ -22,9 +22,9 @@ if __name__ == "__main__":
 
     install_signal_handlers()  # as the launch scripts do, first
 
-    import pipeline.data.stream as stream
+    import pipeline.data.train_loader as train_loader
 
-    real_next = stream.TrainLoader.__next__
+    real_next = train_loader.TrainLoader.__next__
 
     def recording_next(self):
         out = real_next(self)
@@ -33,7 +33,7 @@ if __name__ == "__main__":
             f.write(json.dumps(line) + "\n")
         return out
 
-    stream.TrainLoader.__next__ = recording_next
+    train_loader.TrainLoader.__next__ = recording_next
     script = str(ROOT / "launch/pretrain.py")
     sys.argv = [script, *sys.argv[1:]]
     runpy.run_path(script, run_name="__main__")
