@@ -77,7 +77,7 @@ def build_engine(spec: BenchSpec, zero_stage: int, overrides: Sequence[str] = ()
 def trainer_step(engine: Any, images: torch.Tensor, targets: torch.Tensor, check_finite: bool,
                  loss_sum: torch.Tensor) -> None:
     """The body of pipeline.run.trainer.Trainer.optimizer_step for one micro batch (data and logging left out)."""
-    from pipeline.objectives.supervised import loss_fn
+    from pipeline.objectives.supervised.objective import loss_fn
     from pipeline.run.step import all_finite, backward_and_step
 
     loss = loss_fn(engine(images).float(), targets, 0.0)

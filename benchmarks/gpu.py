@@ -237,7 +237,7 @@ def bf16_vs_fp32(spec: BenchSpec, overrides: list[str], steps: int, log: Any) ->
     """The same ZeRO-1 run in bf16 and in fp32 on a fixed synthetic set (8 batches, cycled: the loss falls
     as the model memorises them); the gap between the two loss curves, smoothed (EMA 0.9)."""
     from benchmarks.engine import build_engine
-    from pipeline.objectives.supervised import loss_fn
+    from pipeline.objectives.supervised.objective import loss_fn
 
     curves = {}
     for dtype in ("fp32", "bf16"):

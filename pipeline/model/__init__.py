@@ -1,6 +1,14 @@
-from pipeline.model.mae import MaskedAutoencoderViT, build_mae, mae_flops
-from pipeline.model.pos_embed import resize_pos_embed
-from pipeline.model.vit import VARIANTS, VisionTransformer, build_vit, model_flops, model_kwargs_from_config
+"""The models, one file each (imported by what uses them: this package imports nothing, so that a light module,
+variants.py, can be read before torch is).
 
-__all__ = ["VARIANTS", "MaskedAutoencoderViT", "VisionTransformer", "build_mae", "build_vit", "mae_flops", "model_flops",
-           "model_kwargs_from_config", "resize_pos_embed"]
+    vit.py        VisionTransformer (the paper's ViT, timm's Block; DINOv2's options)
+    dinov3.py     DINOv3ViT (RoPE, storage tokens)
+    mae.py        MaskedAutoencoderViT (MAE's encoder and decoder)
+    dino.py + dino_head.py   the DINO student/teacher modules and their heads
+    layers.py     the blocks' parts (PatchEmbed, the convolutional stem, LayerScale, ...)
+    variants.py   every model.variant preset and the FLOPs of a model's arguments (no torch)
+    rope.py       DINOv3's rotary position embedding
+    timm_backbone.py  a timm model as a distillation student or teacher
+    pos_embed.py, weights.py, layouts.py (+ layouts_dinov3.py, layout_parts.py), channels.py: position tables,
+                  the weights files, what a file from elsewhere holds
+"""

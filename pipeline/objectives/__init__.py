@@ -4,8 +4,11 @@ This module is light (no torch, no DeepSpeed): it lists each recipe's declaratio
 name, its config section and checks), so that a command reads and checks its whole run config before
 torch is imported; a recipe's Objective class is imported when a run builds it (`OBJECTIVES[name]`).
 
-Adding one: its own files (<name>.py with the `Objective` subclass, <name>_config.py with its config
-section and `RECIPE`) and one line in RECIPES below (docs/objectives.md).
+Each recipe is a folder, <name>/, of one shape: objective.py (the `Objective` subclass, imported when a run
+builds it), config.py (its config section, checks and `RECIPE`: no torch, no DeepSpeed, no import of the
+objective), an __init__.py that imports nothing (so that reading <name>/config.py loads nothing more), and
+what else the recipe needs beside them. Adding one: copy a folder and add one line in RECIPES below
+(docs/objectives.md).
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ from typing import Any
 from pipeline import config
 from pipeline.config import Config, ConfigFiles
 from pipeline.eval.sets_config import EvalConfig, eval_checks
-from pipeline.objectives import dino_config, dinov3_config, distill_config, mae_config, supervised_config
 from pipeline.objectives.adapt import AdaptConfig, adapt_checks
+from pipeline.objectives.dino import config as dino_config
+from pipeline.objectives.dinov3 import config as dinov3_config
+from pipeline.objectives.distill import config as distill_config
+from pipeline.objectives.mae import config as mae_config
 from pipeline.objectives.recipe import Recipe, objectives_config
+from pipeline.objectives.supervised import config as supervised_config
 from pipeline.typed_yaml import describe
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (

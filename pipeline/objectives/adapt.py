@@ -25,7 +25,7 @@ from typing import Any
 
 from pipeline.config import Check, Config
 
-FRESH_ROLES = ("head", "last_layer", "decoder")  # the roles of what a source does not hold (dino.py, mae.py)
+FRESH_ROLES = ("head", "last_layer", "decoder")  # the roles of what a source does not hold (pipeline/model/dino.py, mae.py)
 ADAPT_RECIPES = ("dinov2", "dinov3", "mae")  # the recipes --init starts from a foundation model
 ANCHORED = ("dinov2", "dinov3")  # the recipes adapt.anchor applies to (the Gram loss: patch features of DINO)
 

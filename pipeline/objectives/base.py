@@ -21,8 +21,9 @@ The trainer (pipeline/run/trainer.py) names no objective. It asks the objective,
 The trainer reads nothing else of an objective: what a hook needs later (its eval loaders, a teacher) the
 objective keeps for itself.
 
-A new objective is its own files here (<name>.py with the subclass, <name>_config.py with its config
-section and its `Recipe`) and one line in `pipeline.objectives.RECIPES` (docs/objectives.md walks through it).
+A new objective is a folder here of the recipes' one shape (<name>/objective.py with the subclass,
+<name>/config.py with its config section and its `Recipe`) and one line in `pipeline.objectives.RECIPES`
+(docs/objectives.md walks through it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a recipe declares before torch is imported: its name (model.objective's value), its config
 section and the checks a run of it needs, and how to import its Objective class.
 
-Each objective declares one `Recipe` in its light module (<name>_config.py: no torch, no DeepSpeed), and
+Each objective declares one `Recipe` in its light module (<name>/config.py: no torch, no DeepSpeed), and
 pipeline/objectives/__init__.py lists them. The run config is the core sections (pipeline.config.Config)
 plus every recipe's section (`objectives_config`), so a typo in `mae.mask_ratio` is reported as soon as the
 command has read its config, before the seconds that importing torch takes.

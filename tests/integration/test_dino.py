@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.objectives import load_config
-from pipeline.objectives.dino import DINOv2
+from pipeline.objectives.dino.objective import DINOv2
 from pipeline.run.finetune import find_source, source_state_dict
 from pipeline.train import checkpoint as ckpt
 from tests.integration.runs import (

@@ -54,7 +54,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, ".")
     from benchmarks.common import BenchSpec, synthetic_batch
     from benchmarks.engine import build_engine, init_single_process
-    from pipeline.objectives.supervised import loss_fn
+    from pipeline.objectives.supervised.objective import loss_fn
     init_single_process()
     tiny = ["model.patch_size=8", "model.embed_dim=64", "model.depth=2", "model.num_heads=2"]
     out = {}

@@ -13,16 +13,13 @@ from PIL import Image
 
 from pipeline.config import ConfigError
 from pipeline.data.multicrop import MultiCropConfig
+from pipeline.model.dino import DINOv2Model
 from pipeline.model.dino_head import dino_head_flops as _head_flops
 from pipeline.model.vit import model_flops
 from pipeline.objectives import OBJECTIVES, load_config
-from pipeline.objectives.dino import (
-    DINOv2,
-    DINOv2Model,
-    MultiCropView,
-    dinov2_model_kwargs,
-    pca_rgb,
-)
+from pipeline.objectives.dino.evaluate import pca_rgb
+from pipeline.objectives.dino.objective import DINOv2, dinov2_model_kwargs
+from pipeline.objectives.dino.view import MultiCropView
 from pipeline.train.optim import apply_hparams, build_optimizer, build_scheduler, param_groups
 from tests.integration.runs import assert_teacher_not_collapsed
 

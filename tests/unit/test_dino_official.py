@@ -24,7 +24,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline.objectives import dino as ours
+from pipeline.model.dino_head import DINOHead
+from pipeline.objectives.dino.loss import DINOLoss, KoLeoLoss, iBOTPatchLoss
 
 REPO = os.environ.get("DINOV2_OFFICIAL_REPO")
 pytestmark = pytest.mark.skipif(
@@ -75,7 +76,7 @@ def test_head_same_keys_weights_and_outputs(official, kwargs):
             if isinstance(m, torch.nn.BatchNorm1d):
                 m.running_mean.normal_()
                 m.running_var.uniform_(0.5, 2)
-    mine = ours.DINOHead(24, 40, hidden_dim=32, bottleneck_dim=16, **kwargs).eval()
+    mine = DINOHead(24, 40, hidden_dim=32, bottleneck_dim=16, **kwargs).eval()
     theirs_sd = theirs.state_dict()
     assert {k: v.shape for k, v in mine.state_dict().items()} == {k: v.shape for k, v in theirs_sd.items()}
     mine.load_state_dict(theirs_sd)
@@ -93,7 +94,7 @@ def test_head_gradients_match(official):
     """The weight-norm reparametrisation is differentiated the same way (g and v get the same grads)."""
     torch.manual_seed(0)
     theirs = official.layers.DINOHead(24, 40, hidden_dim=32, bottleneck_dim=16)
-    mine = ours.DINOHead(24, 40, hidden_dim=32, bottleneck_dim=16)
+    mine = DINOHead(24, 40, hidden_dim=32, bottleneck_dim=16)
     mine.load_state_dict(theirs.state_dict())
     x = torch.randn(5, 24)
     theirs(x).square().sum().backward()
@@ -106,7 +107,7 @@ def test_head_gradients_match(official):
 @pytest.mark.parametrize("normalisation", ["centering", "sinkhorn_knopp"])
 def test_dino_loss_targets_losses_and_centres(official, normalisation):
     torch.manual_seed(0)
-    theirs, mine = official.loss.DINOLoss(32, center_momentum=0.8), ours.DINOLoss(32, center_momentum=0.8)
+    theirs, mine = official.loss.DINOLoss(32, center_momentum=0.8), DINOLoss(32, center_momentum=0.8)
     assert mine.state_dict().keys() == theirs.state_dict().keys()
     for _step in range(3):
         # Head outputs are bounded by the prototypes' norm (g, 1 at init): exp(x / temp) must not overflow.
@@ -138,7 +139,7 @@ def _masks(batch, n, generator):
 @pytest.mark.parametrize("normalisation", ["centering", "sinkhorn_knopp"])
 def test_ibot_loss_targets_losses_and_centres(official, normalisation):
     g = torch.Generator().manual_seed(0)
-    theirs, mine = official.loss.iBOTPatchLoss(20, center_momentum=0.7), ours.iBOTPatchLoss(20, center_momentum=0.7)
+    theirs, mine = official.loss.iBOTPatchLoss(20, center_momentum=0.7), iBOTPatchLoss(20, center_momentum=0.7)
     assert mine.state_dict().keys() == theirs.state_dict().keys()
     for _step in range(3):
         b, n, k = 4, 9, 20
@@ -182,7 +183,7 @@ def test_koleo_same_value_and_gradient(official):
     x = torch.randn(16, 12)
     x[3] = x[5] * 2  # an exact nearest neighbour (distance 0 after normalising): the eps path
     a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
-    loss_mine, loss_theirs = ours.KoLeoLoss()(a), official.loss.KoLeoLoss()(b)
+    loss_mine, loss_theirs = KoLeoLoss()(a), official.loss.KoLeoLoss()(b)
     torch.testing.assert_close(loss_mine, loss_theirs, atol=ATOL, rtol=0)
     loss_mine.backward()
     loss_theirs.backward()

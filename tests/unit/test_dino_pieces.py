@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from pipeline.objectives.dino import DINOHead, DINOLoss, KoLeoLoss, iBOTPatchLoss
+from pipeline.model.dino_head import DINOHead
+from pipeline.objectives.dino.loss import DINOLoss, KoLeoLoss, iBOTPatchLoss
 
 B, N, K = 8, 6, 16  # global batch (even: each rank gets half), patches per image, prototypes
 STEPS = 3

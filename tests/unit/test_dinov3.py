@@ -226,7 +226,7 @@ from pipeline.config import load_config
 from pipeline.derived import deepspeed_config
 from pipeline.dist import init_distributed
 from pipeline.model.variants import model_kwargs_from_config
-from pipeline.objectives.supervised import Supervised
+from pipeline.objectives.supervised.objective import Supervised
 from pipeline.run.step import build_engine, build_model
 init_distributed()
 cfg = load_config(None, sys.argv[2:] + ["deepspeed.zero_stage=3"])
@@ -253,7 +253,7 @@ def test_dinov3_variant_builds_under_zero3_init_with_the_seed_weights(tmp_path):
     from pipeline.config import load_config
     from pipeline.derived import deepspeed_config
     from pipeline.model.variants import model_kwargs_from_config
-    from pipeline.objectives.supervised import Supervised
+    from pipeline.objectives.supervised.objective import Supervised
     from pipeline.run.step import build_model
     from tests.integration.runs import ROOT, env, free_port
 
@@ -306,7 +306,7 @@ def test_a_supervised_dinov3_run_resumes_by_dinov3vits_architecture_keys(tmp_pat
     from types import SimpleNamespace
 
     from pipeline.config import load_config
-    from pipeline.objectives.supervised import Supervised
+    from pipeline.objectives.supervised.objective import Supervised
     from pipeline.run.resume import check_same_model
     from pipeline.train.checkpoint import TrainerState
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.objectives.dinov3 import GramLoss
+from pipeline.objectives.dinov3.gram_loss import GramLoss
 
 
 def gram_formula(s, t, img_level, norm=True, remove=None):

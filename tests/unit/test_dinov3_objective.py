@@ -16,7 +16,8 @@ from PIL import Image
 
 from pipeline.config import ConfigError
 from pipeline.objectives import OBJECTIVES, load_config
-from pipeline.objectives.dinov3 import pick, resize_patches, takes_copy
+from pipeline.objectives.dinov3.gram_teacher import resize_patches, takes_copy
+from pipeline.objectives.dinov3.view import pick
 
 TINY = ["model.objective=dinov3", "model.variant=dinov3_vits16", "model.img_size=16", "model.patch_size=4",
         "model.embed_dim=32", "model.depth=2", "model.num_heads=2", "dinov3.local_crops_number=2",

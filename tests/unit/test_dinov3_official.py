@@ -23,7 +23,7 @@ import torch
 
 from pipeline.model.layouts import LayoutError, recognise
 from pipeline.objectives.dino.loss import DINOLoss, iBOTPatchLoss
-from pipeline.objectives.dinov3 import GramLoss
+from pipeline.objectives.dinov3.gram_loss import GramLoss
 from tests.unit.test_dino_official import one_rank_group
 from tests.unit.test_dinov3 import TINY
 from tests.unit.test_dinov3_weights import fine_tune, timm_file

@@ -19,7 +19,7 @@ from pipeline.data.shards import index_shards, synthetic_source, write_dataset
 from pipeline.data.sources import folder_source
 from pipeline.eval.knn import knn_top1
 from pipeline.objectives import load_config
-from pipeline.objectives.mae import eval_noise, mae_model_kwargs, train_noise, train_noise_fn
+from pipeline.objectives.mae.objective import eval_noise, mae_model_kwargs, train_noise, train_noise_fn
 
 
 def test_config_selects_the_objective_and_builds_the_papers_decoder():

@@ -20,7 +20,7 @@ from benchmarks.engine import init_single_process
 from pipeline.config import load_config
 from pipeline.derived import deepspeed_config
 from pipeline.model.vit import model_kwargs_from_config
-from pipeline.objectives.supervised import loss_fn
+from pipeline.objectives.supervised.objective import loss_fn
 from pipeline.run.step import NonFiniteWatch, backward_and_step, build_engine, build_model
 from pipeline.train import ds_compat
 

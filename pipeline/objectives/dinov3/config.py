@@ -16,7 +16,7 @@ from typing import Literal
 
 from pipeline.config import Check, Config
 from pipeline.model.variants import DINOV3_VARIANTS
-from pipeline.objectives.dino_config import DinoConfig, section_checks
+from pipeline.objectives.dino.config import DinoConfig, section_checks
 from pipeline.objectives.recipe import ReadBack, Recipe
 
 

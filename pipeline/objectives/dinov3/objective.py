@@ -126,7 +126,7 @@ class DINOv3(DINOv2):
                           self.cfg.train.seed)
         return TrainView(label_free(self.cfg.data), sample=view)
 
-    # -- the schedules: DINOv3's are constant after their warm-up (None ends: dinov3_config.py)
+    # -- the schedules: DINOv3's are constant after their warm-up (None ends: config.py)
     def momentum(self, step: int) -> float:
         return self.d.momentum_teacher if self.d.final_momentum_teacher is None else super().momentum(step)
 

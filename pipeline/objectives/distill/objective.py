@@ -5,7 +5,7 @@ grid resized to the student's. Both see the same augmented view of each image (t
 teaching, Beyer et al. 2022). A DINOv2/DINOv3 run of ours (heads.py) teaches instead through its DINO and iBOT
 heads, each student through heads of its own (head_loss.py: DINOv3's distillation; `distill.targets`). The
 student's backbone is the run's product (model.safetensors), read back as any ViT of model.variant
-(distill_config.RECIPE). docs/distill.md has the recipe and what is tested.
+(config.py: RECIPE). docs/distill.md has the recipe and what is tested.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """MAE's declaration, light (read with the config, before torch): the `mae` config section, its checks, and
-the recipe `model.objective: mae` (the objective itself: mae.py)."""
+the recipe `model.objective: mae` (the objective itself: objective.py)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def mae_checks(cfg: Config) -> list[Check]:
 
 def _objective() -> type:
     # When a run builds it: the config is read before torch.
-    from pipeline.objectives.mae import MAE
+    from pipeline.objectives.mae.objective import MAE
 
     return MAE
 

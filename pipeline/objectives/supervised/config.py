@@ -8,7 +8,7 @@ from pipeline.objectives.recipe import Recipe
 
 def _objective() -> type:
     # When a run builds it: the config is read before torch.
-    from pipeline.objectives.supervised import Supervised
+    from pipeline.objectives.supervised.objective import Supervised
 
     return Supervised
 
