@@ -23,11 +23,12 @@ PY=${PY:-.venv/bin/python}
 
 # Taken as there (a CUDA PyTorch image holds them): torch and what it needs, and of DeepSpeed's and
 # webdataset's needs the common ones. Carried: the rest, and typing_extensions, since pydantic needs a
-# newer one than an image may hold. tests/unit/test_bench.py checks that the two lists cover what
-# DeepSpeed and webdataset require.
+# newer one than an image may hold; and tifffile and pydicom, make_shards' readers of TIFF and DICOM
+# (pipeline/data/pixels.py; pure Python, on numpy). tests/unit/test_bench.py checks that the two lists
+# cover what DeepSpeed and webdataset require; test_offline_wheels.py installs them as below and reads both.
 PRESENT=(torch numpy pyyaml pillow safetensors timm packaging psutil tqdm einops msgpack ninja py-cpuinfo)
 PACKAGES=(deepspeed hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions
-          webdataset braceexpand)
+          webdataset braceexpand tifffile pydicom)
 pin() {  # the version constraints.txt pins for package $1 (pip's names: '-' and '_' alike, any case)
   local v
   v=$(grep -iE "^${1//[-_]/[-_]}==" constraints.txt | cut -d= -f3)
