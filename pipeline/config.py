@@ -190,7 +190,7 @@ class DeepSpeedConfig:
 @dataclass
 class DistConfig:
     timeout_s: float = 300.0
-    """A rank that makes no progress (a micro batch, an eval batch, a save) for this long ends the job with exit 76, one line naming its rank, step and phase, and every thread's stack in RUN_DIR/errors/; a rank whose reader is still retrying storage within data.retry_time_s is waited on, on every node (docs/training.md), and the process group's own timeout covers that wait and a minute more. Raise it where one save, export or evaluation batch takes longer."""
+    """A rank that makes no progress (a micro batch, an eval batch, a save) for this long ends the job with exit 76, one line naming its rank, step and phase, and every thread's stack in RUN_DIR/errors/; a loader's start (its workers' first batches) is given at least 120 s; a rank whose reader is still retrying storage within data.retry_time_s is waited on, on every node (docs/training.md), and the process group's own timeout covers that wait and a minute more. Raise it where one save, export or evaluation batch takes longer."""
 
 
 @dataclass

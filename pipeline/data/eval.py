@@ -134,6 +134,7 @@ class EvalLoader:
         self.last_ids: torch.Tensor | None = None
         self.failure: str | None = None
         self.progress: Callable[[], None] = lambda: None  # called at every batch (the trainer's watchdog)
+        self.starting: Callable[[], None] = lambda: None  # called as its workers start (the watchdog's allowance)
 
     def __len__(self) -> int:
         return self.stream.num_batches
@@ -159,6 +160,7 @@ class EvalLoader:
         while todo and self.failure is None:
             seen: set[int] = set()
             try:
+                self.starting()  # the workers start (fresh processes) before the first batch
                 for item in self._loader(todo):
                     if "error" in item:
                         raise BadDataError(item["error"])

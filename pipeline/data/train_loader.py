@@ -55,6 +55,7 @@ class TrainLoader:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._j = 0  # micro batches handed out by this rank since position 0
         self._it: Iterator[dict[str, Any]] | None = None
+        self._started_at = 0  # the micro batch the DataLoader last started at
         self._counters = Counters()  # this rank's, plus (rank 0) the counts restored from a checkpoint
         self._releaser: Releaser | None = None  # the workers' batch buffers still in use here (buffers.py)
         self.last_ids: torch.Tensor | None = None
@@ -69,7 +70,7 @@ class TrainLoader:
         self.recheck: Callable[[Any], None] | None = None  # the cache check, again for a resumed mixture's order
 
     def _start(self) -> None:
-        self.stream.start = self._j
+        self.stream.start = self._started_at = self._j
         if self.fetcher is None and self.cfg.fetch_ahead and not self.stream.ids_only and any(
                 needs_copy(s) for s in self.stream.shards):
             self.fetcher = FetchAhead(self.stream.order, self.stream.shards, self.stream.shard_bytes,
@@ -96,6 +97,13 @@ class TrainLoader:
             worker_init_fn=WorkerInit("train"),  # a SIGTERM to the process group is the rank's to handle
         )
         self._it = iter(loader)
+
+    @property
+    def starting(self) -> bool:
+        """Whether the next micro batch waits on the DataLoader's workers starting: the first batch of each worker
+        (the round robin hands batch j to worker j % num_workers) after a start, the first one's and after
+        `close` (which a seek to another position calls)."""
+        return self._it is None or self._j < self._started_at + max(1, self.num_workers)
 
     def __iter__(self) -> TrainLoader:
         return self

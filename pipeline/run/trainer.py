@@ -13,6 +13,7 @@ every part restored); what a resume restores in which order is `pipeline.run.res
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -219,6 +220,7 @@ class Trainer:
                                  storage=StorageWaits.of_job(storage_beacon(self.cfg.data.cache_dir), env.world_size))
         for loader in self.eval_loaders:
             loader.progress = self.watchdog.touch  # each eval batch is progress
+            loader.starting = functools.partial(self.watchdog.touch, starts_loader=True)  # its workers' start
         if self.train_loader.decoder is not None:  # data.decode_device: cuda: the next decode overlaps this step
             self.train_loader.decode_ahead_on = self.engine.device
         try:
@@ -229,7 +231,8 @@ class Trainer:
     def micro_batch_loss(self, data, meter: ThroughputMeter, guard: NonFiniteGuard | None) -> torch.Tensor:
         """The loss of the next micro batch with a finite loss on every rank (forward only)."""
         while True:
-            self.watchdog.beat("train step", self.step)  # a micro batch: progress
+            # a micro batch: progress; the first of a (re)started loader waits for its workers to start
+            self.watchdog.beat("train step", self.step, starts_loader=self.train_loader.starting)
             t0 = time.perf_counter()
             images, targets = next(data)
             wait = time.perf_counter() - t0

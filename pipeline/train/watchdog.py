@@ -42,12 +42,16 @@ from pipeline.train.storage_wait import StorageWaits
 
 ERRORS_DIR = "errors"  # RUN_DIR/errors/: the same folder as DeepSpeed's tracebacks (ds_compat)
 PG_TIMEOUT_MARGIN_S = 60.0
+# The least a loader's start is given before its first batch (Watchdog.beat's starts_loader): its workers are
+# fresh processes that import torch and the pipeline (5-30 s on a loaded node) and read their shards' indexes.
+LOADER_START_S = 120.0
 
 
 def process_group_timeout_s(timeout_s: float, storage_wait_s: float = 0.0) -> float:
     """The collectives' own timeout: after the longest the watchdog may wait (`timeout_s` past a storage wait of
-    up to `storage_wait_s`), so that a hang is reported by the watchdog and a peer's storage wait is waited on."""
-    return timeout_s + storage_wait_s + PG_TIMEOUT_MARGIN_S
+    up to `storage_wait_s`; a loader's start at least LOADER_START_S), so that a hang is reported by the watchdog
+    and a peer's storage wait, or its loader's start, is waited on."""
+    return max(timeout_s, LOADER_START_S) + storage_wait_s + PG_TIMEOUT_MARGIN_S
 
 
 class Watchdog:
@@ -58,18 +62,25 @@ class Watchdog:
         self.limit_s, self.rank, self.run_dir, self.grace_s = limit_s, rank, Path(run_dir), grace_s
         self.storage = storage  # readers retrying storage: this node's (its beacon) and the other nodes'
         self._told: float | None = None  # the mark for which "waiting on storage" was said
-        self._mark = ("setup", 0, time.monotonic())  # one tuple: assigned atomically, read whole
+        self._mark = ("setup", 0, time.monotonic(), limit_s)  # one tuple: assigned atomically, read whole
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self._thread.start()
 
-    def beat(self, phase: str, step: int) -> None:
-        self._mark = (phase, step, time.monotonic())
+    def beat(self, phase: str, step: int, starts_loader: bool = False) -> None:
+        """Progress: `phase` at `step` from now. `starts_loader`: what follows starts a loader's workers (fresh
+        processes importing torch and the pipeline, reading their shards' indexes) before its first batch, so
+        it is given max(dist.timeout_s, LOADER_START_S) until the next progress: a small dist.timeout_s
+        would otherwise call that start a hang."""
+        self._mark = (phase, step, time.monotonic(), self._limit(starts_loader))
 
-    def touch(self) -> None:
-        """Progress within the current phase (an eval batch)."""
-        phase, step, _ = self._mark
-        self._mark = (phase, step, time.monotonic())
+    def touch(self, starts_loader: bool = False) -> None:
+        """Progress within the current phase (an eval batch; an eval loader starting its workers)."""
+        phase, step, _, _ = self._mark
+        self._mark = (phase, step, time.monotonic(), self._limit(starts_loader))
+
+    def _limit(self, starts_loader: bool) -> float:
+        return max(self.limit_s, LOADER_START_S) if starts_loader else self.limit_s
 
     def stop(self) -> None:
         self._stop.set()
@@ -80,15 +91,15 @@ class Watchdog:
         while not self._stop.wait(every):
             if self.storage is not None:
                 self.storage.share()  # this node's wait, for the other nodes' watchdogs
-            phase, step, since = self._mark
+            phase, step, since, limit = self._mark
             waited = time.monotonic() - since
-            if waited <= self.limit_s:
+            if waited <= limit:
                 continue
             storage = self.storage.wait() if self.storage is not None else None
-            if storage is not None and storage[0] <= self.limit_s:
+            if storage is not None and storage[0] <= limit:
                 self._say_storage(phase, step, since, waited, storage[1])
                 continue
-            self._fire(phase, step, waited if storage is None else min(waited, storage[0]))
+            self._fire(phase, step, waited if storage is None else min(waited, storage[0]), limit)
 
     def _say_storage(self, phase: str, step: int, since: float, waited: float, what: str) -> None:
         if self._told == since:
@@ -97,10 +108,11 @@ class Watchdog:
         print(f"watchdog: rank {self.rank}: no progress for {waited:.0f} s in {phase} at step {step}, but storage is "
               f"being retried within data.retry_time_s ({what}): waiting on it, not hung", file=sys.stderr, flush=True)
 
-    def _fire(self, phase: str, step: int, waited: float) -> None:
+    def _fire(self, phase: str, step: int, waited: float, limit: float) -> None:
         path = self.write_stacks(phase, step, waited)
+        allowed = "" if limit == self.limit_s else f"; a loader's start is given {limit:g} s"
         print(f"error: rank {self.rank} hung: no progress for {waited:.0f} s in {phase} at step {step} "
-              f"(dist.timeout_s={self.limit_s:g}); every thread's stack: {path}; exiting with "
+              f"(dist.timeout_s={self.limit_s:g}{allowed}); every thread's stack: {path}; exiting with "
               f"{int(ExitCode.HUNG)}", file=sys.stderr, flush=True)
         time.sleep(self.grace_s)  # the peers' watchdogs fire about now: let them write before we go
         sys.stdout.flush()

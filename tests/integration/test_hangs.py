@@ -165,3 +165,28 @@ def test_a_stopped_rank_ends_the_job_with_one_line_naming_rank_step_phase_and_th
     assert f"in {hung[2]} at step {hung[3]}" in stacks.splitlines()[0]
     assert 'File "' in stacks and "watchdog" in stacks  # faulthandler's dump of every thread, itself included
     assert sorted(p.name for p in (run_dir / "errors").iterdir())[0].startswith("hang-rank0-")
+
+
+SLOW_START = """import sys, time
+if "forkserver" in " ".join(sys.orig_argv):  # the loader's fork server: a start as slow as a loaded node's
+    time.sleep({seconds})
+"""
+
+
+def test_a_loaders_slow_start_is_not_a_hang_at_a_small_timeout(shards, tmp_path):
+    """Issue 72: dist.timeout_s=4 and a loader whose workers take 9 s to start (its fork server's interpreter
+    held up by a sitecustomize, as a loaded node's imports would): that wait is the loader's start, given
+    LOADER_START_S, not a step (before: exit 76, 'hung: no progress for 4 s in train step at step 0'). A rank that
+    stops after its loader started is still a hang at dist.timeout_s (the test above)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_START.format(seconds=9))
+    run_dir = tmp_path / "run"
+    argv = command("pretrain.py", CONFIG, [*TINY, WORKERS, f"data.path={shards}", f"run.dir={run_dir}", "train.steps=2",
+                                           "train.eval_every=2", "dist.timeout_s=4"], 1)
+    started = time.monotonic()
+    out = subprocess.run(argv, cwd=ROOT, env={**env(), "PYTHONPATH": f"{site}:{ROOT}"}, capture_output=True,
+                         text=True, timeout=300)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0 and " hung: " not in log, log[-3000:]
+    assert time.monotonic() - started > 9 and "step 2/2" in log, log[-3000:]  # the slow start did happen
