@@ -301,6 +301,29 @@ def test_embed_on_two_ranks_under_deepspeeds_launcher_writes_what_one_rank_write
         torch.testing.assert_close(torch.tensor(list(one[column])), torch.tensor(list(two[column])), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # two subprocesses of two ranks each: 100 s niced beside a training run
+def test_evaluate_on_two_ranks_under_torchrun_and_deepspeed_gives_what_one_rank_gives(sources, data, tmp_path):
+    """launch/evaluate.py as docs/evaluation.md runs it on N ranks, under each launcher it names (srun: the cluster
+    test): every figure of two ranks equals one rank's, bit for bit (each image's features computed once and
+    gathered in the set's order; the k-NN and the probe then run on the same tensors)."""
+    import json
+    import subprocess
+
+    from tests.integration.runs import DEEPSPEED, TORCHRUN, env, free_port
+
+    src = sources("run-dinov2")
+    args = ["--from", str(src.path), "--data", str(data), "--no-mlflow", "--batch-size", "8"]
+    assert launcher("evaluate").main([*args, "--json", str(tmp_path / "one.json")]) == 0
+    one = json.loads((tmp_path / "one.json").read_text())[0]["metrics"]
+    for name, prefix in (("torchrun", [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port())]),
+                         ("deepspeed", [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port())])):
+        out = subprocess.run([*prefix, "launch/evaluate.py", *args, "--json", str(tmp_path / f"{name}.json")],
+                             cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, name + out.stdout[-3000:] + out.stderr[-3000:]
+        two = json.loads((tmp_path / f"{name}.json").read_text())[0]["metrics"]
+        assert two == one, (name, two, one)
+
+
 def test_a_release_file_is_read_with_its_authors_normalisation_unless_told(sources, data, tmp_path, capsys):
     """A file of another layout without a config.yaml beside it: ImageNet's mean and std (what Meta's and timm's
     DINO files were trained with), not our runs' 0.5; --mean/--std replace it; a run, or a config.yaml beside
