@@ -250,6 +250,52 @@ def test_finetune_from_the_pretrain_run(slurm_cluster, digits_shards, pretrain_r
     assert pos_embed.shape[1] == 1 + (64 // 4) ** 2   # class token + a 16x16 grid of 4x4 patches
 
 
+JUDGE_SCRIPT = """#!/bin/bash
+# launch/evaluate.py and launch/embed.py as docs/evaluation.md runs them under srun: one task per node.
+set -euo pipefail
+srun --kill-on-bad-exit=1 "$PY" launch/evaluate.py --from "$FROM" --data "$DATA" --no-mlflow --batch-size 16 \\
+    --json "$OUT/srun.json"
+srun --kill-on-bad-exit=1 "$PY" launch/embed.py --from "$FROM" --data "$DATA" --workers 0 --batch-size 16 \\
+    --out "$OUT/emb-srun"
+"""
+
+
+def test_evaluate_and_embed_under_srun_on_two_nodes_give_what_one_process_gives(slurm_cluster, digits_shards,
+                                                                               pretrain_run, job_dir):
+    """(d) The pretraining run of (a) judged and embedded by srun's two tasks on two nodes (a gloo group over
+    Slurm's environment, as the trainer's): evaluate's figures equal one process's bit for bit; embed writes
+    each image once, the vectors one process writes."""
+    import json
+    import subprocess
+    import sys
+
+    import pandas as pd
+    import torch
+
+    _, base_dir, base_log, base_rc = pretrain_run
+    assert base_rc == 0, base_log
+    source, out = base_dir / "run", job_dir / "out"
+    out.mkdir()
+    script = job_dir / "judge.sh"
+    script.write_text(JUDGE_SCRIPT)
+    env = {"PY": sys.executable, "FROM": str(source), "DATA": str(digits_shards), "OUT": str(out)}
+    job_id = slurm_cluster.sbatch([*SMALL_JOB, f"--output={job_dir}/logs/job-%j.out", str(script)], env=env, cwd=REPO)
+    info = slurm_cluster.wait_job(job_id, timeout_s=600)
+    log = job_log(job_dir, job_id)
+    assert info.get("ExitCode") == "0:0", log
+    for command, extra in (("evaluate.py", ["--no-mlflow", "--json", str(out / "one.json")]),
+                           ("embed.py", ["--workers", "0", "--out", str(out / "emb-one")])):
+        one = subprocess.run([sys.executable, f"launch/{command}", "--from", str(source), "--data", str(digits_shards),
+                              "--batch-size", "16", *extra], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    srun, one = (json.loads((out / f"{n}.json").read_text())[0]["metrics"] for n in ("srun", "one"))
+    assert srun == one and any("knn" in k for k in one), (srun, one)
+    a, b = (pd.read_parquet(out / n).sort_values("key").reset_index(drop=True) for n in ("emb-srun", "emb-one"))
+    assert len(a) == len(b) > 0 and list(a.key) == list(b.key) and a.key.is_unique
+    for column in ("cls", "mean_patch"):
+        torch.testing.assert_close(torch.tensor(list(a[column])), torch.tensor(list(b[column])), atol=1e-5, rtol=0)
+
+
 def _kill_node_agent(job_id: int, node: str) -> list[str]:
     """SIGKILL the task of `job_id` on `node` (the script's wrapper, its torchrun agent, the ranks), as the
     node's death would: found by their environment, that job's task on that slurmd (both "nodes" are this
