@@ -93,11 +93,13 @@ class Watchdog:
                 self.storage.share()  # this node's wait, for the other nodes' watchdogs
             phase, step, since, limit = self._mark
             waited = time.monotonic() - since
-            if waited <= limit:
+            if waited <= self.limit_s:
                 continue
             storage = self.storage.wait() if self.storage is not None else None
-            if storage is not None and storage[0] <= limit:
+            if storage is not None and storage[0] <= self.limit_s:
                 self._say_storage(phase, step, since, waited, storage[1])
+                continue
+            if waited <= limit:  # a loader's start, within its allowance (a storage wait in it is still said)
                 continue
             self._fire(phase, step, waited if storage is None else min(waited, storage[0]), limit)
 
