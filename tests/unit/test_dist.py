@@ -153,8 +153,8 @@ def test_init_distributed_single_process_gloo(monkeypatch):
 
 
 def test_the_process_group_times_out_a_minute_after_the_watchdog(monkeypatch, tmp_path):
-    """The group a run joins (resume.start, the one place it is joined) has dist.timeout_s + 60 s past the
-    longest storage wait (data.retry_time_s + data.read_timeout_s) as its collectives' timeout: the watchdog
+    """The group a run joins (resume.start, the one place it is joined) has max(dist.timeout_s, a loader's start
+    allowance) + 60 s past the longest storage wait (data.retry_time_s + data.read_timeout_s) as its collectives' timeout: the watchdog
     (dist.timeout_s, counted past a storage wait) names the stuck rank, step and phase before a collective
     raises from inside gloo or NCCL, and no collective ends a wait the watchdog allows."""
     from datetime import timedelta
@@ -179,7 +179,8 @@ def test_the_process_group_times_out_a_minute_after_the_watchdog(monkeypatch, tm
     try:
         resume.start(cfg)
         group = torch_dist.distributed_c10d._get_default_group()
-        assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=42 + 100 + 7 + 60)
+        # a loader's start is allowed LOADER_START_S (120 s) when dist.timeout_s is smaller: the group waits that
+        assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=120 + 100 + 7 + 60)
     finally:
         if torch_dist.is_initialized():
             torch_dist.destroy_process_group()
