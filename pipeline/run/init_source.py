@@ -183,7 +183,7 @@ def _normalisation(cfg: Config, backbone: Backbone) -> Any:
 
 
 def _close(a: Any, b: Any) -> bool:
-    return len(a) == len(b) and all(math.isclose(float(x), float(y), rel_tol=1e-4) for x, y in zip(a, b))
+    return len(a) == len(b) and all(_same(float(x), float(y)) for x, y in zip(a, b))
 
 
 def _fmt(values: Any) -> str:
