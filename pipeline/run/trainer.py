@@ -57,6 +57,7 @@ from pipeline.train.metrics import ThroughputMeter, device_peak_flops
 from pipeline.train.optim import apply_hparams, exempt_names, peak_group_lr
 from pipeline.train.preemption import Preemption
 from pipeline.train.state import training_client_state
+from pipeline.train.step_norm import StepNormStats, batch_norms
 from pipeline.train.storage_wait import StorageWaits
 from pipeline.train.watchdog import Watchdog
 
@@ -116,6 +117,9 @@ class Trainer:
             view.data, img_size, cfg.train.micro_batch_size, seed=cfg.train.seed, rank=env.rank,
             world_size=env.world_size, info=info, global_batch_size=resolve_batch(cfg.train, env.world_size)[0],
             per_batch=view.per_batch, view=view.sample)
+        # BatchNorm's running statistics (a CNN student's): one update per step from the global batch (step_norm.py)
+        self.norm_stats = StepNormStats(self.engine.module, self.train_loader.accum, env.rank, env.world_size) \
+            if batch_norms(self.engine.module) else None
         for line in schedule_warnings(cfg, info.splits[cfg.data.train_split].num_samples,
                                       self.train_loader.global_batch):
             say(line)
@@ -238,6 +242,8 @@ class Trainer:
             wait = time.perf_counter() - t0
             # data.decode_device: the loader decodes on the device where asked
             images, targets = self.train_loader.to_device(images, targets, self.engine.device, self.dtype)
+            if self.norm_stats is not None:
+                self.norm_stats.micro_batch()
             # Extras (the train view's per_batch) were computed in the loader's workers with this micro batch.
             loss = self.objective.loss(self.engine, images, targets, self.train_loader.last_per_batch)
             meter.add(len(targets), wait)  # samples: an objective's view makes `images` a tuple of crops
@@ -250,12 +256,16 @@ class Trainer:
         optimizer at the last one), the objective's and the model EMA's updates. The micro batches run."""
         engine = self.engine
         self.objective.before_step(engine, self.step)  # schedules that write into the optimizer's groups
+        if self.norm_stats is not None:
+            self.norm_stats.before_step()
         step_loss = torch.zeros((), device=loss_sum.device)
         for _ in range(self.train_loader.accum):  # micro batches per rank per step: global batch / layout
             loss = self.micro_batch_loss(data, meter, guard if isinstance(guard, NonFiniteGuard) else None)
             backward_and_step(engine, loss)
             step_loss += loss.detach()
         loss_sum += step_loss
+        if self.norm_stats is not None:
+            self.norm_stats.after_step()
         if isinstance(guard, NonFiniteWatch):
             guard.after_step(engine, step_loss)
         self.objective.after_step(engine, self.step + 1)  # DeepSpeed stepped the optimizer at the last one

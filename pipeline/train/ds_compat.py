@@ -179,7 +179,27 @@ def load_checkpoint(engine, root: Path, tag: str, run_dir: Path | None = None) -
         for state in engine.optimizer.optimizer.state.values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
+    if engine.load_universal_checkpoint():
+        restore_buffers(engine.module, root / tag)
     return client
+
+
+def restore_buffers(module: torch.nn.Module, folder: Path) -> None:
+    """DeepSpeed 0.19's universal load takes the parameters from the universal files and skips the module's
+    state dict, and with it the buffers (a BatchNorm's running statistics restarted at 0 and 1 on a layout
+    change): the persistent buffers back from the model states file the converter copied beside them."""
+    params = {name for name, _ in module.named_parameters()}
+    buffers = {k: v for k, v in module.state_dict(keep_vars=True).items() if k not in params}
+    if not buffers:
+        return
+    with no_code_from_pickles():
+        saved = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu")["module"]
+    missing = sorted(set(buffers) - set(saved))
+    if missing:
+        raise DeepSpeedFailed("load", KeyError(f"{folder}: the model states hold no {', '.join(missing[:3])}"), None)
+    with torch.no_grad():
+        for k, buf in buffers.items():
+            buf.copy_(saved[k])
 
 
 def convert_to_universal(source: Path, out: Path, run_dir: Path | None = None) -> None:

@@ -81,3 +81,28 @@ def test_distill_preempted_on_2_ranks_resumes_on_1_at_zero1_and_zero3_and_ends_w
     line = [x for x in (refused.stdout + refused.stderr).splitlines() if x.startswith("error:")]
     assert len(line) == 1 and "distilled from another teacher" in line[0], line
     assert "step 9/12" not in refused.stdout
+
+
+# A ViT student beside a timm CNN (BatchNorm's running statistics: pipeline/train/step_norm.py).
+WITH_CNN = "distill.students=[{name: tiny}, {name: cnn, timm: resnet10t, kwargs: {output_stride: 8}}]"
+
+
+@pytest.mark.slow
+def test_a_cnn_students_batchnorm_statistics_are_layout_free_preempted_on_2_ranks_resumed_on_1(
+        shards, teacher, tmp_path):
+    """Each rank used to keep its own running statistics (num_batches_tracked counting forwards: 2 apart after
+    this resume); now one update per step from the global batch: the resumed run's CNN, buffers included, ends
+    where the uninterrupted 2-rank run's does, and every rank holds the same buffers."""
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "preempted"
+    ref = run("pretrain.py", CONFIG, base(shards, ref_dir, teacher, WITH_CNN), ranks=2)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, teacher, WITH_CNN), when="step 4/8")
+    assert code == 75, out[-3000:]
+    resumed = run_here("pretrain.py", CONFIG, base(shards, run_dir, teacher, WITH_CNN))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "layout changed (world size 2 -> 1)" in resumed.stdout
+    ref_cnn, cnn = weights(ref_dir / "students" / "cnn"), weights(run_dir / "students" / "cnn")
+    tracked = [k for k in cnn if k.endswith("num_batches_tracked")]
+    assert tracked and all(int(cnn[k]) == int(ref_cnn[k]) == 8 for k in tracked)  # one per step: 8 steps
+    assert_close(ref_cnn, cnn)  # weights and running statistics
+    assert_close(weights(ref_dir / "students" / "tiny"), weights(run_dir / "students" / "tiny"))
