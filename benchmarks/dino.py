@@ -34,6 +34,7 @@ from benchmarks.common import bench_device, interleaved, median, profile_step, s
 from pipeline.model.dinov3 import build_backbone
 from pipeline.model.vit import model_flops, model_kwargs_from_config
 from pipeline.objectives import OBJECTIVES, load_config
+from pipeline.objectives.dino.cost import expected_masked_patches
 from pipeline.train.metrics import device_peak_flops
 from pipeline.train.optim import build_optimizer, param_groups
 
@@ -210,7 +211,7 @@ def bench_dino(args: Any) -> dict[str, Any]:
     figures: dict[str, Any] = {"recipe": recipe, "variant": variant, "res": res, "local_crops": args.dino_local_crops,
                                "local_res": local_res,
                                "prototypes": prototypes, "batch": batch, "ibot_masked_patches": masked,
-                               "ibot_masked_patches_expected": round(batch * objective.expected_masked_patches(kwargs), 1),
+                               "ibot_masked_patches_expected": round(batch * expected_masked_patches(objective.d, kwargs), 1),
                                "steps": steps, "windows": windows, "device": device.type,
                                "threads": torch.get_num_threads(), "dtype": "bf16-autocast" if gpu else "fp32"}
     for name in contenders:

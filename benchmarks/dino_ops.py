@@ -86,7 +86,7 @@ def _teacher(model: Any, global_crops: torch.Tensor, masks: torch.Tensor | None,
 
 
 def _terms(objective: Any, engine: Any, views: Any, out: dict[str, torch.Tensor], t_dino: torch.Tensor,  # noqa: ARG001 - loss_terms' signature
-           t_masked: torch.Tensor | None, temp: float) -> dict[str, torch.Tensor]:
+           t_ibot: torch.Tensor | None) -> dict[str, torch.Tensor]:
     d, n_local = objective.d, views.n_local
     terms = 2 + 2 * n_local
     losses: dict[str, torch.Tensor] = {}
@@ -98,13 +98,8 @@ def _terms(objective: Any, engine: Any, views: Any, out: dict[str, torch.Tensor]
     if d.koleo_loss_weight > 0:
         losses["koleo_loss"] = d.koleo_loss_weight * sum(objective.koleo_loss(c.float())
                                                          for c in out["global_cls"].chunk(2))
-    if views.masks is not None:  # unchanged by issue 58
+    if views.masks is not None:  # unchanged by issue 58 (the iBOT targets: the objective's `targets`)
         valid = views.mask_valid
-        if d.centering == "centering":
-            t_ibot = objective.ibot_loss.softmax_center_teacher(t_masked.unsqueeze(0), temp).squeeze(0)
-            objective._accumulate("ibot", t_masked, valid)
-        else:
-            t_ibot = objective.ibot_loss.sinkhorn_knopp_teacher(t_masked, temp, views.masks.sum(), valid=valid)
         weights = masked_weights(views.masks, views.mask_indices, valid)
         losses["ibot_loss"] = d.ibot_loss_weight * objective.ibot_loss.forward_masked(
             out["masked"].float(), t_ibot, views.masks, masks_weight=weights)

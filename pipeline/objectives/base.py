@@ -128,6 +128,17 @@ class Objective:
         """Before each optimizer step (`step`: the steps done), ahead of its first micro batch: a schedule
         that writes into the optimizer's param groups (DINOv2's weight decay, its frozen prototypes' lr).
         The trainer's lr schedule has set every group's lr after the previous step."""
+    def step_targets(self) -> bool:
+        """Whether the targets of a micro batch depend on the whole step's global batch (DINO's
+        Sinkhorn-Knopp): then, with accumulation, the trainer draws the step's micro batches first and hands
+        them to `begin_step` before the first forward."""
+        return False
+
+    def begin_step(self, engine: Any, micro_batches: list[Any]) -> None:
+        """This rank's micro batches of the step (`images` as `loss` takes them, in order), before the first
+        `loss` of the step; only where `step_targets()` and the step has more than one. Collective if the
+        objective's targets are."""
+
     def loss(self, engine: Any, images: torch.Tensor, targets: torch.Tensor,
              extras: torch.Tensor | None) -> torch.Tensor:
         """The float32 scalar loss of one micro batch (forward only; the trainer runs backward)."""

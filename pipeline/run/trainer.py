@@ -232,21 +232,28 @@ class Trainer:
         finally:
             self.watchdog.stop()
 
-    def micro_batch_loss(self, data, meter: ThroughputMeter, guard: NonFiniteGuard | None) -> torch.Tensor:
-        """The loss of the next micro batch with a finite loss on every rank (forward only)."""
+    def draw(self, data, meter: ThroughputMeter) -> tuple[Any, torch.Tensor, Any]:
+        """The next micro batch on the engine's device: (images, targets, the view's per-batch extras)."""
+        # a micro batch: progress; the first of a (re)started loader waits for its workers to start
+        self.watchdog.beat("train step", self.step, starts_loader=self.train_loader.starting)
+        t0 = time.perf_counter()
+        images, targets = next(data)
+        meter.add(len(targets), time.perf_counter() - t0)  # samples: a view makes `images` a tuple of crops
+        # data.decode_device: the loader decodes on the device where asked
+        images, targets = self.train_loader.to_device(images, targets, self.engine.device, self.dtype)
+        # Extras (the train view's per_batch) were computed in the loader's workers with this micro batch.
+        return images, targets, self.train_loader.last_per_batch
+
+    def micro_batch_loss(self, data, meter: ThroughputMeter, guard: NonFiniteGuard | None,
+                         drawn: tuple[Any, torch.Tensor, Any] | None = None) -> torch.Tensor:
+        """The loss of the next micro batch (`drawn`, if the step drew it ahead) with a finite loss on every
+        rank (forward only); a skipped one is replaced by a new draw."""
         while True:
-            # a micro batch: progress; the first of a (re)started loader waits for its workers to start
-            self.watchdog.beat("train step", self.step, starts_loader=self.train_loader.starting)
-            t0 = time.perf_counter()
-            images, targets = next(data)
-            wait = time.perf_counter() - t0
-            # data.decode_device: the loader decodes on the device where asked
-            images, targets = self.train_loader.to_device(images, targets, self.engine.device, self.dtype)
+            images, targets, extras = drawn if drawn is not None else self.draw(data, meter)
+            drawn = None
             if self.norm_stats is not None:
                 self.norm_stats.micro_batch()
-            # Extras (the train view's per_batch) were computed in the loader's workers with this micro batch.
-            loss = self.objective.loss(self.engine, images, targets, self.train_loader.last_per_batch)
-            meter.add(len(targets), wait)  # samples: an objective's view makes `images` a tuple of crops
+            loss = self.objective.loss(self.engine, images, targets, extras)
             if guard is None or guard.finite(loss, self.step):
                 return loss
 
@@ -254,13 +261,19 @@ class Trainer:
                        loss_sum: torch.Tensor) -> int:
         """One optimizer step: the objective's schedules, the step's micro batches (DeepSpeed steps the
         optimizer at the last one), the objective's and the model EMA's updates. The micro batches run."""
-        engine = self.engine
+        engine, accum = self.engine, self.train_loader.accum
         self.objective.before_step(engine, self.step)  # schedules that write into the optimizer's groups
         if self.norm_stats is not None:
             self.norm_stats.before_step()
+        # An objective whose targets normalise over the step's global batch (Sinkhorn-Knopp) sees all of this
+        # rank's micro batches before the first forward; one micro batch per rank is the step already.
+        drawn = [self.draw(data, meter) for _ in range(accum)] if accum > 1 and self.objective.step_targets() \
+            else [None] * accum
+        if drawn[0] is not None:
+            self.objective.begin_step(engine, [d[0] for d in drawn])
         step_loss = torch.zeros((), device=loss_sum.device)
-        for _ in range(self.train_loader.accum):  # micro batches per rank per step: global batch / layout
-            loss = self.micro_batch_loss(data, meter, guard if isinstance(guard, NonFiniteGuard) else None)
+        for ahead in drawn:  # micro batches per rank per step: global batch / layout
+            loss = self.micro_batch_loss(data, meter, guard if isinstance(guard, NonFiniteGuard) else None, ahead)
             backward_and_step(engine, loss)
             step_loss += loss.detach()
         loss_sum += step_loss
@@ -271,7 +284,7 @@ class Trainer:
         self.objective.after_step(engine, self.step + 1)  # DeepSpeed stepped the optimizer at the last one
         if self.ema is not None:
             self.ema.update(self.step + 1)
-        return self.train_loader.accum
+        return accum
 
     def wait_for_mirror(self, group: Any) -> None:
         """The end of a run, a preempted stop: no rank exits before rank 0's run.remote uploads are done (a

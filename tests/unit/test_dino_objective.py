@@ -17,6 +17,7 @@ from pipeline.model.dino import DINOv2Model
 from pipeline.model.dino_head import dino_head_flops as _head_flops
 from pipeline.model.vit import model_flops
 from pipeline.objectives import OBJECTIVES, load_config
+from pipeline.objectives.dino.cost import expected_masked_patches
 from pipeline.objectives.dino.evaluate import pca_rgb
 from pipeline.objectives.dino.objective import DINOv2, dinov2_model_kwargs
 from pipeline.objectives.dino.view import MultiCropView
@@ -404,9 +405,9 @@ def test_flops_count_student_crops_and_a_third_of_the_teacher():
     assert backbone < obj.flops_per_image(kwargs) < 2 * backbone
     # iBOT's head on the expected masked patches (2 crops x p 0.5 x 16 patches x mean ratio 0.3), the
     # student's and a third of the teacher's; nothing without iBOT.
-    assert obj.expected_masked_patches(kwargs) == pytest.approx(4.8)
+    assert expected_masked_patches(obj.d, kwargs) == pytest.approx(4.8)
     no_ibot = objective("dino.ibot_loss_weight=0")
-    assert no_ibot.expected_masked_patches(kwargs) == 0
+    assert expected_masked_patches(no_ibot.d, kwargs) == 0
     head = _head_flops(kwargs, 32, 64)
     assert obj.flops_per_image(kwargs) - no_ibot.flops_per_image(kwargs) == pytest.approx(4.8 * head * 4 / 3)
 

@@ -26,15 +26,16 @@ from pipeline.dist import DistEnv, is_rank0
 from pipeline.eval.features import embedding
 from pipeline.eval.knn import knn_loaders
 from pipeline.model.dino import HEAD_KEYS, DINOv2Model, backbone_state
-from pipeline.model.dino_head import dino_head_flops
-from pipeline.model.vit import architecture, model_flops, model_kwargs_from_config
+from pipeline.model.vit import architecture, model_kwargs_from_config
 from pipeline.objectives.adapt import backbone_lr_schedule, wants_roles
 from pipeline.objectives.base import EvalResult, Objective, TrainView
 from pipeline.objectives.dino.anchor import source_anchor
 from pipeline.objectives.dino.collapse import CollapseMonitor, Figures, write_warning
+from pipeline.objectives.dino.cost import flops_per_image
 from pipeline.objectives.dino.evaluate import evaluate_teacher
 from pipeline.objectives.dino.loss import DINOLoss, KoLeoLoss, iBOTPatchLoss
 from pipeline.objectives.dino.masked import mask_bound, masked_rows, masked_weights
+from pipeline.objectives.dino.targets import sinkhorn_knopp_targets
 from pipeline.objectives.dino.view import MultiCropView, Views, crop_major
 from pipeline.train import ds_compat
 from pipeline.train.checkpoint import CheckpointError, checkpoint_dir, read_client_state
@@ -75,8 +76,8 @@ class DINOv2(Objective):
     Layout-free, as every guarantee asks: crops and masks come from each sample's seed; the centres move once
     per optimizer step from the teacher outputs of the whole global batch (sums all-reduced in `after_step`;
     Meta, without gradient accumulation, does the same per iteration); KoLeo's neighbours are those of the
-    micro batch (the same samples on any layout with the same micro batch size). Sinkhorn-Knopp normalises
-    over the micro batches of one accumulation round of all ranks, which depends on the layout.
+    micro batch (the same samples on any layout with the same micro batch size); Sinkhorn-Knopp normalises
+    over the step's global batch, with accumulation too (`begin_step`, targets.py).
 
     DINOv3 (pipeline/objectives/dinov3/) is this recipe on another backbone with more terms: it reads its own
     section (`section`), and extends `views` and `loss_terms`.
@@ -99,6 +100,7 @@ class DINOv2(Objective):
         self.koleo_loss = KoLeoLoss()
         self.step = 0  # optimizer steps done (the schedules' position)
         self._sums: dict[str, torch.Tensor] = {}  # this step's teacher outputs for the centres: sum, count
+        self._ahead: dict[int, tuple] = {}  # begin_step's targets of the step's micro batches, by their first tensor
         self._window: torch.Tensor | None = None  # train_metrics: per-term sums on the device since the last log
         self._window_names: list[str] = []  # what each entry of _window is (its last: the micro batch count)
         # The collapse monitor's sums since the last evaluation, on the device (SINCE says which entry is
@@ -233,28 +235,53 @@ class DINOv2(Objective):
             t_cls, t_masked = self.teacher.teacher_forward(crops.to(teacher_dtype), views.masks, views.mask_indices)
         return t_cls.float(), (t_masked.float() if t_masked is not None else None)
 
-    def loss(self, engine: Any, images: Any, targets: torch.Tensor, extras: torch.Tensor | None) -> torch.Tensor:  # noqa: ARG002 - the interface
+    def masked_views(self, images: Any) -> Views:
+        """`views` with the masked patches' rows (a gather of a fixed size: no host read, masked.py)."""
         views = self.views(images)
-        if views.masks is not None:  # a gather of a fixed size: no host read (masked.py)
+        if views.masks is not None:
             bound = mask_bound(views.masks, self.d.mask_probability, self.d.mask_ratio)
             views.mask_indices, views.mask_valid = masked_rows(views.masks, bound)
-        temp = self.teacher_temp(self.step)
-        t_cls, t_masked = self.teacher_outputs(engine, views)
-        if self.d.centering == "centering":
-            t_dino = self.dino_loss.softmax_center_teacher(t_cls, temp)
-            self._accumulate("dino", t_cls, extra=t_dino.sum(0))
-        else:
-            t_dino = self.dino_loss.sinkhorn_knopp_teacher(t_cls, temp)
+        return views
+
+    def targets(self, t_cls: torch.Tensor, t_masked: torch.Tensor | None, views: Views,
+                temp: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One micro batch's DINO and iBOT targets: centred, or by Sinkhorn-Knopp over the micro batch's round."""
+        if self.d.centering != "centering":
+            return sinkhorn_knopp_targets(self.dino_loss, self.ibot_loss, [t_cls], [t_masked], [views], temp)[0]
+        t_dino = self.dino_loss.softmax_center_teacher(t_cls, temp)
+        self._accumulate("dino", t_cls, extra=t_dino.sum(0))
+        if t_masked is not None:
+            self._accumulate("ibot", t_masked, views.mask_valid)
+        return t_dino, None if t_masked is None else \
+            self.ibot_loss.softmax_center_teacher(t_masked.unsqueeze(0), temp).squeeze(0)
+
+    def step_targets(self) -> bool:  # Sinkhorn-Knopp: over the step's global batch (targets.py)
+        return self.d.centering != "centering"
+
+    def begin_step(self, engine: Any, micro_batches: list[Any]) -> None:
+        """With accumulation, Sinkhorn-Knopp's targets of every micro batch of the step normalised together
+        (targets.py), kept for `loss` by the micro batch's first tensor (one the guard skips is not asked for)."""
+        views = [self.masked_views(images) for images in micro_batches]
+        outputs = [self.teacher_outputs(engine, v) for v in views]
+        targets = sinkhorn_knopp_targets(self.dino_loss, self.ibot_loss, [o[0] for o in outputs],
+                                         [o[1] for o in outputs], views, self.teacher_temp(self.step))
+        self._ahead = {id(images[0]): t for images, t in zip(micro_batches, targets)}
+
+    def loss(self, engine: Any, images: Any, targets: torch.Tensor, extras: torch.Tensor | None) -> torch.Tensor:  # noqa: ARG002 - the interface
+        views = self.masked_views(images)
+        ahead = self._ahead.pop(id(images[0]), None)
+        t_dino, t_ibot = ahead if ahead is not None else \
+            self.targets(*self.teacher_outputs(engine, views), views, self.teacher_temp(self.step))
         t_dino = t_dino.view(2, views.batch, -1)
         out = engine(views.global_crops, views.local_crops, views.masks, mask_indices=views.mask_indices,
                      **views.student)
-        losses = self.loss_terms(engine, views, out, t_dino, t_masked, temp)
+        losses = self.loss_terms(engine, views, out, t_dino, t_ibot)
         total = sum(losses.values())
         self._log_terms(losses, t_dino, total)
         return total
 
     def loss_terms(self, engine: Any, views: Views, out: dict[str, torch.Tensor], t_dino: torch.Tensor,  # noqa: ARG002 - DINOv3's Gram term runs its teacher
-                   t_masked: torch.Tensor | None, temp: float) -> dict[str, torch.Tensor]:
+                   t_ibot: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Each term of the loss, weighted as it is added (they sum to it), named as in Meta's loss_dict."""
         d, n_local = self.d, views.n_local
         terms = 2 + 2 * n_local  # (student crop, teacher crop) pairs: global-global (not the same crop) and local
@@ -269,11 +296,6 @@ class DINOv2(Objective):
                 out["global_cls"].float().view(2, views.batch, -1)).sum()
         if views.masks is not None:
             valid = views.mask_valid
-            if d.centering == "centering":
-                t_ibot = self.ibot_loss.softmax_center_teacher(t_masked.unsqueeze(0), temp).squeeze(0)
-                self._accumulate("ibot", t_masked, valid)
-            else:
-                t_ibot = self.ibot_loss.sinkhorn_knopp_teacher(t_masked, temp, views.masks.sum(), valid=valid)
             weights = None if valid is None else masked_weights(views.masks, views.mask_indices, valid)
             # Meta's scale: x2 (the global crops together) x 1/2 (per global crop) = 1.
             losses["ibot_loss"] = d.ibot_loss_weight * self.ibot_loss.forward_masked(
@@ -313,6 +335,7 @@ class DINOv2(Objective):
 
     @torch.no_grad()
     def after_step(self, engine: Any, step: int) -> None:
+        self._ahead = {}  # begin_step's targets of micro batches the guard skipped
         # The centres move once per step, from the whole global batch's teacher outputs (layout-free).
         for name, loss in (("dino", self.dino_loss), ("ibot", self.ibot_loss)):
             if name not in self._sums:
@@ -371,31 +394,8 @@ class DINOv2(Objective):
         with ds_compat.gathered(self.teacher):
             yield lambda images: embedding(backbone.forward_features(images.float()), backbone)
 
-    def expected_masked_patches(self, model_kwargs: dict[str, Any]) -> float:
-        """iBOT's masked patches per image on average: 2 global crops, each masked with probability
-        dino.mask_probability, a fraction uniform in dino.mask_ratio of its patches (block masking can
-        stop a little short of its target when no block fits; `launch/bench.py dino` counts the real ones)."""
-        d = self.d
-        if d.ibot_loss_weight <= 0:
-            return 0.0
-        img, patch = model_kwargs["img_size"], model_kwargs["patch_size"]
-        side = (img if isinstance(img, int) else img[0]) // patch
-        return 2 * d.mask_probability * side * side * sum(d.mask_ratio) / 2
-
-    def flops_per_image(self, model_kwargs: dict[str, Any], local_size: int | None = None) -> float:
-        """The student's forward (global and local crops, the DINO head on their class tokens, the iBOT
-        head on the expected masked patches) plus a third of the teacher's (it runs forward only, on the
-        global crops and the same masked patches; the trainer counts 3 x this for forward + backward).
-        `local_size`: the local crops' side (default the section's local_crops_size)."""
-        d, dim = self.d, model_kwargs["embed_dim"]
-        head = dino_head_flops(model_kwargs, dim, d.head_n_prototypes)
-        patch_head = (dino_head_flops({**model_kwargs, "head_bottleneck_dim": d.ibot_head_bottleneck_dim}, dim,
-                                  d.ibot_head_n_prototypes) if d.ibot_separate_head else head)
-        ibot = self.expected_masked_patches(model_kwargs) * patch_head
-        global_fwd = 2 * (model_flops(model_kwargs) + head) + ibot
-        local_fwd = d.local_crops_number * (model_flops(model_kwargs, local_size or d.local_crops_size) + head)
-        anchor = 2 * model_flops(model_kwargs) / 3 if self.anchors_source and self.cfg.adapt.anchor > 0 else 0.0
-        return global_fwd + local_fwd + global_fwd / 3 + anchor
+    def flops_per_image(self, model_kwargs: dict[str, Any], local_size: int | None = None) -> float:  # cost.py
+        return flops_per_image(self.d, model_kwargs, local_size, self.anchors_source and self.cfg.adapt.anchor > 0)
 
     def exported_weights(self, engine: Any) -> dict[str, torch.Tensor]:  # noqa: ARG002 - the interface (the teacher, not the engine)
         """The teacher's backbone, in `VisionTransformer`'s (timm's) names: what fine-tuning starts from."""

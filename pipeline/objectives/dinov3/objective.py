@@ -158,8 +158,8 @@ class DINOv3(DINOv2):
         return out
 
     def loss_terms(self, engine: Any, views: Views, out: dict[str, torch.Tensor], t_dino: torch.Tensor,
-                   t_masked: torch.Tensor | None, temp: float) -> dict[str, torch.Tensor]:
-        losses = super().loss_terms(engine, views, out, t_dino, t_masked, temp)
+                   t_ibot: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        losses = super().loss_terms(engine, views, out, t_dino, t_ibot)
         if self.gram is None:
             return losses
         g = self.cfg.gram
