@@ -135,10 +135,10 @@ def section(rows: list[dict[str, str]]) -> list[str]:
            "them the raw pixels and the same ViT at its random initialisation, measured by the same code. "
            "Figures are top-1 %, the mean over seeds ± half their range.", ""]
     for (budget, smoke), recipes in sorted(groups.items()):
-        any_run = next(r for runs in recipes.values() for r in runs)
+        newest = max((r for runs in recipes.values() for r in runs), key=lambda r: r["date"])
         out += [f"### {budget} budget" + (" (smoke: a few steps, the code and not a figure)" if smoke else ""), "",
-                f"{any_run['hardware']}, {max(r['date'] for runs in recipes.values() for r in runs)}; "
-                f"the command of the newest row:", "", "```", any_run.get("command", ""), "```", ""]
+                f"{newest['hardware']}, {newest['date']}; the command of the newest row:", "", "```",
+                newest.get("command", ""), "```", ""]
         out += table(recipes) + [""]
         ablations = {n: runs[-1]["overrides"] for n, runs in recipes.items() if runs[-1].get("overrides")}
         if ablations:

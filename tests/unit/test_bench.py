@@ -456,7 +456,8 @@ def test_the_quality_table_averages_the_seeds_of_the_newest_preset_and_judges_th
                 pretrain_s=660),
             row("2026-01-02", recipe="scratch", seed=0, preset_sha="ft", ft10=0.80, ft100=0.90, steps=5),
             row("2026-01-02", recipe="scratch-patch", seed=0, preset_sha="fp", ft10=0.70, ft100=0.88, steps=5),
-            row("2026-01-02", recipe="mae", seed=0, preset_sha="m", knn=0.6, ft10=0.72, steps=9),
+            row("2026-01-02T10", recipe="mae", seed=0, preset_sha="m", knn=0.6, ft10=0.72, steps=9,
+                command="python launch/bench.py quality --recipes mae"),
             row("2026-01-02", recipe="dinov2", seed=0, preset_sha="d", knn=0.86, linear=0.85, ft10=0.84, steps=9),
             row("2026-01-02", recipe="dinov2", seed=0, preset_sha="a", knn=0.80, steps=9, ablation="no-ibot",
                 overrides=["dino.ibot_loss_weight=0"]),
@@ -473,6 +474,8 @@ def test_the_quality_table_averages_the_seeds_of_the_newest_preset_and_judges_th
     assert "| MAE fine-tuned, 10% of the labels >= scratch + 3 | +2.0 points | no |" in page
     assert "| DINOv3 fine-tuned, 10% of the labels >= scratch + 3 | not measured | |" in page
     assert "### cpu budget (smoke" in page and "| [quality](#quality) |" in page  # smoke rows: a table apart
+    # the budget's heading names the newest row's date and command (the pixels' row is the first in the file)
+    assert "cpu box, 2026-01-02T10; the command of the newest row:\n\n```\npython launch/bench.py quality --recipes mae\n" in page
     assert f"]({quality_render.PICTURE})" in page
     assert quality_render.draw(rows, tmp_path / "q.png") and (tmp_path / "q.png").stat().st_size > 1000
     assert not quality_render.draw(rows[:2], tmp_path / "none.png")  # no curve: no picture, none promised
