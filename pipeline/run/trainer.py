@@ -251,8 +251,6 @@ class Trainer:
         while True:
             images, targets, extras = drawn if drawn is not None else self.draw(data, meter)
             drawn = None
-            if self.norm_stats is not None:
-                self.norm_stats.micro_batch()
             loss = self.objective.loss(self.engine, images, targets, extras)
             if guard is None or guard.finite(loss, self.step):
                 return loss
@@ -273,6 +271,8 @@ class Trainer:
             self.objective.begin_step(engine, [d[0] for d in drawn])
         step_loss = torch.zeros((), device=loss_sum.device)
         for ahead in drawn:  # micro batches per rank per step: global batch / layout
+            if self.norm_stats is not None:  # a replacement for a skipped micro batch shares its slot
+                self.norm_stats.micro_batch()
             loss = self.micro_batch_loss(data, meter, guard if isinstance(guard, NonFiniteGuard) else None, ahead)
             backward_and_step(engine, loss)
             step_loss += loss.detach()

@@ -8,7 +8,8 @@ uninterrupted one, and the ranks disagree with each other (a checkpoint keeps ra
 `StepNormStats` makes them a function of the step's global batch alone, as one process stepping on the whole
 batch would have them. Each training forward of a BatchNorm still normalises with its micro batch's statistics
 (the gradient is PyTorch's, untouched), and still updates the running buffers in place; a forward hook also
-records the micro batch's per-channel count, mean and sum of squared deviations (float64) in a slot of the
+records the micro batch's per-channel count, mean and sum of squared deviations (computed in float32, kept in
+float64) in a slot of the
 step: slot rank x accum + a for this rank's a-th micro batch, the micro batch's place in the global batch
 (pipeline/data/order.py: `micro_batch_positions`). After the step the slots are summed over ranks (each slot is
 filled on one rank and zero on the others: the sum is exact), combined in slot order on every rank (Chan et
@@ -16,11 +17,12 @@ al.'s pairwise update), and the buffers, first put back to what they were before
 PyTorch writes it: running = (1 - momentum) x running + momentum x statistic (the cumulative average with
 `momentum=None`), the variance unbiased, `num_batches_tracked` + 1. Every rank then holds the same buffers, and a
 run resumed on any layout with the same micro batch size (the micro batches are the same images) ends with the
-uninterrupted run's statistics. On one rank without accumulation it is PyTorch's own update (one forward per
-step) computed in float64.
+uninterrupted run's statistics. On one rank without accumulation it is PyTorch's update rule (one forward per
+step), rounded differently.
 
 Several forwards of one micro batch (a student's global and local crops) add to its slot; a micro batch the
-non-finite guard skips is recorded with the one drawn in its place.
+non-finite guard skips shares its slot with the one drawn in its place (the trainer calls `micro_batch` once per
+slot).
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ class StepNormStats:
         def hook(module: _BatchNorm, inputs: tuple[torch.Tensor, ...], _output: torch.Tensor) -> None:
             if not module.training or not self.slots or self.a < 0:
                 return  # evaluation, or a forward outside a step (a FLOP count, a k-NN pass)
-            x = inputs[0].detach().double().transpose(0, 1).flatten(1)  # (C, everything else)
-            n = x.new_full((x.shape[0],), x.shape[1])
-            mean = x.mean(1)
-            m2 = (x - mean[:, None]).square().sum(1)
-            slot = self.slots[i][self.rank * self.accum + min(self.a, self.accum - 1)]
+            x = inputs[0].detach()
+            dims = [d for d in range(x.dim()) if d != 1]  # every axis but the channels'
+            # In float32 as BatchNorm's own kernel (bf16 activations widened): no float64 copy of the activations
+            var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
+            n = torch.full_like(mean, x.numel() // x.shape[1], dtype=torch.float64)
+            mean, m2 = mean.double(), var.double() * n
+            slot = self.slots[i][self.rank * self.accum + self.a]
             slot.copy_(combine(slot, torch.stack([n, mean, m2])))
         return hook
 

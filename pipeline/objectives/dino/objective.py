@@ -100,7 +100,7 @@ class DINOv2(Objective):
         self.koleo_loss = KoLeoLoss()
         self.step = 0  # optimizer steps done (the schedules' position)
         self._sums: dict[str, torch.Tensor] = {}  # this step's teacher outputs for the centres: sum, count
-        self._ahead: dict[int, tuple] = {}  # begin_step's targets of the step's micro batches, by their first tensor
+        self._ahead: dict[int, tuple] = {}  # begin_step's views and targets per micro batch, by its first tensor
         self._window: torch.Tensor | None = None  # train_metrics: per-term sums on the device since the last log
         self._window_names: list[str] = []  # what each entry of _window is (its last: the micro batch count)
         # The collapse monitor's sums since the last evaluation, on the device (SINCE says which entry is
@@ -260,17 +260,17 @@ class DINOv2(Objective):
 
     def begin_step(self, engine: Any, micro_batches: list[Any]) -> None:
         """With accumulation, Sinkhorn-Knopp's targets of every micro batch of the step normalised together
-        (targets.py), kept for `loss` by the micro batch's first tensor (one the guard skips is not asked for)."""
+        (targets.py), kept with its views for `loss` by its first tensor (one the guard skips is not asked for)."""
         views = [self.masked_views(images) for images in micro_batches]
         outputs = [self.teacher_outputs(engine, v) for v in views]
         targets = sinkhorn_knopp_targets(self.dino_loss, self.ibot_loss, [o[0] for o in outputs],
                                          [o[1] for o in outputs], views, self.teacher_temp(self.step))
-        self._ahead = {id(images[0]): t for images, t in zip(micro_batches, targets)}
+        self._ahead = {id(images[0]): (v, *t) for images, v, t in zip(micro_batches, views, targets)}
 
     def loss(self, engine: Any, images: Any, targets: torch.Tensor, extras: torch.Tensor | None) -> torch.Tensor:  # noqa: ARG002 - the interface
-        views = self.masked_views(images)
-        ahead = self._ahead.pop(id(images[0]), None)
-        t_dino, t_ibot = ahead if ahead is not None else \
+        ahead = self._ahead.pop(id(images[0]), None)  # begin_step's views and targets of this micro batch
+        views = ahead[0] if ahead is not None else self.masked_views(images)
+        t_dino, t_ibot = ahead[1:] if ahead is not None else \
             self.targets(*self.teacher_outputs(engine, views), views, self.teacher_temp(self.step))
         t_dino = t_dino.view(2, views.batch, -1)
         out = engine(views.global_crops, views.local_crops, views.masks, mask_indices=views.mask_indices,
