@@ -17,7 +17,12 @@ take part. No clocks are compared between hosts: a wait travels as the seconds i
 the reading host from when it first read it (up to a watchdog tick late, a second at most).
 
 A store that cannot be reached (rank 0 gone, a network fault) gives no evidence: the watchdog then decides
-on its own node's beacon alone, as it would without this.
+on its own node's beacon alone, as it would without this. So does one that does not answer: under
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the store lives in rank 0's process, and a rank 0 stopped (SIGSTOP, a
+frozen host) holds a client's call for ever, its timeout notwithstanding (measured with torch 2.11: a check()
+still waiting after 100 s with a 5 s timeout; it answers when the process is continued). Every store call
+therefore runs on a thread of its own, waited on for STORE_TIMEOUT_S; while one is still out, no other is
+made. Without that, the watchdog of rank 0's peer sat in the store and never said the hang.
 """
 
 from __future__ import annotations
@@ -26,12 +31,15 @@ import json
 import math
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 KEY = "vit-pipeline/storage-wait"  # one key for the job: the latest wait of any node
 STORE_TIMEOUT_S = 5.0  # the longest one store call may hold the watchdog's thread (a store that does not answer)
+NO_ANSWER = object()  # StorageWaits._ask: the store gave none
 
 
 def storage_wait_s(data: Any) -> float:
@@ -61,6 +69,7 @@ class StorageWaits:
         self.host = socket.gethostname()
         self.node = f"{self.host}:{beacon}"  # this node's own key entries: two nodes may share a host name
         self._sent: float | None = None  # the beacon time last passed on
+        self._out: threading.Thread | None = None  # a store call that has not answered (its host stopped)
         self._seen = self._read()  # what was there before this watchdog (an earlier start of the job): not news
         self._until, self._what = -math.inf, ""  # the latest other node's wait: monotonic end, what it retries
 
@@ -96,11 +105,8 @@ class StorageWaits:
         local = self.local()
         value = json.dumps({"from": f"{self.node}:{until}", "node": self.host, "for_s": held,
                             "what": local[1] if local else ""})
-        try:
-            self.store.set(KEY, value)
-            self._sent = until
-        except Exception:
-            pass  # the store is gone (rank 0 ended): tried again at the next retry
+        if self._ask(lambda store: store.set(KEY, value)) is not NO_ANSWER:
+            self._sent = until  # else the store is gone or silent (rank 0 ended or stopped): tried at the next retry
 
     def remote(self) -> tuple[float, str] | None:
         """(seconds since the latest other node's wait ends, what it retries, where); None if none was seen."""
@@ -122,9 +128,26 @@ class StorageWaits:
         return min(waits, key=lambda w: w[0]) if waits else None
 
     def _read(self) -> str | None:
-        if self.store is None:
-            return None
-        try:
-            return self.store.get(KEY).decode() if self.store.check([KEY]) else None
-        except Exception:  # the store is gone or does not answer within STORE_TIMEOUT_S: no evidence
-            return None
+        value = self._ask(lambda store: store.get(KEY).decode() if store.check([KEY]) else None)
+        return None if value is NO_ANSWER else value  # a store gone or silent: no evidence
+
+    def _ask(self, call: Callable[[Any], Any]) -> Any:
+        """call(store) on a thread of its own, waited on for STORE_TIMEOUT_S: its value, or NO_ANSWER (no store, an
+        error, no answer in time, or an earlier call still out)."""
+        if self.store is None or (self._out is not None and self._out.is_alive()):
+            return NO_ANSWER
+        answer: list[Any] = []
+
+        def ask() -> None:
+            try:
+                answer.append(call(self.store))
+            except Exception:  # torch's DistNetworkError, DistStoreError: the store is gone
+                pass
+
+        thread = threading.Thread(target=ask, name="job-store", daemon=True)  # a daemon: never holds the exit
+        thread.start()
+        thread.join(STORE_TIMEOUT_S)
+        if thread.is_alive():
+            self._out = thread
+            return NO_ANSWER
+        return answer[0] if answer else NO_ANSWER

@@ -71,3 +71,51 @@ def test_a_wait_that_is_over_is_not_passed_on(tmp_path, store_port) -> None:
     b.share()
     a = StorageWaits(str(tmp_path / "none"), job_store("127.0.0.1", store_port))
     assert a.wait() is None
+
+
+SILENT_HOST = """
+import sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+print("up", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.slow  # a process of its own that imports torch (the store's host, to be stopped)
+def test_a_peers_watchdog_says_the_hang_when_the_stores_host_is_stopped(tmp_path, monkeypatch) -> None:
+    """Rank 0 stopped (SIGSTOP) under TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the job's store lives in its process
+    and holds a client's call for ever. Its peer's watchdog must still fire, dist.timeout_s plus at most one
+    STORE_TIMEOUT_S after the last progress, and its later ticks must not wait on the store again."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from pipeline.train import storage_wait
+    from pipeline.train.watchdog import Watchdog
+
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", SILENT_HOST, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "up"
+        waits = storage_wait.StorageWaits(str(tmp_path / "beacon"), storage_wait.job_store("127.0.0.1", port))
+        assert waits.store is not None and waits.wait() is None  # the store answers: nobody waits
+        os.kill(host.pid, signal.SIGSTOP)
+        monkeypatch.setattr(storage_wait, "STORE_TIMEOUT_S", 1.0)
+        fired = threading.Event()
+        monkeypatch.setattr(Watchdog, "_fire", lambda self, *args: fired.set())
+        start = time.monotonic()
+        dog = Watchdog(1.0, rank=1, run_dir=tmp_path, storage=waits)
+        try:
+            assert fired.wait(20), "the watchdog sat in the stopped store and never fired"
+            assert time.monotonic() - start < 1.0 + 1.0 + 1.5
+            again = time.monotonic()  # the call still out: the next ones do not wait for it
+            assert waits.wait() is None and time.monotonic() - again < 0.5
+        finally:
+            dog._stop.set()
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+        host.kill()
+        host.wait()
