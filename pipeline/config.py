@@ -202,7 +202,9 @@ class TrackingConfig:
     run_name: str | None = None
     """MLflow run name; None uses the run directory's name."""
     log_model: bool = True
-    """Upload model.safetensors as an artifact at the end (turn off for huge models: the path is tagged instead)."""
+    """Upload model.safetensors as an artifact at the end, and the backbone (and each distillation student) as an MLflow Model that serves embeddings (turn off for huge models: the path is tagged instead)."""
+    register: str | None = None
+    """Register the run's MLflow Model in the Model Registry as a new version of this name (a student: NAME-<student>), its description the run's last k-NN; docs/tracking.md."""
     system_metrics: bool = True
     """Log CPU/memory/GPU usage through MLflow's system metrics."""
     timeout_s: float = 5.0

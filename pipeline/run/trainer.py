@@ -50,6 +50,7 @@ from pipeline.run.step import (
     schedule_warnings,
 )
 from pipeline.tracking import start_metrics, start_tracking
+from pipeline.tracking.served import log_exports
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import mirror
 from pipeline.train.ema import build_model_ema, float32_init
@@ -438,9 +439,8 @@ class Trainer:
             if self.env.is_main:
                 (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
             ckpt.export_weights(self.engine, run_dir / rel, metadata={"step": str(self.step), **own}, state=state)
-        if self.env.is_main:
-            # (config.yaml reached MLflow when this start connected: tracking/sync.py logs tracking.json's config)
-            self.tracker.log_artifact(run_dir / "model.safetensors")  # a path tag instead with tracking.log_model=false
+        if self.env.is_main:  # the weights, and MLflow Models serving embeddings (config.yaml went at the start)
+            log_exports(self.tracker, cfg, run_dir)
         self.tracker.finish("FINISHED")
         if self.env.is_main:
             mirror.final_files(run_dir)  # run.remote: config, metrics and weights, after every tag

@@ -93,8 +93,9 @@ def param_value(value: Any) -> str:
 class Syncer:
     """Brings one tracking URI up to date with one run directory (live worker and sync_mlflow.py).
 
-    mlflow_sync.json: {uri: {"run_id", "offset", "artifacts", "ended"}}; "offset" is how many bytes
-    of metrics.jsonl that URI has, so nothing is sent twice."""
+    mlflow_sync.json: {uri: {"run_id", "offset", "artifacts", "models", "ended"}}; "offset" is how many bytes
+    of metrics.jsonl that URI has, "models" each MLflow Model sent and the version it was registered as, so
+    nothing is sent or registered twice."""
 
     def __init__(self, run_dir: Path, uri: str, record: Callable[[], dict[str, Any]], live: bool):
         self.run_dir, self.uri, self.record, self.live = run_dir, uri, record, live
@@ -190,11 +191,34 @@ class Syncer:
                     self.entry["artifacts"][item["path"]] = f"{st.st_size}:{st.st_mtime_ns}"
                     self.sent["artifacts"] += 1
                     self._save()
+        for item in rec.get("models", []):
+            self._push_model(item)
         ended = [rec.get("status"), rec.get("end_time")]
         if rec.get("status") and self.entry.get("ended") != ended:
             self.client.set_terminated(self.run_id, status=rec["status"], end_time=rec.get("end_time"))
             self.entry["ended"] = ended
             self._save()
+
+    def _push_model(self, item: dict[str, Any]) -> None:
+        """An MLflow Model folder (pipeline/tracking/served.py) as the run's artifact, once per version of the
+        folder; then, with a name to register it under, a new version of that registered model, once."""
+        try:
+            stamp = str((Path(item["path"]) / "MLmodel").stat().st_mtime_ns)
+        except OSError:
+            return  # the folder is gone: nothing to send
+        done = self.entry.setdefault("models", {}).get(item["artifact_path"], {})
+        if done.get("stamp") != stamp:
+            self.client.log_artifacts(self.run_id, item["path"], item["artifact_path"])
+            done = self.entry["models"][item["artifact_path"]] = {"stamp": stamp}
+            self.sent["artifacts"] += 1
+            self._save()
+        if item.get("register") and done.get("registered") != item["register"]:
+            version = register_model(self.client, item["register"], self.run_id, item["artifact_path"],
+                                     item.get("description", ""))
+            done.update(registered=item["register"], version=version)
+            self._save()
+            say(f"registered {item['register']} version {version} (models:/{item['register']}/{version}): "
+                f"{item.get('description', '')}")
 
     def _push_metrics(self) -> None:
         """Send the complete lines of metrics.jsonl past this URI's offset (MLflow splits the batch)."""
@@ -227,6 +251,20 @@ class Syncer:
                  f"({self.entry['skipped_lines']} in all for {self.uri}); first: {damaged[0]}", err=True)
         self.entry["offset"] += end
         self._save()
+
+
+def register_model(client: Any, name: str, run_id: str, artifact_path: str, description: str) -> str:
+    """A new version of registered model `name` (made when missing) from the run's artifact; its number."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    version = client.create_model_version(name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id,
+                                          description=description)
+    return str(version.version)
 
 
 def recorded_run_id(run_dir: Path | str, uri: str | None = None) -> str | None:

@@ -123,6 +123,8 @@ class Tracker:
 
     def set_tags(self, tags: dict[str, str]) -> None: ...
 
+    def log_model(self, folder: Path, artifact_path: str, register: str | None, description: str) -> None: ...
+
     def finish(self, status: str | None = "FINISHED") -> None: ...
 
 
@@ -249,6 +251,16 @@ class _MainTracker(Tracker):
             self._record["artifacts"] = [*items, {"path": str(path), "artifact_path": artifact_path}]
         self._save_record()
 
+    def log_model(self, folder: Path, artifact_path: str, register: str | None, description: str) -> None:
+        """An MLflow Model folder (pipeline/tracking/served.py) to upload as `artifact_path`, and to register as a
+        new version of `register` when given."""
+        item = {"path": str(Path(folder).resolve()), "artifact_path": artifact_path, "register": register,
+                "description": description}
+        with self._lock:
+            models = [m for m in self._record.get("models", []) if m["artifact_path"] != artifact_path]
+            self._record["models"] = [*models, item]
+        self._save_record()
+
     def set_tags(self, tags: dict[str, str]) -> None:
         with self._lock:
             self._record["tags"].update({str(k): str(v) for k, v in tags.items()})
@@ -266,7 +278,8 @@ class _MainTracker(Tracker):
         self._metrics_fh.close()
         if self._thread is None:
             return
-        uploads = self._connected and any(a["path"].endswith(".safetensors") for a in self._record["artifacts"])
+        uploads = self._connected and (any(a["path"].endswith(".safetensors") for a in self._record["artifacts"])
+                                       or bool(self._record.get("models")))
         # A new SQLite store still creating its tables (slow on a busy machine): a process that exits
         # mid-migration leaves a store that no later job can open, so that wait is bounded generously.
         creating = not self._connected and self.uri.startswith("sqlite:") and not self._first_try.is_set()

@@ -6,6 +6,9 @@ student and the teacher partitioned; gradient checkpointing on in both: TINY's),
 hold the teacher's digest and none of its weights; continuing the run against another teacher is refused in one
 line."""
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
@@ -88,6 +91,36 @@ WITH_CNN = "distill.students=[{name: tiny}, {name: cnn, timm: resnet10t, kwargs:
 
 
 @pytest.mark.slow
+def served_equals_embed(uri: str, model_uri: str, weights: Path, shards: Path) -> None:
+    """The registered MLflow Model (pipeline/tracking/served.py), loaded as a serving stack loads it, gives the
+    vectors launch/embed.py computes from the same weights for a val shard's images (test_served_model.py serves
+    one over HTTP)."""
+    import mlflow
+
+    from pipeline.config import DataConfig
+    from pipeline.data import dataset_info_of, tario
+    from pipeline.data.transforms import BatchNormalizer, eval_transform
+    from pipeline.eval.features import embedding
+    from pipeline.model.variants import pair
+    from pipeline.run.backbone import load_backbone
+
+    backbone = load_backbone(weights)
+    shard = dataset_info_of(DataConfig(path=str(shards))).split("val").shards[0]
+    decoded = [tario.sample_image(r) for r in tario.iter_raw_samples(str(shards / shard))]
+    size = pair(backbone.kwargs["img_size"])
+    transform, normalize = eval_transform(backbone.data, size), BatchNormalizer(backbone.data.mean, backbone.data.std)
+    batch = torch.stack([normalize(x := transform(img), out=torch.empty(x.shape[0], *size)) for img in decoded])
+    with torch.no_grad():
+        want = embedding(backbone.model.forward_features(batch), backbone.model)
+    mlflow.set_tracking_uri(uri)
+    try:
+        got = mlflow.pyfunc.load_model(model_uri).predict(np.stack([np.asarray(img) for img in decoded]))
+    finally:
+        mlflow.set_tracking_uri(None)
+    dim = backbone.model.embed_dim
+    assert np.array_equal(got["cls"], want[:, :dim].numpy()) and np.array_equal(got["mean_patch"], want[:, dim:].numpy())
+
+
 def test_a_cnn_students_batchnorm_statistics_are_layout_free_preempted_on_2_ranks_resumed_on_1(
         shards, teacher, tmp_path):
     """Each rank used to keep its own running statistics (num_batches_tracked counting forwards: 2 apart after
@@ -98,9 +131,15 @@ def test_a_cnn_students_batchnorm_statistics_are_layout_free_preempted_on_2_rank
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     code, out = run_and_signal("pretrain.py", CONFIG, base(shards, run_dir, teacher, WITH_CNN), when="step 4/8")
     assert code == 75, out[-3000:]
-    resumed = run_here("pretrain.py", CONFIG, base(shards, run_dir, teacher, WITH_CNN))
+    # Resumed with MLflow on and tracking.register: each student is served as its own registered model too.
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    resumed = run_here("pretrain.py", CONFIG, [*base(shards, run_dir, teacher, WITH_CNN), "tracking.enabled=true",
+                                               "tracking.register=distilled"], extra_env={"MLFLOW_TRACKING_URI": uri})
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "layout changed (world size 2 -> 1)" in resumed.stdout
+    for name in ("distilled", "distilled-tiny", "distilled-cnn"):
+        assert f"registered {name} version 1 (models:/{name}/1)" in resumed.stdout, resumed.stdout[-3000:]
+    served_equals_embed(uri, "models:/distilled-cnn/1", run_dir / "students" / "cnn" / "model.safetensors", shards)
     ref_cnn, cnn = weights(ref_dir / "students" / "cnn"), weights(run_dir / "students" / "cnn")
     tracked = [k for k in cnn if k.endswith("num_batches_tracked")]
     assert tracked and all(int(cnn[k]) == int(ref_cnn[k]) == 8 for k in tracked)  # one per step: 8 steps
