@@ -80,6 +80,21 @@ def test_a_four_channel_fine_tune_is_judged_embedded_and_exported_alike(tmp_path
     for vector in embedded.values():
         assert np.abs(ours - vector).max(1).min() <= AGREE
 
+    # The MLflow Model a tracked run logs (pipeline/tracking/served.py): the set's own uint16 arrays in, embed's
+    # vectors out, key by key.
+    import mlflow
+
+    from pipeline.data import dataset_info_of, tario
+    from pipeline.tracking.served import save_served_model
+
+    folder = save_served_model(run_dir / "model.safetensors", str(shards), tmp_path / "served")
+    raws = [r for shard in dataset_info_of(DataConfig(path=str(shards))).split("val").shards
+            for r in tario.iter_raw_samples(str(shards / shard))]
+    arrays = np.stack([tario.sample_image(r) for r in raws])
+    assert arrays.dtype == np.uint16 and arrays.shape[1:] == (16, 16, 4)
+    served = mlflow.pyfunc.load_model(str(folder)).predict(arrays)["cls"]
+    assert max(np.abs(served[i] - embedded[f"val/{r.key}"]).max() for i, r in enumerate(raws)) <= AGREE
+
     capsys.readouterr()
     assert launcher("evaluate").main(["--from", str(run_dir), "--data", str(shards), "--no-mlflow",
                                       "--protocol", "knn", "--batch-size", "16"]) == 0
