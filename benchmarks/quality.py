@@ -80,6 +80,8 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
                    f"(default: all)")
     p.add_argument("--seeds", type=int, default=1, help="seeds per recipe, 0..N-1 (the table gives the mean and "
                    "the spread; default 1)")
+    p.add_argument("--first-seed", type=int, default=0, help="start the seeds here: --first-seed 1 --seeds 1 adds "
+                   "seed 1 beside the rows of seed 0 already in the CSV (default 0)")
     p.add_argument("--budget", choices=list(BUDGETS), default="cpu",
                    help="cpu: the presets as written (about an hour of pretraining per recipe on 2 cores); gpu: a "
                         "ViT-S-sized model over many epochs on a lent GPU")
@@ -407,8 +409,8 @@ def bench_quality(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --recipes {args.recipes}: expected a comma-separated list of {', '.join(RECIPES)}")
     if set(stages) - {"pretrain", "probe", "finetune"}:
         raise SystemExit(f"error: --stages {args.stages}: expected pretrain, probe, finetune")
-    if args.seeds < 1:
-        raise SystemExit("error: --seeds must be at least 1")
+    if args.seeds < 1 or args.first_seed < 0:
+        raise SystemExit("error: --seeds must be at least 1 and --first-seed at least 0")
     if bool(args.quality_overrides) != bool(args.ablation):
         raise SystemExit("error: --set and --ablation go together: an ablation's rows are named by --ablation")
     if args.ablation and not args.ablation.replace("-", "").replace("_", "").isalnum():
@@ -436,7 +438,7 @@ def bench_quality(args: argparse.Namespace) -> None:
     if baselines:
         record(bench_pixels(plan))
         record(bench_random_vit(plan))
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for stem in scratch:
             record(bench_scratch(seed, plan, stem))
         for name in recipes:

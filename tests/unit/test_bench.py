@@ -499,7 +499,8 @@ def test_quality_refuses_bad_arguments_in_one_line_before_any_work(tmp_path):
              ("--stages", "pretrain,train"): "--stages pretrain,train: expected pretrain, probe, finetune",
              ("--set", "dino.koleo_loss_weight=0"): "--set and --ablation go together",
              ("--ablation", "../x", "--set", "a=1"): "letters, digits, - and _",
-             ("--seeds", "0"): "--seeds must be at least 1"}
+             ("--seeds", "0"): "--seeds must be at least 1",
+             ("--first-seed", "-1"): "--first-seed at least 0"}
     for argv, message in cases.items():
         with pytest.raises(SystemExit, match=re.escape(message)):
             bench.main(["--csv", str(tmp_path / "q.csv"), "quality", "--data-dir", str(tmp_path / "data"), *argv])
