@@ -9,6 +9,8 @@
 #      evaluations on the labelled digits (eval.sets: the teacher's k-NN top-1)
 #   4. the fine-tune from stage 3's teacher backbone at 32 px and at 64 px (RoPE: no position table to
 #      resize), its new head drawn as the baseline's is (finetune.head_init=model)
+#   5. the k-NN of stage 1's ViT at its random initialisation (one step at learning rate 0: the weights as
+#      drawn), the floor the stages must clear
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=launch/demo_lib.sh
@@ -19,11 +21,12 @@ HIGHRES=runs/demo-dinov3-highres
 FT=runs/demo-dinov3-finetune
 FT2X=runs/demo-dinov3-finetune-64px
 SCRATCH=runs/demo-dinov3-scratch
+RANDOM_INIT=runs/demo-dinov3-random
 start=$(date +%s)
 
 label_free_shards
 # A demo starts from scratch each time (a run dir with a checkpoint would resume instead).
-rm -rf "$PRE" "$GRAM" "$HIGHRES" "$FT" "$FT2X" "$SCRATCH"
+rm -rf "$PRE" "$GRAM" "$HIGHRES" "$FT" "$FT2X" "$SCRATCH" "$RANDOM_INIT"
 DATA=(data.path=data/digits-unlabelled eval.sets.digits=data/digits)
 
 ranks launch/pretrain.py --config configs/finetune/mae_demo.yaml run.dir="$SCRATCH"
@@ -35,6 +38,9 @@ ranks launch/finetune.py --config configs/finetune/mae_demo.yaml --from "$HIGHRE
   finetune.head_init=model run.dir="$FT"
 ranks launch/finetune.py --config configs/finetune/mae_demo.yaml --from "$HIGHRES" --res 64 \
   finetune.head_init=model run.dir="$FT2X"
+# AdamW's step and its decoupled decay both scale with the lr: at 0 the exported teacher is the drawn ViT.
+ranks launch/pretrain.py --config configs/pretrain/dinov3_demo.yaml "${DATA[@]}" train.steps=1 train.lr=0 \
+  train.warmup_steps=0 run.dir="$RANDOM_INIT"
 
 knn() { last_metric "$1" eval/digits/knn_top1 pct; }
 echo
@@ -42,6 +48,7 @@ echo "DINOv3 on the digits, no labels: the teacher's k-NN top-1 on the labelled 
 echo "  1. pretraining, 32 px:                           $(knn "$PRE")%   $PRE (effective rank $(last_metric "$PRE" eval/effective_rank))"
 echo "  2. Gram anchoring, Gram teacher at 64 px:        $(knn "$GRAM")%   $GRAM"
 echo "  3. high resolution, 48 and 64 px crops:          $(knn "$HIGHRES")%   $HIGHRES (effective rank $(last_metric "$HIGHRES" eval/effective_rank))"
+echo "  stage 1's ViT, random weights:                   $(knn "$RANDOM_INIT")%   $RANDOM_INIT (effective rank $(last_metric "$RANDOM_INIT" eval/effective_rank))"
 echo "10% of the labels:"
 echo "  fine-tuned from stage 3's teacher at 32 px:      top-1 $(last_metric "$FT" eval/top1 pct)%   $FT"
 echo "  fine-tuned from stage 3's teacher at 64 px (2x): top-1 $(last_metric "$FT2X" eval/top1 pct)%   $FT2X"
