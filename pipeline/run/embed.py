@@ -204,12 +204,18 @@ def start(out: str, manifest: dict[str, Any], env: DistEnv) -> None:
         raise OutputError(error)
 
 
+def reading_config(backbone: Backbone, data_path: str, where: str) -> tuple[DataConfig, Any]:
+    """The DataConfig (and the set's DatasetInfo) the backbone reads `data_path` with: its run's data.* there, the
+    set's channels the model's (one line naming `where` otherwise), an array set's mean/std from dataset.json."""
+    cfg = DataConfig(**{**backbone.data.__dict__, "path": data_path})
+    info = dataset_info_of(cfg)
+    return for_model(cfg, info, backbone.kwargs.get("in_chans", 3), where), info
+
+
 def embed(backbone: Backbone, data_path: str, splits: list[str], out: str, env: DistEnv, device: torch.device,
           batch: int = 64, patch_tokens: bool = False, num_workers: int = 2) -> dict[str, int]:
     """Embed every sample of `splits`; this rank's counts {written, skipped (parts there), bad}."""
-    cfg = DataConfig(**{**backbone.data.__dict__, "path": data_path})
-    info = dataset_info_of(cfg)
-    cfg = for_model(cfg, info, backbone.kwargs.get("in_chans", 3), "--data")  # the set's channels the model's
+    cfg, info = reading_config(backbone, data_path, "--data")
     for split in splits:
         info.split(split)  # a DataError naming the splits there are
     parts = [Part(s, shard, f"{s}/part-{i:05d}.parquet") for s in splits for i, shard in enumerate(info.split(s).shards)]

@@ -104,13 +104,10 @@ def embed_images(backbone: Any, settings: dict[str, Any], images: np.ndarray) ->
 def served_settings(backbone: Any, data_path: str) -> dict[str, Any]:
     """What the model's transform needs from the run's data: its data.* as launch/embed.py resolves them on the
     run's set (an array set's mean/std from dataset.json), whether its images are arrays, their channels and dtype."""
-    from pipeline.config import DataConfig
-    from pipeline.data import dataset_info_of
-    from pipeline.data.pixels import ARRAY_MEMBER, for_model, set_channels
+    from pipeline.data.pixels import ARRAY_MEMBER, set_channels
+    from pipeline.run.embed import reading_config
 
-    cfg = DataConfig(**{**backbone.data.__dict__, "path": data_path})
-    info = dataset_info_of(cfg)
-    cfg = for_model(cfg, info, backbone.kwargs.get("in_chans", 3), "tracking.log_model")
+    cfg, info = reading_config(backbone, data_path, "tracking.log_model")
     array = info.image_format == ARRAY_MEMBER
     return {"format": "vit-pipeline-served", "version": 1,
             "data": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()
@@ -125,6 +122,7 @@ def save_served_model(weights: Path, data_path: str, folder: Path) -> Path:
     from mlflow.models import ModelSignature
     from mlflow.types.schema import Schema, TensorSpec
 
+    from pipeline.model.variants import pair
     from pipeline.run.backbone import load_backbone
 
     backbone = load_backbone(weights)
@@ -140,8 +138,6 @@ def save_served_model(weights: Path, data_path: str, folder: Path) -> Path:
         inputs=Schema([TensorSpec(dtype, (-1, -1, -1, channels))]),
         outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, dim), "cls"),
                         TensorSpec(np.dtype(np.float32), (-1, dim), "mean_patch")]))
-    from pipeline.model.variants import pair
-
     h, w = pair(backbone.kwargs["img_size"])
     example = np.full((2, h, w, channels), 128, dtype)  # a grey batch at the model's own size
     mlflow.pyfunc.save_model(str(folder), python_model=_python_model(), signature=signature, input_example=example,
