@@ -19,7 +19,7 @@ from pipeline.config import Config
 from pipeline.dist import DistEnv, say
 from pipeline.objectives import OBJECTIVES
 from pipeline.objectives.base import Objective
-from pipeline.train import ds_compat
+from pipeline.train import ds_step
 from pipeline.train.optim import build_optimizer, build_scheduler, param_groups
 
 
@@ -50,7 +50,10 @@ def build_engine(cfg: Config, model: nn.Module, depth: int, ds_config: dict[str,
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=build_scheduler(optimizer, cfg.train), config=ds_config)
     if not cfg.train.check_finite:  # no host read per step: non-finite gradients zeroed on the device
-        ds_compat.read_free_steps(engine)
+        ds_step.read_free_steps(engine)
+    apart = model.clip_apart() if hasattr(model, "clip_apart") else ()
+    if cfg.train.grad_clip > 0 and apart:  # each such role's norm clipped on its own (a distillation's students)
+        ds_step.clip_apart(engine, [g.get("role", "") if g.get("role") in apart else "" for g in groups])
     if cfg.train.compile:
         engine.compile(compile_kwargs=compile_kwargs(cfg.train.compile_mode))
     return engine, optimizer, groups
@@ -101,7 +104,7 @@ class NonFiniteGuard:
 class NonFiniteWatch:
     """Without train.check_finite: the optimizer steps that were not finite, counted on the device (no host
     read) and read at log steps (`Trainer.window_metrics`). A step is not finite when its global gradient
-    norm is not (DeepSpeed's: the same on every rank; the step zeroed its gradients, ds_compat.read_free_steps)
+    norm is not (DeepSpeed's: the same on every rank; the step zeroed its gradients, ds_step.read_free_steps)
     or, where DeepSpeed computed none, when its loss was not finite on some rank (an all-reduce, no read)."""
 
     def __init__(self, limit: int, device: torch.device) -> None:

@@ -11,8 +11,9 @@ What lives here, and why it cannot use a public API:
     `pipeline/zero3.py`: the model reads them, and model/ does not import train/ or DeepSpeed.)
   - `gathered`: a ZeRO-3 module's full parameters for a forward, a save or a load outside the engine (the
     DINOv2 teacher, the model EMA: pipeline/train/ema.py).
-  - `read_free_steps`: the ZeRO optimizers' step without its host reads of the gradient norm (DeepSpeed's
-    `is_invalid_grad_norm` and `unscale_and_clip_grads`, replaced; the section at the end says why).
+  - The optimizer's step, changed (pipeline/train/ds_step.py, the same rule: DeepSpeed's private API there
+    and here only): `read_free_steps`, the ZeRO optimizers' step without its host reads of the gradient norm;
+    `clip_apart`, train.grad_clip on each set of parameter groups by that set's own norm.
   - `no_code_from_pickles`: DeepSpeed reads its checkpoint files with `torch.load(weights_only=False)`,
     which runs whatever a pickle in a tag says; every DeepSpeed call here that reads files runs with
     `torch.load` forced to `weights_only=True`, allowing only the few classes DeepSpeed stores
@@ -32,13 +33,11 @@ import shutil
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import deepspeed
-import deepspeed.runtime.utils as ds_utils
 import numpy as np
 import torch
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
@@ -308,73 +307,3 @@ def consolidate(checkpoints: Path, tag: str) -> dict[str, torch.Tensor]:
     state = _deepspeed_call("consolidate", None, get_fp32_state_dict_from_zero_checkpoint, str(checkpoints),
                             tag=tag)
     return {k: v.float().contiguous() for k, v in state.items()}
-
-
-# ----------------------------------------------------------------------------- a step without host reads
-# DeepSpeed 0.19's ZeRO step reads the gradient norm on the host to decide whether to skip the step:
-# `is_invalid_grad_norm` in ZeRO-1/2's `step` (bf16 with its overflow check on, fp32 always) and in each
-# group's `unscale_and_clip_grads` when clipping, and in ZeRO-3's `step` always. Each read waits for the
-# backward to finish before the host queues the optimizer. `read_free_steps` makes that decision on the
-# device instead: a step whose norm is not finite (or DeepSpeed's -1 sentinel for one) has its gradients
-# zeroed, clipped ones scaled exactly as DeepSpeed scales them. What that loses against DeepSpeed's skip:
-# AdamW still takes the step with a zero gradient (its moments decay, weight decay applies, its step
-# count moves) instead of none. (The ZeRO-1/2 overflow check, `has_overflow`, is DeepSpeed's config:
-# `bf16.check_grad_overflow`, set by pipeline.derived.deepspeed_config.)
-_READ_FREE: ContextVar[bool] = ContextVar("read_free_step", default=False)
-_is_invalid_grad_norm = ds_utils.is_invalid_grad_norm
-
-
-def _norm_check(norm: Any) -> bool:
-    """DeepSpeed's `is_invalid_grad_norm` where its ZeRO optimizers call it; within a read-free step, False
-    for a tensor without reading it (`_scale_grads` then zeroes an invalid norm's gradients)."""
-    if _READ_FREE.get() and torch.is_tensor(norm):
-        return False
-    return _is_invalid_grad_norm(norm)
-
-
-def _scale_grads(opt: Any, grads: list[torch.Tensor], total_norm: Any) -> None:
-    """DeepSpeed's unscale-and-clip of `grads` by the global `total_norm`, the same arithmetic; the
-    gradients zeroed on the device where the norm is not finite."""
-    norm = total_norm if torch.is_tensor(total_norm) else torch.tensor(float(total_norm), device=grads[0].device)
-    finite = torch.isfinite(norm) & (norm >= 0)
-    combined_scale = opt.loss_scale
-    if opt.clip_grad > 0.0:
-        clip = torch.clamp(((torch.where(finite, norm, float("inf")) / opt.loss_scale) + 1e-6) / opt.clip_grad,
-                           min=1.0)
-        combined_scale = clip * opt.loss_scale
-    factor, bad = 1.0 / combined_scale, ~finite
-    for grad in grads:
-        if bad.device != grad.device:  # optimizer offload: the partitions on the host
-            factor = factor.to(grad.device) if torch.is_tensor(factor) else factor
-            bad = bad.to(grad.device)
-        grad.data.mul_(factor)
-        grad.data.masked_fill_(bad, 0.0)  # a NaN times 0 is NaN: zeroed, not scaled
-
-
-def read_free_steps(engine: Any) -> None:
-    """From now on `engine`'s optimizer steps read nothing on the host (see above). ZeRO-1/2 and 3."""
-    from deepspeed.runtime.zero import stage3, stage_1_and_2
-
-    opt = engine.optimizer
-    stage3.is_invalid_grad_norm = stage_1_and_2.is_invalid_grad_norm = _norm_check  # idempotent
-    if isinstance(opt, stage_1_and_2.DeepSpeedZeroOptimizer):
-        def unscale_and_clip(grad_groups_flat: list[Any], total_norm: Any) -> None:
-            if total_norm is None:
-                return
-            flat = [g for item in grad_groups_flat for g in (item if isinstance(item, list) else [item])]
-            _scale_grads(opt, flat, total_norm)
-    elif isinstance(opt, stage3.DeepSpeedZeroOptimizer_Stage3):
-        def unscale_and_clip(sub_group_id: int, total_norm: Any) -> None:
-            _scale_grads(opt, [opt.fp32_partitioned_groups_flat[sub_group_id].grad], total_norm)
-    else:
-        return  # ZeRO-0: DeepSpeed's bf16 wrapper, not changed
-    real_step = opt.step
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        token = _READ_FREE.set(True)
-        try:
-            return real_step(*args, **kwargs)
-        finally:
-            _READ_FREE.reset(token)
-
-    opt.unscale_and_clip_grads, opt.step = unscale_and_clip, step

@@ -261,7 +261,7 @@ def test_two_students_on_one_teacher_forward_end_where_each_alone_ends(data, tea
         state, _ = exports[f"students/{name}/model.safetensors"]
         assert state.keys() == alone.exported_weights(alone_engine).keys()
     torch.testing.assert_close(both.exported_weights(engine)["cls_token"], model.students["vit"].backbone.cls_token)
-    # Clipping two or more: over all students' norm (DeepSpeed's one engine), no longer refused.
+    # Clipping two or more: each by its own norm (tests/integration/test_distill_clip.py), not refused.
     assert load_config(DEMO, [*SHRINK, f"data.path={data}", f"distill.students=[{vit}, {cnn}]",
                               "train.grad_clip=1"]).train.grad_clip == 1
     for students, end in ((f"{vit[:-1]}, lr_scale: 0}}, {cnn}", ", got"),  # <= 0; a single student's not 1

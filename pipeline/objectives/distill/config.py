@@ -57,7 +57,7 @@ class DistillConfig:
     resize_method: Literal["bicubic", "bilinear"] = "bicubic"
     """How the teacher's patch grid is resized to the student's when they differ (a /14 teacher, a /16 student)."""
     students: list[StudentConfig] = field(default_factory=list)
-    """Empty: one student, the ViT `model.*` describes, exported as model.safetensors. Otherwise each entry a student (`{name: cnn, timm: resnet10t, kwargs: {output_stride: 8}}`, `{name: vit_s, model: {embed_dim: 384}}`), all on one teacher forward per micro batch, each exported as students/<name>/model.safetensors (the first also as model.safetensors); `model.img_size` is every student's input size. With two or more, train.grad_clip clips the norm over all of them (DeepSpeed's one engine): each student then ends as alone only while no clip triggers."""
+    """Empty: one student, the ViT `model.*` describes, exported as model.safetensors. Otherwise each entry a student (`{name: cnn, timm: resnet10t, kwargs: {output_stride: 8}}`, `{name: vit_s, model: {embed_dim: 384}}`), all on one teacher forward per micro batch, each exported as students/<name>/model.safetensors (the first also as model.safetensors); `model.img_size` is every student's input size. With two or more, train.grad_clip clips each student by its own gradient norm (as alone; docs/distill.md)."""
     knn_k: int = 20
     """Evaluation: neighbours voting in the student's k-NN top-1 (0 disables it; only where the validation split has labels). At the first evaluation the teacher's is given too."""
     knn_train_samples: int = 10000

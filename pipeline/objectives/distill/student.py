@@ -110,6 +110,11 @@ class DistillStudents(nn.Module):
         """Each student's parameters a role, so groups of their own (pipeline/train/optim.py), whatever its scale."""
         return {f"student_{name}": rf"^students\.{re.escape(name)}\." for name in self.students}
 
+    def clip_apart(self) -> tuple[str, ...]:
+        """The roles whose gradients train.grad_clip clips each by its own norm: every student's, so that its
+        update is the one it would take alone (Meta's one engine per student; pipeline/train/ds_step.py)."""
+        return tuple(self.param_roles())
+
     def lr_multipliers(self) -> dict[str, float]:
         """Each student's `lr_scale` on the run's schedule (distill.students[i].lr_scale)."""
         return {f"student_{name}": scale for name, scale in self.lr_scales.items()}
