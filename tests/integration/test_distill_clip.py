@@ -7,20 +7,13 @@ import pytest
 import torch
 
 from pipeline.train import ds_step
+from tests.integration import test_distill
 from tests.integration.runs import TINY, run_here, weights
-from tests.unit.test_layouts import DINOV2, random_tensors, sizes
 
 pytestmark = pytest.mark.slow
-CONFIG = "configs/pretrain/distill_demo.yaml"
+CONFIG = test_distill.CONFIG
+teacher = test_distill.teacher  # its fixture: a teacher file in Meta's DINOv2 layout
 NARROW = "{name: narrow, model: {embed_dim: 16, num_heads: 1}}"
-
-
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("teacher") / "dinov2_vits8_pretrain.pth"
-    torch.save(random_tensors(DINOV2, sizes(img=16, P=8, D=48, L=2)), path)
-    return path
 
 
 def distil(data, run_dir, teacher, students: str, *extra: str):
